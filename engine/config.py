@@ -1,0 +1,142 @@
+"""Model and engine configuration: frozen dataclasses, derived values as properties."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field, fields
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling, as Hugging Face configs spell it (`rope_scaling`)."""
+
+    kind: str = "default"  # "default" | "linear" | "llama3"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0  # llama3 only
+    high_freq_factor: float = 4.0  # llama3 only
+    original_max_position: int = 8192  # llama3 only
+
+    @staticmethod
+    def from_hf(raw: dict | None) -> RopeScaling:
+        if not raw:
+            return RopeScaling()
+        kind = raw.get("rope_type", raw.get("type", "default"))
+        if kind not in ("default", "linear", "llama3"):
+            raise ValueError(f"unsupported rope_scaling type {kind!r}")
+        return RopeScaling(
+            kind=kind,
+            factor=float(raw.get("factor", 1.0)),
+            low_freq_factor=float(raw.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(raw.get("high_freq_factor", 4.0)),
+            original_max_position=int(raw.get("original_max_position_embeddings", 8192)),
+        )
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The shape of a Llama-family decoder. Field names follow Hugging Face's LlamaConfig."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2-style)
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
+
+    @property
+    def num_query_groups(self) -> int:
+        return self.num_attention_heads // self.num_key_value_heads
+
+    @staticmethod
+    def from_hf(raw: dict) -> ModelConfig:
+        arch = (raw.get("architectures") or ["LlamaForCausalLM"])[0]
+        if raw.get("model_type") not in (None, "llama", "qwen2", "mistral") and "Llama" not in arch:
+            raise ValueError(f"unsupported model_type {raw.get('model_type')!r} (Llama family only)")
+        required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+        missing = [k for k in required if k not in raw]
+        if missing:
+            raise ValueError(f"model config lacks {', '.join(missing)}")
+        heads = raw["num_attention_heads"]
+        eos = raw.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        return ModelConfig(
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_hidden_layers=raw["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=raw.get("num_key_value_heads") or heads,
+            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+            max_position_embeddings=raw.get("max_position_embeddings", 2048),
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            # transformers >= 5 writes both under `rope_parameters`
+            rope_theta=float(raw.get("rope_theta") or (raw.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
+            rope_scaling=RopeScaling.from_hf(raw.get("rope_scaling") or raw.get("rope_parameters")),
+            attention_bias=bool(raw.get("attention_bias", raw.get("model_type") == "qwen2")),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    def to_json(self) -> str:
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["rope_scaling"] = {f.name: getattr(self.rope_scaling, f.name) for f in fields(RopeScaling)}
+        return json.dumps(d, sort_keys=True)
+
+    @staticmethod
+    def from_json(text: str) -> ModelConfig:
+        d = json.loads(text)
+        d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+        d["eos_token_ids"] = tuple(d["eos_token_ids"])
+        return ModelConfig(**d)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How one node runs a model: device, precision, KV pool and batching limits."""
+
+    model: str = "smollm2-135m-instruct"  # preset name, .gguf file or Hugging Face directory
+    device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
+    dtype: str = "auto"  # "auto" (float32 on CPU, bfloat16 on CUDA) | float32 | float16 | bfloat16
+    page_size: int = 16  # tokens per KV page
+    num_pages: int = 0  # KV pool size in pages; 0 = derived from kv_cache_tokens
+    kv_cache_tokens: int = 65536  # pool capacity in tokens when num_pages is 0
+    chunked_prefill_size: int = 512  # max prompt tokens scheduled per step; 0 = no chunking
+    max_running_requests: int = 64  # decode batch size cap
+    max_context: int = 0  # 0 = the model's max_position_embeddings
+    threads: int = 0  # torch intra-op threads on CPU; 0 = torch's default
+
+    def __post_init__(self) -> None:
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.num_pages < 0 or self.kv_cache_tokens < 1:
+            raise ValueError(f"bad KV pool size: num_pages={self.num_pages} kv_cache_tokens={self.kv_cache_tokens}")
+        if self.chunked_prefill_size < 0:
+            raise ValueError(f"chunked_prefill_size must be >= 0, got {self.chunked_prefill_size}")
+        if self.max_running_requests < 1:
+            raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"device must be auto|cpu|cuda|cuda:N, got {self.device!r}")
+        if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
+            raise ValueError(f"dtype must be auto|float32|float16|bfloat16, got {self.dtype!r}")
+
+    @property
+    def total_pages(self) -> int:
+        return self.num_pages or -(-self.kv_cache_tokens // self.page_size)

@@ -1,0 +1,48 @@
+"""One rank's physical KV pool, page-major so that a page of a rank is one contiguous block.
+
+Shape: [num_pages, num_layers, 2, page_size, kv_heads, head_dim] (2 = K, V). `num_layers`
+is the rank's own layer range [start, end); page ids are node-wide (engine/pages.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVPool:
+    def __init__(
+        self,
+        num_pages: int,
+        layer_range: tuple[int, int],
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ):
+        self.layer_start, self.layer_end = layer_range
+        self.page_size = page_size
+        self.buffer = torch.zeros(
+            (num_pages, self.layer_end - self.layer_start, 2, page_size, num_kv_heads, head_dim),
+            dtype=dtype,
+            device=device,
+        )
+
+    @property
+    def num_pages(self) -> int:
+        return self.buffer.shape[0]
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page of this rank: all its layers, K and V."""
+        return self.buffer[0].numel() * self.buffer.element_size()
+
+    def write(self, layer: int, pages: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store new tokens' K/V. pages, offsets: [N]; k, v: [N, kv_heads, head_dim]."""
+        local = layer - self.layer_start
+        self.buffer[pages, local, 0, offsets] = k
+        self.buffer[pages, local, 1, offsets] = v
+
+    def gather(self, layer: int, page_idx: torch.Tensor) -> torch.Tensor:
+        """K/V of the given pages: page_idx [..., P] -> [..., P, 2, page_size, kv_heads, head_dim]."""
+        return self.buffer[page_idx, layer - self.layer_start]

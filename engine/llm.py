@@ -1,0 +1,204 @@
+"""The colocated engine: one process runs every stage; the reference for disaggregated serving.
+
+    llm = LLM(EngineConfig(model="tiny-random"))
+    [c] = llm.generate([[1, 2, 3]], SamplingParams(max_new_tokens=8))
+
+`step()` is the whole loop: schedule, run the stages, sample, post-process.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.batch import AttentionMetadata, ForwardBatch
+from engine.config import EngineConfig
+from engine.model import ModelStage, stage_ranges
+from engine.pages import PageAllocator, PageTable
+from engine.request import Request, SamplingParams
+from engine.sampler import sample
+from engine.scheduler import ScheduledStep, Scheduler
+from engine.weights import LoadedModel, load_model
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)  # EngineConfig checked the spelling
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} asked for, but CUDA is not available")
+    return dev
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[dtype]
+
+
+@dataclass
+class Completion:
+    rid: str
+    prompt_tokens: int
+    output_ids: list[int]
+    text: str
+    finish_reason: str
+    ttft_s: float  # arrival to first token
+    e2e_s: float  # arrival to last token
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Decode speed: tokens after the first, over the time after the first."""
+        decode_s = self.e2e_s - self.ttft_s
+        return (len(self.output_ids) - 1) / decode_s if decode_s > 0 else 0.0
+
+
+class LLM:
+    def __init__(
+        self, config: EngineConfig, model: LoadedModel | None = None, num_stages: int = 1, progress: bool = True
+    ):
+        self.config = config
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        self.model = model or load_model(config.model, progress=progress)
+        mc = self.model.config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.max_context = min(config.max_context or mc.max_position_embeddings, mc.max_position_embeddings)
+        self.stages = [
+            ModelStage(mc, self.model.weights, r, self.device, self.dtype)
+            for r in stage_ranges(mc.num_hidden_layers, num_stages)
+        ]
+        self.pools = [s.new_kv_pool(config.total_pages, config.page_size) for s in self.stages]
+        self.allocator = PageAllocator(config.total_pages)
+        self.scheduler = Scheduler(config, self.allocator, self.max_context)
+        self._ids = itertools.count()
+        self.requests: dict[str, Request] = {}
+
+    @property
+    def tokenizer(self):
+        return self.model.tokenizer
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, rid: str | None = None) -> Request:
+        vocab = self.model.config.vocab_size
+        if not prompt_ids:
+            raise ValueError("prompt is empty")
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is out of range [0, {vocab})")
+        if len(prompt_ids) >= self.max_context:
+            raise ValueError(f"prompt has {len(prompt_ids)} tokens; the context holds {self.max_context}")
+        longest = min(len(prompt_ids) + params.max_new_tokens, self.max_context)
+        pages = -(-longest // self.config.page_size)
+        if pages > self.allocator.num_pages:
+            raise ValueError(f"request needs {pages} KV pages; the pool has {self.allocator.num_pages}")
+        rid = rid or f"req-{next(self._ids)}"
+        if rid in self.requests:
+            raise ValueError(f"duplicate request id {rid!r}")
+        req = Request(rid, list(prompt_ids), params, PageTable(self.config.page_size))
+        self.requests[rid] = req
+        self.scheduler.add(req)
+        return req
+
+    def abort(self, rid: str) -> None:
+        req = self.requests.pop(rid, None)
+        if req is not None:
+            self.scheduler.finish(req, "abort")
+
+    def step(self) -> list[Request]:
+        """Run one batch; return the requests that finished in it."""
+        step = self.scheduler.schedule()
+        if step is None:
+            return []
+        tokens = sample(self._forward(step.batch), step.sampled)
+        return self._postprocess(step, tokens)
+
+    def _postprocess(self, step: ScheduledStep, tokens: list[int]) -> list[Request]:
+        now = time.perf_counter()
+        for req, n in zip(step.requests, step.batch.q_lens):
+            req.num_computed += n
+        finished = []
+        eos = set(self.model.config.eos_token_ids)
+        for req, tok in zip(step.sampled, tokens):
+            req.output_ids.append(tok)
+            if req.first_token_s is None:
+                req.first_token_s = now
+            p = req.params
+            reason = None
+            if tok in p.stop_token_ids or (tok in eos and not p.ignore_eos):
+                reason = "stop"
+            elif len(req.output_ids) >= p.max_new_tokens or req.num_tokens >= self.max_context:
+                reason = "length"
+            if p.stop and self.tokenizer is not None:
+                text = self.tokenizer.decode(req.output_ids)
+                hits = [text.index(s) for s in p.stop if s in text]
+                if hits:
+                    reason, req.text = "stop", text[: min(hits)]
+            if reason:
+                req.finish_s = now
+                if not req.text and self.tokenizer is not None:
+                    req.text = self.tokenizer.decode(req.output_ids)
+                self.scheduler.finish(req, reason)
+                del self.requests[req.rid]
+                finished.append(req)
+        return finished
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Completion]:
+        """Run prompts to completion, batched; results in prompt order."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        reqs = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        while self.scheduler.num_unfinished:
+            self.step()
+        return [completion(r) for r in reqs]
+
+    def score(self, ids: list[int]) -> torch.Tensor:
+        """Teacher-forced logits [len(ids), vocab]: row t predicts token t + 1. Runs in
+        chunks of chunked_prefill_size through the paged cache, beside any running requests."""
+        table = PageTable(self.config.page_size)
+        owner = f"score-{next(self._ids)}"
+        table.pages = self.allocator.allocate(owner, table.num_pages_needed(len(ids)))
+        chunk = self.config.chunked_prefill_size or len(ids)
+        rows = []
+        try:
+            for start in range(0, len(ids), chunk):
+                piece = ids[start : start + chunk]
+                batch = ForwardBatch(
+                    rids=(owner,),
+                    starts=(start,),
+                    q_lens=(len(piece),),
+                    page_tables=(tuple(table.pages),),
+                    input_ids=tuple(piece),
+                    sample=(True,),
+                    all_logits=True,
+                )
+                rows.append(self._forward(batch))
+        finally:
+            self.allocator.free(owner, table.pages)
+        return torch.cat(rows)
+
+    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
+        meta = AttentionMetadata.build(batch, self.config.page_size, self.device)
+        h = torch.tensor(batch.input_ids, dtype=torch.long, device=self.device)
+        for stage, pool in zip(self.stages, self.pools):
+            h = stage.forward(meta, h, pool)
+        return h
+
+    def check_invariants(self) -> None:
+        self.scheduler.check_invariants()
+
+
+def completion(req: Request) -> Completion:
+    return Completion(
+        rid=req.rid,
+        prompt_tokens=len(req.prompt_ids),
+        output_ids=list(req.output_ids),
+        text=req.text,
+        finish_reason=req.finish_reason or "",
+        ttft_s=(req.first_token_s or req.arrival_s) - req.arrival_s,
+        e2e_s=(req.finish_s or req.arrival_s) - req.arrival_s,
+    )

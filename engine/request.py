@@ -1,0 +1,79 @@
+"""A generation request and its sampling parameters."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.pages import PageTable
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0  # nucleus mass kept, (0, 1]
+    top_k: int = 0  # 0 = no top-k cut
+    seed: int | None = None  # same seed + same prompt = same output, alone or batched
+    stop: tuple[str, ...] = ()  # generation ends when the text contains one of these (excluded)
+    stop_token_ids: tuple[int, ...] = ()  # besides the model's EOS tokens
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+@dataclass
+class Request:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    page_table: PageTable
+    output_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose K/V is in the cache
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    text: str = ""  # detokenized output, set when the request finishes
+    arrival_s: float = field(default_factory=time.perf_counter)
+    first_token_s: float | None = None
+    finish_s: float | None = None
+    generator: torch.Generator | None = None
+
+    def __post_init__(self) -> None:
+        if not self.params.greedy:
+            seed = self.params.seed if self.params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+            self.generator = torch.Generator().manual_seed(seed)
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_pending(self) -> int:
+        """Known tokens whose K/V is not cached yet: the next forward's input length, at most."""
+        return self.num_tokens - self.num_computed
+
+    @property
+    def is_decoding(self) -> bool:
+        return bool(self.output_ids) and self.num_pending == 1
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,3 @@
+from kvbridge.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,150 @@
+"""The `kvbridge` command. Engine flags are built from EngineConfig, so defaults live there."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import fields
+
+from engine.config import EngineConfig
+from engine.request import SamplingParams
+
+_ENGINE_HELP = {
+    "model": "preset (smollm2-135m-instruct, tiny-random), .gguf file, or Hugging Face directory",
+    "device": "auto | cpu | cuda | cuda:N",
+    "dtype": "auto (float32 on CPU, bfloat16 on CUDA) | float32 | float16 | bfloat16",
+    "page_size": "tokens per KV page",
+    "num_pages": "KV pool size in pages (0: from --kv-cache-tokens)",
+    "kv_cache_tokens": "KV pool capacity in tokens when --num-pages is 0",
+    "chunked_prefill_size": "max prompt tokens per step (0: no chunking)",
+    "max_running_requests": "decode batch size cap",
+    "max_context": "context length cap (0: the model's)",
+    "threads": "torch CPU threads (0: torch's default)",
+}
+
+
+class UsageError(Exception):
+    """Bad input from the command line: printed as one line, exit status 2."""
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    for f in fields(EngineConfig):
+        parser.add_argument(
+            "--" + f.name.replace("_", "-"),
+            type=type(f.default),
+            default=f.default,
+            help=f"{_ENGINE_HELP[f.name]} (default: {f.default})",
+        )
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(**{f.name: getattr(args, f.name) for f in fields(EngineConfig)})
+
+
+def _token_ids(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
+    if not ids:
+        raise argparse.ArgumentTypeError(f"--prompt-ids is empty: {text!r}")
+    return ids
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvbridge", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text with the colocated engine")
+    add_engine_flags(gen)
+    src = gen.add_argument_group("prompts (repeatable; all run as one batch)")
+    src.add_argument("--prompt", action="append", default=[], help="raw text prompt")
+    src.add_argument("--chat", action="append", default=[], help="a user message, wrapped in the model's chat template")
+    src.add_argument("--prompt-ids", action="append", default=[], type=_token_ids, help="token ids, e.g. 1,2,3")
+    d = SamplingParams()
+    gen.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
+    gen.add_argument("--temperature", type=float, default=d.temperature, help="0 = greedy")
+    gen.add_argument("--top-p", type=float, default=d.top_p)
+    gen.add_argument("--top-k", type=int, default=d.top_k, help="0 = off")
+    gen.add_argument("--seed", type=int, default=d.seed)
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--stop-token-ids", type=_token_ids, default=(), help="extra stop token ids, e.g. 2,7")
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    gen.add_argument("--quiet", action="store_true", help="no progress output")
+
+    bench = sub.add_parser("bench", help="run a benchmark from bench/ (prints JSON)")
+    bench.add_argument("name", choices=["engine"])
+    bench.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own flags")
+    return parser
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from engine.llm import LLM  # deferred: torch import is slow and `--help` should not pay for it
+
+    if not (args.prompt or args.chat or args.prompt_ids):
+        raise UsageError("give at least one of --prompt, --chat, --prompt-ids")
+    try:
+        params = SamplingParams(
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+            stop=tuple(args.stop),
+            stop_token_ids=tuple(args.stop_token_ids),
+            ignore_eos=args.ignore_eos,
+        )
+        llm = LLM(engine_config(args), progress=not args.quiet)
+    except (ValueError, FileNotFoundError) as e:
+        raise UsageError(str(e)) from None
+    tok = llm.tokenizer
+    if (args.prompt or args.chat) and tok is None:
+        raise UsageError(f"model {args.model!r} has no tokenizer; use --prompt-ids")
+    prompts = [tok.encode(p) for p in args.prompt]
+    prompts += [tok.encode(tok.apply_chat_template([{"role": "user", "content": c}])) for c in args.chat]
+    prompts += args.prompt_ids
+    try:
+        reqs = [llm.add_request(p, params) for p in prompts]
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    while llm.scheduler.num_unfinished:
+        llm.step()
+    from engine.llm import completion
+
+    for req in reqs:
+        c = completion(req)
+        if args.json:
+            print(
+                json.dumps(
+                    {
+                        "rid": c.rid,
+                        "prompt_tokens": c.prompt_tokens,
+                        "output_ids": c.output_ids,
+                        "text": c.text,
+                        "finish_reason": c.finish_reason,
+                        "ttft_s": round(c.ttft_s, 4),
+                        "e2e_s": round(c.e2e_s, 4),
+                        "tokens_per_s": round(c.tokens_per_s, 2),
+                    }
+                )
+            )
+        else:
+            print(c.text if tok is not None else " ".join(map(str, c.output_ids)))
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from bench import engine as bench_engine
+
+    return bench_engine.main(args.rest)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return {"generate": cmd_generate, "bench": cmd_bench}[args.command](args)
+    except UsageError as e:
+        print(f"kvbridge {args.command}: error: {e}", file=sys.stderr)
+        return 2
