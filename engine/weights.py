@@ -198,7 +198,7 @@ def _open_cached(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
     """Memory-mapped tensors: pages are read when (and only if) they are touched."""
     with safe_open(str(path), framework="pt") as f:
         meta = f.metadata()
-        return {k: f.get_tensor(k) for k in f}, meta
+        return {k: f.get_tensor(k) for k in f.keys()}, meta  # noqa: SIM118 - safe_open is not iterable
 
 
 def _file_digest(paths: list[Path]) -> str:
@@ -231,7 +231,7 @@ def load_hf_dir(path: Path, *, progress: bool = True) -> LoadedModel:
     with Progress(f"loading {path.name}", len(files), enabled=progress) as bar:
         for file in files:
             with safe_open(str(file), framework="pt") as f:
-                for k in f:
+                for k in f.keys():  # noqa: SIM118 - safe_open is not iterable
                     weights[k] = f.get_tensor(k)
             bar.advance()
     for k, w in weights.items():
