@@ -28,6 +28,9 @@ class KVPool:
             device=device,
         )
 
+        # [num_pages * num_layers, page block]: row p * num_layers + l is page p of layer l, contiguous
+        self._rows = self.buffer.view(num_pages * (self.layer_end - self.layer_start), -1)
+
     @property
     def num_pages(self) -> int:
         return self.buffer.shape[0]
@@ -45,4 +48,5 @@ class KVPool:
 
     def gather(self, layer: int, page_idx: torch.Tensor) -> torch.Tensor:
         """K/V of the given pages: page_idx [..., P] -> [..., P, 2, page_size, kv_heads, head_dim]."""
-        return self.buffer[page_idx, layer - self.layer_start]
+        rows = page_idx * (self.layer_end - self.layer_start) + (layer - self.layer_start)
+        return self._rows.index_select(0, rows.flatten()).view(*page_idx.shape, *self.buffer.shape[2:])

@@ -81,11 +81,11 @@ class DecoderLayer:
         n = h.shape[0]
         x = rms_norm(h, self.input_norm, c.rms_norm_eps)
         qkv = F.linear(x, self.qkv, self.qkv_bias)
-        q_size, kv_size = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-        q = qkv[:, :q_size].view(n, c.num_attention_heads, c.head_dim)
-        k = qkv[:, q_size : q_size + kv_size].view(n, c.num_key_value_heads, c.head_dim)
-        v = qkv[:, q_size + kv_size :].view(n, c.num_key_value_heads, c.head_dim)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        heads, kv_heads = c.num_attention_heads, c.num_key_value_heads
+        # q and k heads side by side: [N, heads + kv_heads, head_dim], rotated in one go
+        qk = apply_rope(qkv[:, : (heads + kv_heads) * c.head_dim].view(n, heads + kv_heads, c.head_dim), *rope)
+        q, k = qk[:, :heads], qk[:, heads:]
+        v = qkv[:, (heads + kv_heads) * c.head_dim :].view(n, kv_heads, c.head_dim)
         kv.write(layer, meta.slot_pages, meta.slot_offsets, k, v)
         attn = paged_attention(q, layer, meta, kv, c)
         h = h + F.linear(attn, self.o)
@@ -116,8 +116,11 @@ def paged_attention(q: torch.Tensor, layer: int, meta: AttentionMetadata, kv: KV
         keys = keys.repeat_interleave(groups, dim=0)  # [heads, T, hd]
         values = values.repeat_interleave(groups, dim=0)
         qp = q[row : row + q_len].transpose(0, 1)  # [heads, q_len, hd]
-        o = F.scaled_dot_product_attention(qp, keys, values, attn_mask=mask, is_causal=mask is None, scale=scale)
-        out[row : row + q_len] = o.transpose(0, 1).reshape(q_len, -1)
+        # 4-D inputs: torch's fused CPU kernel takes them; 3-D ones fall back to plain math
+        o = F.scaled_dot_product_attention(
+            qp[None], keys[None], values[None], attn_mask=mask, is_causal=mask is None, scale=scale
+        )
+        out[row : row + q_len] = o[0].transpose(0, 1).reshape(q_len, -1)
     return out
 
 
