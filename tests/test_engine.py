@@ -145,3 +145,14 @@ def test_bad_requests_are_refused_with_the_bad_value(tiny_model):
     with pytest.raises(ValueError, match="needs 7 KV pages; the pool has 2"):
         small.add_request([5] * 4, SamplingParams(max_new_tokens=24))
     assert llm.scheduler.num_unfinished == 0 and small.scheduler.num_unfinished == 0
+
+
+def test_bfloat16_runs_with_a_bfloat16_pool_and_logits_near_float32(tiny_model):
+    bf16 = make_llm(tiny_model, dtype="bfloat16")
+    assert bf16.pools[0].buffer.dtype == torch.bfloat16
+    seq = make_prompts(1, tiny_model.config.vocab_size, seed=8)[0]
+    ref = make_llm(tiny_model).score(seq)
+    got = bf16.score(seq)
+    assert got.dtype == torch.float32 and got.shape == ref.shape
+    assert ((got - ref).abs().mean() / ref.abs().mean()).item() < 0.03  # bf16 keeps ~3 significant digits
+    assert len(bf16.generate([seq], GREEDY)[0].output_ids) == GREEDY.max_new_tokens
