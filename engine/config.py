@@ -140,3 +140,40 @@ class EngineConfig:
     @property
     def total_pages(self) -> int:
         return self.num_pages or -(-self.kv_cache_tokens // self.page_size)
+
+
+@dataclass(frozen=True)
+class PPConfig:
+    """How a node spreads its layers over rank processes."""
+
+    pp_size: int = 1  # rank processes; each holds a contiguous layer range
+    async_batch_depth: int = 0  # extra microbatches in flight beyond pp_size
+    enable_dynamic_chunking: bool = False  # size prompt chunks from a start-up latency profile
+    nnodes: int = 1  # hosts the ranks are spread over
+    node_rank: int = 0  # this host's index in [0, nnodes)
+    dist_init_addr: str = ""  # host:port of the torch.distributed rendezvous; "" = a free local port
+
+    def __post_init__(self) -> None:
+        if self.pp_size < 1:
+            raise ValueError(f"pp_size must be >= 1, got {self.pp_size}")
+        if self.async_batch_depth < 0:
+            raise ValueError(f"async_batch_depth must be >= 0, got {self.async_batch_depth}")
+        if self.nnodes < 1 or self.pp_size % self.nnodes:
+            raise ValueError(f"pp_size={self.pp_size} must be a multiple of nnodes={self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, {self.nnodes}), got {self.node_rank}")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise ValueError("--dist-init-addr host:port is required with nnodes > 1")
+
+    @property
+    def pp_loop_size(self) -> int:
+        """Microbatch slots in flight: one per stage keeps every stage busy, plus the async depth."""
+        return self.pp_size + self.async_batch_depth
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.pp_size // self.nnodes
+
+    @property
+    def local_ranks(self) -> range:
+        return range(self.node_rank * self.ranks_per_node, (self.node_rank + 1) * self.ranks_per_node)

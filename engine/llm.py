@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import itertools
-import time
 from dataclasses import dataclass
 
 import torch
@@ -20,7 +19,7 @@ from engine.model import ModelStage, stage_ranges
 from engine.pages import PageAllocator, PageTable
 from engine.request import Request, SamplingParams
 from engine.sampler import sample
-from engine.scheduler import ScheduledStep, Scheduler
+from engine.scheduler import ChunkPolicy, Scheduler
 from engine.weights import LoadedModel, load_model
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -60,7 +59,12 @@ class Completion:
 
 class LLM:
     def __init__(
-        self, config: EngineConfig, model: LoadedModel | None = None, num_stages: int = 1, progress: bool = True
+        self,
+        config: EngineConfig,
+        model: LoadedModel | None = None,
+        num_stages: int = 1,
+        progress: bool = True,
+        chunk_policy: ChunkPolicy | None = None,
     ):
         self.config = config
         if config.threads:
@@ -76,7 +80,9 @@ class LLM:
         ]
         self.pools = [s.new_kv_pool(config.total_pages, config.page_size) for s in self.stages]
         self.allocator = PageAllocator(config.total_pages)
-        self.scheduler = Scheduler(config, self.allocator, self.max_context)
+        self.scheduler = Scheduler(
+            config, self.allocator, self.max_context, self.model.tokenizer, mc.eos_token_ids, chunk_policy
+        )
         self._ids = itertools.count()
         self.requests: dict[str, Request] = {}
 
@@ -116,36 +122,9 @@ class LLM:
         if step is None:
             return []
         tokens = sample(self._forward(step.batch), step.sampled)
-        return self._postprocess(step, tokens)
-
-    def _postprocess(self, step: ScheduledStep, tokens: list[int]) -> list[Request]:
-        now = time.perf_counter()
-        for req, n in zip(step.requests, step.batch.q_lens):
-            req.num_computed += n
-        finished = []
-        eos = set(self.model.config.eos_token_ids)
-        for req, tok in zip(step.sampled, tokens):
-            req.output_ids.append(tok)
-            if req.first_token_s is None:
-                req.first_token_s = now
-            p = req.params
-            reason = None
-            if tok in p.stop_token_ids or (tok in eos and not p.ignore_eos):
-                reason = "stop"
-            elif len(req.output_ids) >= p.max_new_tokens or req.num_tokens >= self.max_context:
-                reason = "length"
-            if p.stop and self.tokenizer is not None:
-                text = self.tokenizer.decode(req.output_ids)
-                hits = [text.index(s) for s in p.stop if s in text]
-                if hits:
-                    reason, req.text = "stop", text[: min(hits)]
-            if reason:
-                req.finish_s = now
-                if not req.text and self.tokenizer is not None:
-                    req.text = self.tokenizer.decode(req.output_ids)
-                self.scheduler.finish(req, reason)
-                del self.requests[req.rid]
-                finished.append(req)
+        finished = self.scheduler.postprocess(step, tokens)
+        for req in finished:
+            del self.requests[req.rid]
         return finished
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Completion]:
@@ -187,6 +166,13 @@ class LLM:
         for stage, pool in zip(self.stages, self.pools):
             h = stage.forward(meta, h, pool)
         return h
+
+    def enable_dynamic_chunking(self, progress: bool = True) -> None:
+        """Profile prefill latency now (the engine must be idle) and size prompt chunks from it."""
+        from engine.profile import plan_chunks, prefill_timer
+
+        run = prefill_timer(self.stages, self.pools)
+        self.scheduler.chunk_policy = plan_chunks(self.config, run, self.max_context, progress)
 
     def check_invariants(self) -> None:
         self.scheduler.check_invariants()

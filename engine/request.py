@@ -44,7 +44,9 @@ class Request:
     params: SamplingParams
     page_table: PageTable
     output_ids: list[int] = field(default_factory=list)
-    num_computed: int = 0  # tokens whose K/V is in the cache
+    num_computed: int = 0  # tokens whose K/V is in the cache, or scheduled into it by a batch in flight
+    awaiting_output: bool = False  # a batch in flight samples this request's next token
+    announced: bool = False  # its ADMIT decision went down the pipeline (PP)
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     text: str = ""  # detokenized output, set when the request finishes
     arrival_s: float = field(default_factory=time.perf_counter)
@@ -72,7 +74,12 @@ class Request:
 
     @property
     def is_decoding(self) -> bool:
-        return bool(self.output_ids) and self.num_pending == 1
+        return bool(self.output_ids) and self.num_pending == 1 and not self.awaiting_output
+
+    @property
+    def has_prompt_left(self) -> bool:
+        """Tokens to prefill (a prompt, or prompt + output after a preemption) beyond the last one."""
+        return self.num_pending > 1 or (self.num_pending == 1 and not self.output_ids)
 
     @property
     def finished(self) -> bool:

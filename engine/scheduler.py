@@ -1,21 +1,33 @@
-"""Continuous batching for one node: which requests run this step, with which tokens and pages.
+"""Continuous batching for one node: which requests run next, with which tokens and pages.
 
 Each step: every running request that is decoding gets one token; then prompt chunks fill
 the chunked-prefill budget, first for requests already prefilling, then for new
 admissions from the waiting queue (FCFS). Pages are allocated as tokens are scheduled;
 when decode runs out of pages the newest running request is preempted (pages freed,
 recomputed later from its prompt and output so far, so its tokens do not change).
+
+A scheduled token counts as computed at once (`num_computed` advances when the batch is
+built), so with pipeline parallelism the next chunk of a prompt can be scheduled while
+the previous one is still in flight; a request whose next token is being sampled
+(`awaiting_output`) is skipped until `postprocess` delivers it.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Protocol
 
 from engine.batch import ForwardBatch
 from engine.config import EngineConfig
 from engine.pages import PageAllocator
 from engine.request import Request
+from engine.tokenizer import Tokenizer
+
+
+class ChunkPolicy(Protocol):
+    def next_chunk(self, history_len: int, remaining: int) -> int: ...
 
 
 @dataclass
@@ -26,10 +38,21 @@ class ScheduledStep:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, allocator: PageAllocator, max_context: int):
+    def __init__(
+        self,
+        config: EngineConfig,
+        allocator: PageAllocator,
+        max_context: int,
+        tokenizer: Tokenizer | None = None,
+        eos_token_ids: tuple[int, ...] = (),
+        chunk_policy: ChunkPolicy | None = None,
+    ):
         self.config = config
         self.allocator = allocator
         self.max_context = max_context
+        self.tokenizer = tokenizer
+        self.eos = frozenset(eos_token_ids)
+        self.chunk_policy = chunk_policy
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admitted: holds pages, in admission order
 
@@ -40,35 +63,45 @@ class Scheduler:
     def add(self, req: Request) -> None:
         self.waiting.append(req)
 
-    def schedule(self) -> ScheduledStep | None:
-        decodes = self._schedule_decodes()
+    def schedule(self, max_decodes: int | None = None) -> ScheduledStep | None:
+        decodes = self._schedule_decodes(max_decodes)
         budget = self.config.chunked_prefill_size or 1 << 62
         chunks: list[tuple[Request, int]] = []
         for req in self.running:
-            if budget and not req.is_decoding and req not in decodes:
-                n = min(req.num_pending, budget)
+            if budget and req.has_prompt_left and not req.awaiting_output:
+                n = self._chunk(req, budget)
                 if not self._grow(req, req.num_computed + n):
                     break
                 chunks.append((req, n))
                 budget -= n
         while budget and self.waiting and len(self.running) < self.config.max_running_requests:
             req = self.waiting[0]
+            if req.awaiting_output:  # preempted while its token was in flight
+                break
             # admit only when the whole known sequence fits, so admission never starves decodes
             if not self.allocator.can_allocate(req.page_table.num_pages_needed(req.num_tokens)):
                 break
             self.waiting.popleft()
             self.running.append(req)
-            n = min(req.num_pending, budget)
             self._grow(req, req.num_tokens)
+            n = self._chunk(req, budget)
             chunks.append((req, n))
             budget -= n
         if not decodes and not chunks:
             return None
         return self._build(decodes, chunks)
 
-    def _schedule_decodes(self) -> list[Request]:
-        decodes = []
+    def _chunk(self, req: Request, budget: int) -> int:
+        n = min(req.num_pending, budget)
+        if self.chunk_policy is not None:
+            n = min(n, self.chunk_policy.next_chunk(req.num_computed, req.num_pending))
+        return n
+
+    def _schedule_decodes(self, max_decodes: int | None) -> list[Request]:
+        decodes: list[Request] = []
         for req in list(self.running):
+            if max_decodes is not None and len(decodes) >= max_decodes:
+                break
             if req not in self.running or not req.is_decoding:
                 continue
             while not self._grow(req, req.num_tokens):
@@ -94,7 +127,9 @@ class Scheduler:
             starts.append(req.num_computed)
             q_lens.append(n)
             input_ids += req.all_ids[req.num_computed : req.num_computed + n]
-            sample.append(req.num_computed + n == req.num_tokens)
+            req.num_computed += n
+            sample.append(req.num_computed == req.num_tokens)
+            req.awaiting_output = sample[-1]
         batch = ForwardBatch(
             rids=tuple(r.rid for r in requests),
             starts=tuple(starts),
@@ -104,6 +139,40 @@ class Scheduler:
             sample=tuple(sample),
         )
         return ScheduledStep(batch, requests, [r for r, s in zip(requests, sample) if s])
+
+    def postprocess(self, step: ScheduledStep, tokens: list[int]) -> list[Request]:
+        """Append each sampled token; finish requests that hit a stop condition. Returns those."""
+        now = time.perf_counter()
+        finished = []
+        for req, tok in zip(step.sampled, tokens):
+            req.awaiting_output = False
+            if req.finished:  # aborted while the token was in flight
+                continue
+            req.output_ids.append(tok)
+            if req.first_token_s is None:
+                req.first_token_s = now
+            reason = self._stop_reason(req, tok)
+            if reason:
+                req.finish_s = now
+                if not req.text and self.tokenizer is not None:
+                    req.text = self.tokenizer.decode(req.output_ids)
+                self.finish(req, reason)
+                finished.append(req)
+        return finished
+
+    def _stop_reason(self, req: Request, tok: int) -> str | None:
+        p = req.params
+        if p.stop and self.tokenizer is not None:
+            text = self.tokenizer.decode(req.output_ids)
+            hits = [text.index(s) for s in p.stop if s in text]
+            if hits:
+                req.text = text[: min(hits)]
+                return "stop"
+        if tok in p.stop_token_ids or (tok in self.eos and not p.ignore_eos):
+            return "stop"
+        if len(req.output_ids) >= p.max_new_tokens or req.num_tokens >= self.max_context:
+            return "length"
+        return None
 
     def preempt(self, req: Request) -> None:
         """Free a running request's pages and requeue it first; it is recomputed on readmission."""

@@ -7,7 +7,7 @@ import json
 import sys
 from dataclasses import fields
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, PPConfig
 from engine.request import SamplingParams
 
 _ENGINE_HELP = {
@@ -20,7 +20,13 @@ _ENGINE_HELP = {
     "chunked_prefill_size": "max prompt tokens per step (0: no chunking)",
     "max_running_requests": "decode batch size cap",
     "max_context": "context length cap (0: the model's)",
-    "threads": "torch CPU threads (0: torch's default)",
+    "threads": "torch CPU threads (0: torch's default; with PP, the cores split over the local ranks)",
+    "pp_size": "pipeline-parallel rank processes (each holds a layer range)",
+    "async_batch_depth": "microbatches in flight beyond pp_size",
+    "enable_dynamic_chunking": "size prompt chunks from a start-up prefill latency profile",
+    "nnodes": "hosts the pipeline ranks are spread over",
+    "node_rank": "this host's index in [0, nnodes)",
+    "dist_init_addr": "host:port of the torch.distributed rendezvous (required with --nnodes > 1)",
 }
 
 
@@ -28,18 +34,20 @@ class UsageError(Exception):
     """Bad input from the command line: printed as one line, exit status 2."""
 
 
-def add_engine_flags(parser: argparse.ArgumentParser) -> None:
-    for f in fields(EngineConfig):
-        parser.add_argument(
-            "--" + f.name.replace("_", "-"),
-            type=type(f.default),
-            default=f.default,
-            help=f"{_ENGINE_HELP[f.name]} (default: {f.default})",
-        )
+def add_config_flags(parser: argparse.ArgumentParser, config_cls) -> None:
+    """One flag per field of a frozen config dataclass; the default lives in the dataclass."""
+    for f in fields(config_cls):
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(f.default, bool):
+            parser.add_argument(flag, action="store_true", help=_ENGINE_HELP[f.name])
+        else:
+            parser.add_argument(
+                flag, type=type(f.default), default=f.default, help=f"{_ENGINE_HELP[f.name]} (default: {f.default!r})"
+            )
 
 
-def engine_config(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(**{f.name: getattr(args, f.name) for f in fields(EngineConfig)})
+def from_flags(config_cls, args: argparse.Namespace):
+    return config_cls(**{f.name: getattr(args, f.name) for f in fields(config_cls)})
 
 
 def _token_ids(text: str) -> list[int]:
@@ -57,7 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text with the colocated engine")
-    add_engine_flags(gen)
+    add_config_flags(gen, EngineConfig)
+    add_config_flags(gen, PPConfig)
     src = gen.add_argument_group("prompts (repeatable; all run as one batch)")
     src.add_argument("--prompt", action="append", default=[], help="raw text prompt")
     src.add_argument("--chat", action="append", default=[], help="a user message, wrapped in the model's chat template")
@@ -81,7 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from engine.llm import LLM  # deferred: torch import is slow and `--help` should not pay for it
+    from engine.llm import LLM, completion  # deferred: torch import is slow and `--help` should not pay for it
+    from engine.pp.node import PPNode
 
     if not (args.prompt or args.chat or args.prompt_ids):
         raise UsageError("give at least one of --prompt, --chat, --prompt-ids")
@@ -96,25 +106,42 @@ def cmd_generate(args: argparse.Namespace) -> int:
             stop_token_ids=tuple(args.stop_token_ids),
             ignore_eos=args.ignore_eos,
         )
-        llm = LLM(engine_config(args), progress=not args.quiet)
+        config, pp = from_flags(EngineConfig, args), from_flags(PPConfig, args)
+        if pp.enable_dynamic_chunking and config.chunked_prefill_size < 1:
+            raise ValueError("--enable-dynamic-chunking needs --chunked-prefill-size > 0")
+        if pp.pp_size == 1:
+            engine = LLM(config, progress=not args.quiet)
+            if pp.enable_dynamic_chunking:
+                engine.enable_dynamic_chunking(progress=not args.quiet)
+        else:
+            engine = PPNode(config, pp, progress=not args.quiet)
     except (ValueError, FileNotFoundError) as e:
         raise UsageError(str(e)) from None
-    tok = llm.tokenizer
-    if (args.prompt or args.chat) and tok is None:
-        raise UsageError(f"model {args.model!r} has no tokenizer; use --prompt-ids")
-    prompts = [tok.encode(p) for p in args.prompt]
-    prompts += [tok.encode(tok.apply_chat_template([{"role": "user", "content": c}])) for c in args.chat]
-    prompts += args.prompt_ids
     try:
-        reqs = [llm.add_request(p, params) for p in prompts]
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    while llm.scheduler.num_unfinished:
-        llm.step()
-    from engine.llm import completion
-
-    for req in reqs:
-        c = completion(req)
+        if pp.local_ranks.start != 0:  # a host without rank 0 only lends its ranks
+            for proc in engine.procs:
+                proc.join()
+            return 0
+        tok = engine.model.tokenizer
+        if (args.prompt or args.chat) and tok is None:
+            raise UsageError(f"model {args.model!r} has no tokenizer; use --prompt-ids")
+        prompts = [tok.encode(p) for p in args.prompt]
+        prompts += [tok.encode(tok.apply_chat_template([{"role": "user", "content": c}])) for c in args.chat]
+        prompts += args.prompt_ids
+        try:
+            if pp.pp_size == 1:
+                reqs = [engine.add_request(p, params) for p in prompts]
+                while engine.scheduler.num_unfinished:
+                    engine.step()
+                results = [completion(r) for r in reqs]
+            else:
+                results = engine.generate(prompts, params)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+    finally:
+        if pp.pp_size > 1:
+            engine.shutdown()
+    for c in results:
         if args.json:
             print(
                 json.dumps(

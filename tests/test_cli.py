@@ -68,3 +68,14 @@ def test_chat_on_the_default_model_answers_in_english():
     [obj] = [json.loads(line) for line in r.stdout.splitlines()]
     assert "Paris" in obj["text"] and obj["finish_reason"] == "stop"
     assert "dequantizing" in r.stderr or r.stderr == ""  # progress shows only when the cache is cold
+
+
+@pytest.mark.parametrize("pp_flags", [["--pp-size", "2"], ["--pp-size", "3", "--enable-dynamic-chunking"]])
+def test_generate_on_pipeline_ranks_equals_one_process(pp_flags):
+    args = ["generate", "--chat", "Name a fruit.", "--chat", "What is 2+2?", "--max-new-tokens", "16", "--json"]
+    args += ["--chunked-prefill-size", "16", "--quiet"]
+    one = kvbridge(*args)
+    many = kvbridge(*args, *pp_flags)
+    assert one.returncode == 0 and many.returncode == 0, one.stderr + many.stderr
+    ids = [[json.loads(line)["output_ids"] for line in r.stdout.splitlines()] for r in (one, many)]
+    assert ids[0] == ids[1] and len(ids[0]) == 2 and all(ids[0])

@@ -1,0 +1,159 @@
+"""Rank 0 of a pipeline: the node's only scheduler.
+
+The loop keeps up to `pp_loop_size` microbatches in flight. Each turn: take new work
+from the inbox, schedule a microbatch if a slot is free, send its description and then
+its hidden states to rank 1, and, when the slots are full (or there is nothing new to
+launch), wait for the oldest microbatch's tokens from the last rank and post-process
+them while later microbatches compute.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import time
+from collections import deque
+
+import torch
+
+from engine.batch import AttentionMetadata
+from engine.kv_pool import KVPool
+from engine.model import ModelStage
+from engine.pages import PageTable
+from engine.pp.dist import Link
+from engine.pp.wire import ABORT, ADMIT, CONTROL, FINISH, SHUTDOWN, STEP, Decision, Message
+from engine.request import Request, SamplingParams
+from engine.scheduler import ScheduledStep, Scheduler
+
+
+class Leader:
+    def __init__(
+        self,
+        stage: ModelStage,
+        pool: KVPool,
+        scheduler: Scheduler,
+        link: Link,
+        pp_size: int,
+        pp_loop_size: int,
+        inbox,
+        outbox,
+    ):
+        self.stage, self.pool, self.scheduler, self.link = stage, pool, scheduler, link
+        self.pp_size, self.loop_size = pp_size, pp_loop_size
+        self.last_rank = pp_size - 1
+        self.inbox, self.outbox = inbox, outbox
+        self.inflight: deque[ScheduledStep] = deque()
+        self.requests: dict[str, Request] = {}
+        self.log: list[Decision] = []  # every decision this node made, in order
+        self._unsent: list[Decision] = []  # made but not yet sent down the pipeline
+        self.stopping = False
+
+    # ------------------------------------------------------------------ loop
+
+    def run(self) -> list[Decision]:
+        while not (self.stopping and not self.inflight):
+            idle = not self.inflight and not self.scheduler.num_unfinished and not self._unsent
+            self._drain_inbox(block=idle)
+            step = None
+            if len(self.inflight) < self.loop_size and not self.stopping:
+                step = self.scheduler.schedule(self._decode_cap())
+            if step is not None:
+                self._launch(step)
+            elif self._unsent:
+                self.link.send_bytes(Message(CONTROL, self._take_unsent()).encode(), 1)
+            if self.inflight and (len(self.inflight) >= self.loop_size or step is None):
+                self._complete_oldest()
+        self.link.send_bytes(Message(SHUTDOWN, self._take_unsent()).encode(), 1)
+        self.link.flush()
+        return self.log
+
+    def _decode_cap(self) -> int:
+        """Spread decoding requests over the stages' microbatches instead of one full batch and idle stages."""
+        return max(1, math.ceil(len(self.scheduler.running) / self.pp_size))
+
+    def _launch(self, step: ScheduledStep) -> None:
+        for req in step.requests:
+            if not req.announced:
+                req.announced = True
+                self._decide(ADMIT, req.rid, req.params)
+        self.link.send_bytes(Message(STEP, self._take_unsent(), step.batch).encode(), 1)
+        meta = AttentionMetadata.build(step.batch, self.pool.page_size, self.stage.device)
+        ids = torch.tensor(step.batch.input_ids, dtype=torch.long, device=self.stage.device)
+        self.link.send_tensor(self.stage.forward(meta, ids, self.pool), 1)
+        self.inflight.append(step)
+
+    def _complete_oldest(self) -> None:
+        step = self.inflight.popleft()
+        # [count, token...]: a header, so that a step that samples nothing still answers
+        out = self.link.recv_tensor((len(step.sampled) + 1,), torch.int64, self.last_rank).tolist()
+        assert out[0] == len(step.sampled), f"last rank sampled {out[0]} rows, expected {len(step.sampled)}"
+        live = [not req.finished for req in step.sampled]  # aborted ones drop their token
+        finished = self.scheduler.postprocess(step, out[1:])
+        for req, tok, was_live in zip(step.sampled, out[1:], live):
+            if was_live:
+                self.outbox.put(_token_event(req, tok))
+        for req in finished:
+            self._retire(req, FINISH)
+
+    # ------------------------------------------------------------------ inputs
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            msg = self.inbox.get(timeout=0.5) if block else self.inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(msg)
+            try:
+                msg = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, msg: tuple) -> None:
+        op = msg[0]
+        if op == "add":
+            _, rid, prompt_ids, params = msg
+            req = Request(rid, list(prompt_ids), SamplingParams(**params), PageTable(self.pool.page_size))
+            self.requests[rid] = req
+            self.scheduler.add(req)
+        elif op == "abort":
+            req = self.requests.get(msg[1])
+            if req is not None:
+                self.scheduler.finish(req, "abort")
+                req.finish_s = time.perf_counter()
+                self._retire(req, ABORT)
+        elif op == "shutdown":
+            self.stopping = True
+            for req in list(self.requests.values()):
+                self.scheduler.finish(req, "abort")
+                self._retire(req, ABORT)
+
+    def _retire(self, req: Request, kind: str) -> None:
+        del self.requests[req.rid]
+        if req.announced:
+            self._decide(kind, req.rid)
+        self.outbox.put(_finish_event(req))
+
+    def _decide(self, kind: str, rid: str, params: SamplingParams | None = None) -> None:
+        d = Decision(len(self.log), kind, rid, params)
+        self.log.append(d)
+        self._unsent.append(d)
+
+    def _take_unsent(self) -> tuple[Decision, ...]:
+        out, self._unsent = tuple(self._unsent), []
+        return out
+
+
+def _token_event(req: Request, tok: int) -> dict:
+    return {"event": "token", "rid": req.rid, "token": tok, "index": len(req.output_ids) - 1}
+
+
+def _finish_event(req: Request) -> dict:
+    return {
+        "event": "finish",
+        "rid": req.rid,
+        "finish_reason": req.finish_reason,
+        "output_ids": list(req.output_ids),
+        "text": req.text,
+        "prompt_tokens": len(req.prompt_ids),
+    }

@@ -1,0 +1,243 @@
+"""A pipeline-parallel node: `pp_size` rank processes (spawned), fronted by this object.
+
+    node = PPNode(EngineConfig(model="tiny-random"), PPConfig(pp_size=3))
+    [c] = node.generate([[1, 2, 3]], SamplingParams(max_new_tokens=8))
+    reports = node.shutdown()   # every rank's decision log and final state
+
+Rank 0 runs engine/pp/leader.py, the others engine/pp/follower.py. Requests reach rank 0
+through a queue; token and finish events come back through another. With nnodes > 1,
+each host starts its own share of the ranks; the host with rank 0 is the front.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import queue
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.multiprocessing as mp
+
+from engine.config import EngineConfig, PPConfig
+from engine.llm import Completion, resolve_device, resolve_dtype
+from engine.model import ModelStage, stage_ranges
+from engine.pages import PageAllocator
+from engine.pp import dist as pp_dist
+from engine.progress import Progress
+from engine.request import SamplingParams
+from engine.scheduler import Scheduler
+from engine.weights import load_model
+
+
+@dataclass(frozen=True)
+class RankReport:
+    rank: int
+    log: list[tuple[int, str, str]]  # (seq, kind, rid) of every decision the rank applied, in order
+    live_requests: int  # requests the rank still tracks (0 after a clean shutdown)
+    pages_used: int  # rank 0 only: pages its allocator still hands out (-1 elsewhere)
+    error: str = ""  # the exception that ended the rank, if any
+
+
+class PPNode:
+    def __init__(self, config: EngineConfig, pp: PPConfig, progress: bool = True, timeout_s: float = 120.0):
+        self.config, self.pp = config, pp
+        self.model = load_model(config.model, progress=progress)  # warms the weight cache for the ranks
+        mc = self.model.config
+        self.max_context = min(config.max_context or mc.max_position_embeddings, mc.max_position_embeddings)
+        ctx = mp.get_context("spawn")
+        self.inbox, self.outbox, self.reports = ctx.Queue(), ctx.Queue(), ctx.Queue()
+        addr = pp.dist_init_addr or f"127.0.0.1:{pp_dist.free_port()}"
+        threads = config.threads or max(1, (os.cpu_count() or 1) // pp.ranks_per_node)
+        self.procs = [
+            ctx.Process(
+                target=rank_main,
+                args=(
+                    rank,
+                    asdict(config),
+                    asdict(pp),
+                    addr,
+                    threads,
+                    timeout_s,
+                    self.inbox,
+                    self.outbox,
+                    self.reports,
+                ),
+                name=f"kvbridge-pp{rank}",
+                daemon=True,
+            )
+            for rank in pp.local_ranks
+        ]
+        for p in self.procs:
+            p.start()
+        self._ids = itertools.count()
+        self._pending: dict[str, dict] = {}  # rid -> collected events
+        self._wait_ready(progress, timeout_s)
+
+    def _wait_ready(self, progress: bool, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        with Progress(f"starting {len(self.procs)} pipeline ranks", len(self.procs), enabled=progress) as bar:
+            for _ in self.procs:
+                msg = self.reports.get(timeout=max(0.1, deadline - time.monotonic()))
+                if msg.get("error"):
+                    self.kill()
+                    raise RuntimeError(f"pipeline rank {msg['rank']} failed to start: {msg['error']}")
+                bar.advance()
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, rid: str | None = None) -> str:
+        vocab = self.model.config.vocab_size
+        if not prompt_ids:
+            raise ValueError("prompt is empty")
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is out of range [0, {vocab})")
+        if len(prompt_ids) >= self.max_context:
+            raise ValueError(f"prompt has {len(prompt_ids)} tokens; the context holds {self.max_context}")
+        pages = -(-min(len(prompt_ids) + params.max_new_tokens, self.max_context) // self.config.page_size)
+        if pages > self.config.total_pages:
+            raise ValueError(f"request needs {pages} KV pages; the pool has {self.config.total_pages}")
+        rid = rid or f"req-{next(self._ids)}"
+        if rid in self._pending:
+            raise ValueError(f"duplicate request id {rid!r}")
+        self._pending[rid] = {"arrival": time.perf_counter(), "first": None, "done": None}
+        self.inbox.put(("add", rid, list(prompt_ids), asdict(params)))
+        return rid
+
+    def abort(self, rid: str) -> None:
+        self.inbox.put(("abort", rid))
+
+    def poll(self, timeout: float | None = None) -> list[dict]:
+        """Events that arrived (token / finish), waiting up to `timeout` for the first."""
+        events = []
+        try:
+            events.append(self.outbox.get(timeout=timeout) if timeout else self.outbox.get_nowait())
+            while True:
+                events.append(self.outbox.get_nowait())
+        except queue.Empty:
+            pass
+        now = time.perf_counter()
+        for ev in events:
+            st = self._pending.get(ev["rid"])
+            if st is None:
+                continue
+            if ev["event"] == "token" and st["first"] is None:
+                st["first"] = now
+            elif ev["event"] == "finish":
+                st["done"] = ev
+                st["finish_s"] = now
+        return events
+
+    def completion(self, rid: str) -> Completion | None:
+        """The finished request's result (removed from tracking), or None while it runs."""
+        st = self._pending.get(rid)
+        if st is None or st["done"] is None:
+            return None
+        del self._pending[rid]
+        ev = st["done"]
+        first = st["first"] or st["finish_s"]
+        return Completion(
+            rid=rid,
+            prompt_tokens=ev["prompt_tokens"],
+            output_ids=ev["output_ids"],
+            text=ev["text"],
+            finish_reason=ev["finish_reason"],
+            ttft_s=first - st["arrival"],
+            e2e_s=st["finish_s"] - st["arrival"],
+        )
+
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams], timeout_s: float = 600
+    ) -> list[Completion]:
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        rids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        deadline = time.monotonic() + timeout_s
+        done: dict[str, Completion] = {}
+        while len(done) < len(rids):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{len(rids) - len(done)} of {len(rids)} requests unfinished after {timeout_s}s")
+            self._check_alive()
+            self.poll(timeout=0.2)
+            for rid in rids:
+                if rid not in done and (c := self.completion(rid)) is not None:
+                    done[rid] = c
+        return [done[r] for r in rids]
+
+    def _check_alive(self) -> None:
+        dead = [p.name for p in self.procs if not p.is_alive()]
+        if dead:
+            raise RuntimeError(f"pipeline rank process died: {', '.join(dead)}")
+
+    # ------------------------------------------------------------------ shutdown
+
+    def shutdown(self, timeout_s: float = 60) -> list[RankReport]:
+        """Abort what is left, stop every rank, and return their reports (rank order)."""
+        self.inbox.put(("shutdown",))
+        reports = []
+        try:
+            for _ in self.procs:
+                reports.append(RankReport(**self.reports.get(timeout=timeout_s)))
+        finally:
+            for p in self.procs:
+                p.join(timeout=10)
+            self.kill()
+        return sorted(reports, key=lambda r: r.rank)
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+
+
+def rank_main(rank, config, pp, addr, threads, timeout_s, inbox, outbox, reports) -> None:
+    """Entry point of a rank process."""
+    from engine.pp.follower import Follower
+    from engine.pp.leader import Leader
+
+    config, pp = EngineConfig(**config), PPConfig(**pp)
+    torch.set_num_threads(threads)
+    try:
+        model = load_model(config.model, progress=False)
+        mc = model.config
+        device = resolve_device(config.device)
+        if device.type == "cuda":
+            device = torch.device("cuda", rank % torch.cuda.device_count())
+        layers = stage_ranges(mc.num_hidden_layers, pp.pp_size)[rank]
+        stage = ModelStage(mc, model.weights, layers, device, resolve_dtype(config.dtype, device))
+        pool = stage.new_kv_pool(config.total_pages, config.page_size)
+        data_group, _control_group = pp_dist.init(rank, pp.pp_size, addr, timeout_s)
+        link = pp_dist.Link(data_group)
+    except Exception as e:
+        reports.put({"rank": rank, "error": f"{type(e).__name__}: {e}"})
+        return
+    reports.put({"rank": rank, "ready": True})
+    scheduler = allocator = None
+    try:
+        if rank == 0:
+            allocator = PageAllocator(config.total_pages)
+            max_context = min(config.max_context or mc.max_position_embeddings, mc.max_position_embeddings)
+            policy = None
+            if pp.enable_dynamic_chunking:
+                from engine.profile import plan_chunks, prefill_timer
+
+                policy = plan_chunks(config, prefill_timer([stage], [pool]), max_context, progress=False)
+            scheduler = Scheduler(config, allocator, max_context, model.tokenizer, mc.eos_token_ids, policy)
+            role = Leader(stage, pool, scheduler, link, pp.pp_size, pp.pp_loop_size, inbox, outbox)
+        else:
+            role = Follower(rank, pp.pp_size, stage, pool, link)
+        log = role.run()
+        live = len(role.requests) if rank == 0 else len(role.live)
+        reports.put(
+            {
+                "rank": rank,
+                "log": [d.key() for d in log],
+                "live_requests": live,
+                "pages_used": allocator.num_used if allocator else -1,
+            }
+        )
+    except Exception as e:
+        reports.put({"rank": rank, "log": [], "live_requests": -1, "pages_used": -1, "error": repr(e)})
+        raise

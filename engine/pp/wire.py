@@ -1,0 +1,83 @@
+"""Messages rank 0 sends down the pipeline: JSON, never pickle.
+
+A message carries the decisions made since the previous message (applied by every rank
+exactly once, in order) and, for a step, the batch description that the hidden states
+sent right after it belong to.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+from engine.batch import ForwardBatch
+from engine.request import SamplingParams
+
+ADMIT, FINISH, ABORT = "admit", "finish", "abort"
+STEP, CONTROL, SHUTDOWN = "step", "control", "shutdown"
+
+
+@dataclass(frozen=True)
+class Decision:
+    seq: int  # position in the node's decision log, from 0, contiguous
+    kind: str  # ADMIT (the request exists; carries its sampling params) | FINISH | ABORT
+    rid: str
+    params: SamplingParams | None = None  # ADMIT only: the last rank samples with it
+
+    def key(self) -> tuple[int, str, str]:
+        return (self.seq, self.kind, self.rid)
+
+
+@dataclass(frozen=True)
+class Message:
+    kind: str  # STEP (a batch follows) | CONTROL (decisions only) | SHUTDOWN
+    decisions: tuple[Decision, ...]
+    batch: ForwardBatch | None = None  # STEP only; input_ids are left out (only rank 0 embeds)
+
+    def encode(self) -> bytes:
+        b = self.batch
+        return json.dumps(
+            {
+                "kind": self.kind,
+                "decisions": [[d.seq, d.kind, d.rid, asdict(d.params) if d.params else None] for d in self.decisions],
+                "batch": None
+                if b is None
+                else [list(b.rids), list(b.starts), list(b.q_lens), [list(t) for t in b.page_tables], list(b.sample)],
+            },
+            separators=(",", ":"),
+        ).encode()
+
+    @staticmethod
+    def decode(data: bytes) -> Message:
+        try:
+            raw = json.loads(data)
+            decisions = tuple(
+                Decision(int(seq), kind, str(rid), _params(params)) for seq, kind, rid, params in raw["decisions"]
+            )
+            if any(d.kind not in (ADMIT, FINISH, ABORT) for d in decisions) or raw["kind"] not in (
+                STEP,
+                CONTROL,
+                SHUTDOWN,
+            ):
+                raise ValueError("unknown message or decision kind")
+            batch = None
+            if raw["batch"] is not None:
+                rids, starts, q_lens, tables, sample = raw["batch"]
+                batch = ForwardBatch(
+                    rids=tuple(rids),
+                    starts=tuple(starts),
+                    q_lens=tuple(q_lens),
+                    page_tables=tuple(tuple(t) for t in tables),
+                    input_ids=(),
+                    sample=tuple(bool(x) for x in sample),
+                )
+            return Message(raw["kind"], decisions, batch)
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"malformed pipeline message: {e}") from None
+
+
+def _params(raw: dict | None) -> SamplingParams | None:
+    if raw is None:
+        return None
+    raw = dict(raw, stop=tuple(raw["stop"]), stop_token_ids=tuple(raw["stop_token_ids"]))
+    return SamplingParams(**raw)
