@@ -1,0 +1,39 @@
+"""Agreement across the ranks of one pipeline: a pure state machine plus a ring transport.
+
+- `types`: Stream, LocalStatus, Verdict, Decision, Report
+- `state`: RankState, one rank's local view per stream and its applied decision log
+- `wire`: RoundMsg, the one message on the ring, and its binary format
+- `roles`: Leader (rank 0) and Follower (ranks 1..P-1), the round's logic
+- `transport`: the Transport interface and an in-memory ring
+- `driver`: RingDriver, a rank's control loop step over a transport
+- `audit`, `scenario`, `simulator`, `baseline`, `explore`: checking and measuring it
+
+No torch, no sockets, no threads, no pickle; transports are passed in.
+"""
+
+from consensus.driver import RingDriver, StepResult, run_round
+from consensus.roles import Follower, Leader, make_role
+from consensus.state import RankState
+from consensus.transport import InMemoryRing, Transport
+from consensus.types import Decision, LocalStatus, ProtocolError, Report, Stream, Verdict
+from consensus.wire import RoundMsg, Tally
+
+__all__ = [
+    "Decision",
+    "Follower",
+    "InMemoryRing",
+    "Leader",
+    "LocalStatus",
+    "ProtocolError",
+    "RankState",
+    "Report",
+    "RingDriver",
+    "RoundMsg",
+    "StepResult",
+    "Stream",
+    "Tally",
+    "Transport",
+    "Verdict",
+    "make_role",
+    "run_round",
+]
