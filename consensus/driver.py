@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from consensus.roles import Follower, Leader, Role
 from consensus.transport import Transport
@@ -79,7 +79,7 @@ class RingDriver:
                 msg, report = proposal
                 started = msg.round_id
                 if self.transport is None:  # a ring of one: rank 0 is also the last rank
-                    decisions = leader.conclude(replace(msg, first_seq=msg.next_seq, decisions=()))
+                    decisions = leader.conclude(msg.without_decisions())
                     return StepResult(decisions, started, started, report, idle=not decisions)
             self.transport.send(msg.encode())
         raw = self.transport.recv(timeout)

@@ -161,9 +161,8 @@ class Follower:
             Tally(t.ready & mine_ready, t.failed | mine_failed)
             for t, mine_ready, mine_failed in zip(msg.tallies, report.ready, report.failed)
         )
-        shipped = () if self.is_last else msg.decisions
-        first_seq = msg.next_seq if self.is_last else msg.first_seq
-        return RoundMsg(msg.round_id, rank + 1, first_seq, shipped, tallies), report
+        out = RoundMsg(msg.round_id, rank + 1, msg.first_seq, msg.decisions, tallies)
+        return (out.without_decisions() if self.is_last else out), report
 
     def clone(self) -> Follower:
         twin = Follower.__new__(Follower)

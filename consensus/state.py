@@ -144,6 +144,10 @@ class RankState:
         """Every applied decision, in order (empty when keep_log is False)."""
         return tuple(self._log)
 
+    def decision(self, seq: int) -> Decision:
+        """The applied decision `seq` (needs keep_log)."""
+        return self._log[seq]
+
     @property
     def log_digest(self) -> str:
         """A digest of the applied decisions in order; equal on two ranks iff their logs are."""

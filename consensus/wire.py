@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import pairwise
 
 from consensus.types import NUM_STREAMS, Decision, Stream, Verdict
@@ -83,6 +83,10 @@ class RoundMsg:
     def next_seq(self) -> int:
         """The seq after the last decision this message carries."""
         return self.first_seq + len(self.decisions)
+
+    def without_decisions(self) -> RoundMsg:
+        """The same round with its decisions dropped, as the last rank returns it to rank 0."""
+        return replace(self, first_seq=self.next_seq, decisions=())
 
     def encode(self) -> bytes:
         out = [_HEADER.pack(MAGIC, VERSION, self.round_id, self.hops, self.first_seq, len(self.decisions), NUM_STREAMS)]
