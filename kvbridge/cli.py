@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--quiet", action="store_true", help="no progress output")
 
     bench = sub.add_parser("bench", help="run a benchmark from bench/ (prints JSON)")
-    bench.add_argument("name", choices=["engine"])
+    bench.add_argument("name", choices=["engine", "consensus", "pp"])
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own flags")
     return parser
 
@@ -163,9 +163,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from bench import engine as bench_engine
+    import importlib
 
-    return bench_engine.main(args.rest)
+    return importlib.import_module(f"bench.{args.name}").main(args.rest)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -106,3 +106,34 @@ def test_abort_storm_leaves_identical_logs_and_no_page_behind(tiny_model, hard_t
     assert kinds.count(ABORT) + kinds.count("finish") == kinds.count(ADMIT)  # every admitted rid retired once
     assert [r.live_requests for r in reports] == [0, 0, 0]
     assert reports[0].pages_used == 0
+
+
+def test_two_hosts_share_one_pipeline(tiny_model, hard_timeout):
+    """--nnodes 2: each "host" (here: a PPNode on the same machine) starts its own ranks."""
+    import threading
+
+    from engine.pp.dist import free_port
+
+    addr = f"127.0.0.1:{free_port()}"
+    config = EngineConfig(**TINY, chunked_prefill_size=16)
+    nodes = {}
+
+    def start(node_rank: int) -> None:
+        pp = PPConfig(pp_size=4, nnodes=2, node_rank=node_rank, dist_init_addr=addr)
+        nodes[node_rank] = PPNode(config, pp, progress=False)
+
+    second = threading.Thread(target=start, args=(1,))
+    second.start()
+    start(0)  # returns once every rank of the world has joined
+    second.join(timeout=60)
+    assert [p.name for p in nodes[1].procs] == ["kvbridge-pp2", "kvbridge-pp3"]
+    prompts = make_prompts(4, tiny_model.config.vocab_size, seed=23)
+    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    try:
+        got = [c.output_ids for c in nodes[0].generate(prompts, params, timeout_s=60)]
+    finally:
+        front = nodes[0].shutdown()
+        back = nodes[1].shutdown()  # its ranks stop on the pipeline's own shutdown message
+    assert got == [c.output_ids for c in make_llm(tiny_model, chunked_prefill_size=16).generate(prompts, params)]
+    assert [r.rank for r in front + back] == [0, 1, 2, 3]
+    assert all(r.log == front[0].log for r in back) and len(front[0].log) == 8

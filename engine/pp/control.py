@@ -1,0 +1,102 @@
+"""The consensus control channel of a pipeline node, on real processes.
+
+`GlooTransport` is consensus.Transport over torch.distributed on a gloo group of its own
+(so rounds never queue behind hidden states). `ControlChannel` runs a rank's
+consensus.RingDriver in a daemon thread, rounds back to back while there is something to
+agree on; the rank's loop calls `set_local` / `abort` and takes the decisions with
+`take_decisions()`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from consensus import Decision, LocalStatus, RankState, RingDriver, Stream, make_role
+
+
+class GlooTransport:
+    """One rank's ends of the control ring: length-prefixed byte payloads, async sends."""
+
+    def __init__(self, group, rank: int, pp_size: int, poll_s: float = 2e-4):
+        self.group = group
+        self.next, self.prev = (rank + 1) % pp_size, (rank - 1) % pp_size
+        self.poll_s = poll_s  # sleep between completion checks when recv has a timeout
+        self._sending: list[tuple[dist.Work, torch.Tensor]] = []  # kept alive until sent
+        self._len = torch.empty(1, dtype=torch.int64)
+        self._pending: dist.Work | None = None  # a posted receive of the next length
+
+    def send(self, payload: bytes) -> None:
+        self._sending = [(w, t) for w, t in self._sending if not w.is_completed()]
+        for t in (
+            torch.tensor([len(payload)], dtype=torch.int64),
+            torch.frombuffer(bytearray(payload), dtype=torch.uint8),
+        ):
+            self._sending.append((dist.isend(t, self.next, group=self.group), t))
+
+    def recv(self, timeout: float | None) -> bytes | None:
+        if self._pending is None:
+            self._pending = dist.irecv(self._len, self.prev, group=self.group)
+        if timeout is None:
+            self._pending.wait()
+        else:
+            deadline = time.monotonic() + timeout
+            while not self._pending.is_completed():
+                if time.monotonic() >= deadline:
+                    return None  # the receive stays posted for the next call
+                time.sleep(self.poll_s)
+        self._pending = None
+        buf = torch.empty(int(self._len.item()), dtype=torch.uint8)
+        dist.recv(buf, self.prev, group=self.group)  # the payload follows its length at once
+        return buf.numpy().tobytes()
+
+
+class ControlChannel:
+    """A rank's consensus driver in a background thread."""
+
+    def __init__(self, rank: int, pp_size: int, transport: GlooTransport | None, idle_poll_s: float = 0.002):
+        self.state = RankState(rank, pp_size)
+        self.lock = threading.Lock()
+        self.driver = RingDriver(make_role(self.state), transport, guard=self.lock)
+        self.idle_poll_s = idle_poll_s  # rank 0: pause after a round that decided nothing
+        self._wake = threading.Event()
+        self._decided: list[Decision] = []  # issued (rank 0) or applied (rank k), not yet taken
+        self._stop = False
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name=f"kvbridge-consensus{rank}", daemon=True)
+        self.thread.start()
+
+    def set_local(self, stream: Stream, rid: str, status: LocalStatus) -> None:
+        with self.lock:
+            self.state.set_local(stream, rid, status)
+        self._wake.set()
+
+    def abort(self, rid: str) -> None:
+        self.driver.abort(rid)
+        self._wake.set()
+
+    def take_decisions(self) -> list[Decision]:
+        with self.lock:
+            out, self._decided = self._decided, []
+        return out
+
+    def stop(self) -> None:
+        self._stop = True
+        self._wake.set()
+
+    def _run(self) -> None:
+        try:
+            while not self._stop:
+                result = self.driver.step(timeout=None)
+                if result.decisions:
+                    with self.lock:
+                        self._decided.extend(result.decisions)
+                elif self.state.rank == 0 and (result.idle or result.finished is not None):
+                    # nothing decided: wait for a local change, or poll the other ranks again soon
+                    self._wake.wait(self.idle_poll_s)
+                    self._wake.clear()
+        except BaseException as e:  # surfaced to the rank's loop through .error
+            self.error = e

@@ -1,0 +1,114 @@
+"""Consensus on real processes: the ring over torch.distributed gloo, in background threads.
+
+Every rank follows the same seeded schedule of local readiness flips, failures (one rank
+each) and aborts, at real times; the test checks the decision logs the ranks applied.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import random
+import time
+
+import pytest
+import torch.multiprocessing as mp
+
+from consensus import LocalStatus, Stream, Verdict
+from engine.pp import dist as pp_dist
+from engine.pp.control import ControlChannel, GlooTransport
+
+STREAMS = (Stream.DECODE_PREALLOCATED, Stream.DECODE_TRANSFERRED)
+
+
+def make_schedule(seed: int, pp_size: int, num_rids: int = 40):
+    """(time_s, rank, action, stream, rid): registrations, READY flips, FAILED on one rank, aborts."""
+    rng = random.Random(seed)
+    events, fate = [], {}
+    for i in range(num_rids):
+        rid, stream = f"r{i}", STREAMS[i % 2]
+        born = rng.uniform(0, 0.3)
+        failing_rank = rng.randrange(pp_size) if rng.random() < 0.25 else None
+        for rank in range(pp_size):
+            events.append((born, rank, "pending", stream, rid))
+            t = born + rng.uniform(0, 0.3)
+            events.append((t, rank, "failed" if rank == failing_rank else "ready", stream, rid))
+        fate[rid] = (stream, Verdict.FAILED if failing_rank is not None else Verdict.READY)
+    for rid in rng.sample(sorted(fate), 5):
+        events.append((rng.uniform(0, 0.6), 0, "abort", None, rid))
+    return sorted(events, key=lambda e: e[0]), fate
+
+
+def rank_main(rank, pp_size, addr, seed, out, stop):
+    _, control_group = pp_dist.init(rank, pp_size, addr, timeout_s=60)
+    chan = ControlChannel(rank, pp_size, GlooTransport(control_group, rank, pp_size))
+    events, _ = make_schedule(seed, pp_size)
+    t0 = time.monotonic()
+    status = {"pending": LocalStatus.PENDING, "ready": LocalStatus.READY, "failed": LocalStatus.FAILED}
+    for t, r, action, stream, rid in events:
+        if r != rank:
+            continue
+        time.sleep(max(0.0, t0 + t - time.monotonic()))
+        if action == "abort":
+            chan.abort(rid)
+        else:
+            chan.set_local(stream, rid, status[action])
+    if rank == 0:  # quiescent: nothing live, nothing left to ship, no round on the ring
+        leader = chan.driver.role
+        while chan.state.num_live or leader.num_unshipped or leader.round_in_flight is not None:
+            assert chan.error is None, chan.error
+            time.sleep(0.01)
+    else:
+        stop.wait(60)
+    with chan.lock:
+        log = [(d.seq, None if d.stream is None else int(d.stream), d.rid, int(d.verdict)) for d in chan.state.log]
+        out.put(
+            {"rank": rank, "log": log, "live": chan.state.num_live, "error": repr(chan.error) if chan.error else ""}
+        )
+    stop.wait(60)
+
+
+@pytest.mark.parametrize("pp_size", [2, 3])
+def test_gloo_ring_ranks_apply_one_valid_log(pp_size):
+    faulthandler.dump_traceback_later(120, exit=True)
+    seed = 100 + pp_size
+    ctx = mp.get_context("spawn")
+    out, stop = ctx.Queue(), ctx.Event()
+    addr = f"127.0.0.1:{pp_dist.free_port()}"
+    procs = [
+        ctx.Process(target=rank_main, args=(r, pp_size, addr, seed, out, stop), daemon=True) for r in range(pp_size)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        first = out.get(timeout=60)  # rank 0 reports once quiescent
+        stop.set()
+        reports = sorted([first] + [out.get(timeout=30) for _ in range(pp_size - 1)], key=lambda r: r["rank"])
+    finally:
+        stop.set()
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+        faulthandler.cancel_dump_traceback_later()
+    assert [r["error"] for r in reports] == [""] * pp_size
+    assert [r["live"] for r in reports] == [0] * pp_size  # no orphan on any rank
+    log = reports[0]["log"]
+    assert all(r["log"] == log for r in reports)  # agreement
+    assert [seq for seq, *_ in log] == list(range(len(log)))  # ordered, exactly once
+    _, fate = make_schedule(seed, pp_size)
+    verdicts: dict[str, tuple] = {}  # rid -> (stream, verdict) of its first decision
+    terminal = set()
+    for _, stream, rid, verdict in log:
+        assert rid not in terminal, f"{rid} decided after it was failed or aborted"
+        if verdict in (Verdict.FAILED, Verdict.ABORTED):
+            terminal.add(rid)
+        else:  # READY moves it on in its stream; only an abort may follow
+            assert rid not in verdicts, f"{rid} ready twice"
+        verdicts.setdefault(rid, (stream, verdict))
+    assert set(verdicts) == set(fate)  # liveness: every rid decided
+    for rid, (stream, verdict) in fate.items():
+        got_stream, got = verdicts[rid]
+        # validity: READY only if all ranks were ready; FAILED when one rank failed; or aborted first
+        assert got == Verdict.ABORTED or (got == verdict and got_stream == stream), (rid, got, verdict)
+    assert any(v == Verdict.READY for _, v in verdicts.values())
+    assert any(v == Verdict.FAILED for _, v in verdicts.values())
