@@ -19,14 +19,20 @@ class KVPool:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        buffer: torch.Tensor | None = None,
     ):
+        """buffer: memory to lay the pool over (e.g. a shared-memory segment), of the pool's
+        exact shape and dtype; None = fresh zeroed memory."""
         self.layer_start, self.layer_end = layer_range
         self.page_size = page_size
-        self.buffer = torch.zeros(
-            (num_pages, self.layer_end - self.layer_start, 2, page_size, num_kv_heads, head_dim),
-            dtype=dtype,
-            device=device,
-        )
+        shape = (num_pages, self.layer_end - self.layer_start, 2, page_size, num_kv_heads, head_dim)
+        if buffer is None:
+            buffer = torch.zeros(shape, dtype=dtype, device=device)
+        elif tuple(buffer.shape) != shape or buffer.dtype != dtype or not buffer.is_contiguous():
+            raise ValueError(
+                f"pool buffer is {tuple(buffer.shape)} {buffer.dtype}; expected contiguous {shape} {dtype}"
+            )
+        self.buffer = buffer
 
         # [num_pages * num_layers, page block]: row p * num_layers + l is page p of layer l, contiguous
         self._rows = self.buffer.view(num_pages * (self.layer_end - self.layer_start), -1)

@@ -1,0 +1,1 @@
+"""Generated protobuf and gRPC code (scripts/gen_proto.py); import only from thin adapters."""

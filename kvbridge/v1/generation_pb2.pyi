@@ -1,0 +1,70 @@
+from kvbridge.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class PrefillRoute(_message.Message):
+    __slots__ = ("room", "prefill_addr")
+    ROOM_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_ADDR_FIELD_NUMBER: _ClassVar[int]
+    room: int
+    prefill_addr: str
+    def __init__(self, room: _Optional[int] = ..., prefill_addr: _Optional[str] = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("rid", "prompt", "sampling", "prefill")
+    RID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
+    rid: str
+    prompt: _common_pb2.Prompt
+    sampling: _common_pb2.SamplingParams
+    prefill: PrefillRoute
+    def __init__(self, rid: _Optional[str] = ..., prompt: _Optional[_Union[_common_pb2.Prompt, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prefill: _Optional[_Union[PrefillRoute, _Mapping]] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("rid", "token_ids", "text", "finish_reason", "usage", "transfer")
+    RID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_FIELD_NUMBER: _ClassVar[int]
+    rid: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    text: str
+    finish_reason: str
+    usage: _common_pb2.Usage
+    transfer: TransferStats
+    def __init__(self, rid: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., transfer: _Optional[_Union[TransferStats, _Mapping]] = ...) -> None: ...
+
+class TransferStats(_message.Message):
+    __slots__ = ("backend", "kv_bytes", "seconds")
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    backend: str
+    kv_bytes: int
+    seconds: float
+    def __init__(self, backend: _Optional[str] = ..., kv_bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class GetModelInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ModelInfo(_message.Message):
+    __slots__ = ("model", "fingerprint", "max_context", "role")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    fingerprint: str
+    max_context: int
+    role: str
+    def __init__(self, model: _Optional[str] = ..., fingerprint: _Optional[str] = ..., max_context: _Optional[int] = ..., role: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,57 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable
+from typing import ClassVar as _ClassVar, Optional as _Optional
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class PageChunk(_message.Message):
+    __slots__ = ("room", "src_rank", "layer_start", "layer_end", "page_ids", "data")
+    ROOM_FIELD_NUMBER: _ClassVar[int]
+    SRC_RANK_FIELD_NUMBER: _ClassVar[int]
+    LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    LAYER_END_FIELD_NUMBER: _ClassVar[int]
+    PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    room: int
+    src_rank: int
+    layer_start: int
+    layer_end: int
+    page_ids: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    def __init__(self, room: _Optional[int] = ..., src_rank: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., page_ids: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class TransferNotice(_message.Message):
+    __slots__ = ("room", "src_rank", "layer_start", "layer_end", "num_tokens", "bytes", "error")
+    ROOM_FIELD_NUMBER: _ClassVar[int]
+    SRC_RANK_FIELD_NUMBER: _ClassVar[int]
+    LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    LAYER_END_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    room: int
+    src_rank: int
+    layer_start: int
+    layer_end: int
+    num_tokens: int
+    bytes: int
+    error: str
+    def __init__(self, room: _Optional[int] = ..., src_rank: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_tokens: _Optional[int] = ..., bytes: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
+
+class FirstTokenNotice(_message.Message):
+    __slots__ = ("room", "token", "prompt_tokens")
+    ROOM_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    room: int
+    token: int
+    prompt_tokens: int
+    def __init__(self, room: _Optional[int] = ..., token: _Optional[int] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
+
+class TransferAck(_message.Message):
+    __slots__ = ("bytes",)
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    bytes: int
+    def __init__(self, bytes: _Optional[int] = ...) -> None: ...
