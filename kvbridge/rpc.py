@@ -1,7 +1,8 @@
 """Every gRPC server and channel of kvbridge is made here, so that TLS and token
 authentication (planned) land in one place. Servers get health checking and reflection.
 
-    server, port = make_server("127.0.0.1", 0, [(add_GenerationServicer_to_server, servicer)], ["kvbridge.v1.Generation"])
+    server, port, health = make_server("127.0.0.1", 0, [(add_GenerationServicer_to_server, servicer)],
+                                       ["kvbridge.v1.Generation"])
     server.start()
     channel = make_channel(f"127.0.0.1:{port}")
 """
