@@ -83,6 +83,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt")
     gen.add_argument("--quiet", action="store_true", help="no progress output")
 
+    serve = sub.add_parser("serve", help="a colocated node (prefill and decode in one pipeline) serving Generation")
+    add_config_flags(serve, EngineConfig)
+    add_config_flags(serve, PPConfig)
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=0, help="gRPC port (0: a free one, printed when ready)")
+    serve.add_argument("--quiet", action="store_true", help="no progress output")
+
     bench = sub.add_parser("bench", help="run a benchmark from bench/ (prints JSON)")
     bench.add_argument("name", choices=["engine", "consensus", "pp"])
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own flags")
@@ -162,6 +169,38 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def wait_for_signal() -> None:
+    """Block until SIGINT or SIGTERM."""
+    import signal
+    import threading
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from engine.pp.node import PPNode
+    from engine.service import ServingNode
+
+    if not 0 <= args.port < 65536:
+        raise UsageError(f"--port must be in [0, 65535], got {args.port}")
+    try:
+        node = PPNode(from_flags(EngineConfig, args), from_flags(PPConfig, args), progress=not args.quiet)
+    except (ValueError, FileNotFoundError) as e:
+        raise UsageError(str(e)) from None
+    try:
+        serving = ServingNode(node, args.host, args.port)
+    except ValueError as e:
+        node.shutdown()
+        raise UsageError(str(e)) from None
+    print(f"kvbridge serve: listening on {serving.address}", file=sys.stderr, flush=True)
+    wait_for_signal()
+    serving.stop()
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     import importlib
 
@@ -171,7 +210,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return {"generate": cmd_generate, "bench": cmd_bench}[args.command](args)
+        return {"generate": cmd_generate, "serve": cmd_serve, "bench": cmd_bench}[args.command](args)
     except UsageError as e:
         print(f"kvbridge {args.command}: error: {e}", file=sys.stderr)
         return 2

@@ -23,6 +23,7 @@ from engine.pages import PageTable
 from engine.pp.dist import Link
 from engine.pp.wire import ABORT, ADMIT, CONTROL, FINISH, SHUTDOWN, STEP, Decision, Message
 from engine.request import Request, SamplingParams
+from engine.sampler import sample
 from engine.scheduler import ScheduledStep, Scheduler
 
 
@@ -47,6 +48,15 @@ class Leader:
         self.log: list[Decision] = []  # every decision this node made, in order
         self._unsent: list[Decision] = []  # made but not yet sent down the pipeline
         self.stopping = False
+        self.served = 0  # requests retired (any outcome) since start
+        # the role, bound once: a pipeline of one rank samples here instead of on rank P-1
+        if pp_size == 1:
+            self._sampled: deque[list[int]] = deque()
+            self._send, self._send_hidden, self._recv_tokens = _drop, self._sample_here, self._take_sampled
+        else:
+            self._send = self._send_down
+            self._send_hidden = self._send_hidden_down
+            self._recv_tokens = self._recv_from_last
 
     # ------------------------------------------------------------------ loop
 
@@ -60,10 +70,10 @@ class Leader:
             if step is not None:
                 self._launch(step)
             elif self._unsent:
-                self.link.send_bytes(Message(CONTROL, self._take_unsent()).encode(), 1)
+                self._send(Message(CONTROL, self._take_unsent()))
             if self.inflight and (len(self.inflight) >= self.loop_size or step is None):
                 self._complete_oldest()
-        self.link.send_bytes(Message(SHUTDOWN, self._take_unsent()).encode(), 1)
+        self._send(Message(SHUTDOWN, self._take_unsent()))
         self.link.flush()
         return self.log
 
@@ -76,16 +86,15 @@ class Leader:
             if not req.announced:
                 req.announced = True
                 self._decide(ADMIT, req.rid, req.params)
-        self.link.send_bytes(Message(STEP, self._take_unsent(), step.batch).encode(), 1)
+        self._send(Message(STEP, self._take_unsent(), step.batch))
         meta = AttentionMetadata.build(step.batch, self.pool.page_size, self.stage.device)
         ids = torch.tensor(step.batch.input_ids, dtype=torch.long, device=self.stage.device)
-        self.link.send_tensor(self.stage.forward(meta, ids, self.pool), 1)
+        self._send_hidden(step, self.stage.forward(meta, ids, self.pool))
         self.inflight.append(step)
 
     def _complete_oldest(self) -> None:
         step = self.inflight.popleft()
-        # [count, token...]: a header, so that a step that samples nothing still answers
-        out = self.link.recv_tensor((len(step.sampled) + 1,), torch.int64, self.last_rank).tolist()
+        out = self._recv_tokens(step)
         assert out[0] == len(step.sampled), f"last rank sampled {out[0]} rows, expected {len(step.sampled)}"
         live = [not req.finished for req in step.sampled]  # aborted ones drop their token
         finished = self.scheduler.postprocess(step, out[1:])
@@ -94,6 +103,24 @@ class Leader:
                 self.outbox.put(_token_event(req, tok))
         for req in finished:
             self._retire(req, FINISH)
+
+    # ------------------------------------------------------------------ the pipeline
+
+    def _send_down(self, msg: Message) -> None:
+        self.link.send_bytes(msg.encode(), 1)
+
+    def _send_hidden_down(self, step: ScheduledStep, hidden: torch.Tensor) -> None:
+        self.link.send_tensor(hidden, 1)
+
+    def _recv_from_last(self, step: ScheduledStep) -> list[int]:
+        # [count, token...]: a header, so that a step that samples nothing still answers
+        return self.link.recv_tensor((len(step.sampled) + 1,), torch.int64, self.last_rank).tolist()
+
+    def _sample_here(self, step: ScheduledStep, logits: torch.Tensor) -> None:
+        self._sampled.append([len(step.sampled), *sample(logits, step.sampled)])
+
+    def _take_sampled(self, step: ScheduledStep) -> list[int]:
+        return self._sampled.popleft()
 
     # ------------------------------------------------------------------ inputs
 
@@ -122,14 +149,33 @@ class Leader:
                 self.scheduler.finish(req, "abort")
                 req.finish_s = time.perf_counter()
                 self._retire(req, ABORT)
+        elif op == "status":
+            self.outbox.put(self.status(msg[1]))
         elif op == "shutdown":
             self.stopping = True
             for req in list(self.requests.values()):
                 self.scheduler.finish(req, "abort")
                 self._retire(req, ABORT)
 
+    def status(self, token: int) -> dict:
+        alloc = self.scheduler.allocator
+        return {
+            "event": "status",
+            "rid": "",
+            "token": token,
+            "pages_used": alloc.num_used,
+            "pages_total": alloc.num_pages,
+            "queues": {
+                "waiting": len(self.scheduler.waiting),
+                "running": len(self.scheduler.running),
+                "inflight_microbatches": len(self.inflight),
+            },
+            "served": self.served,
+        }
+
     def _retire(self, req: Request, kind: str) -> None:
         del self.requests[req.rid]
+        self.served += 1
         if req.announced:
             self._decide(kind, req.rid)
         self.outbox.put(_finish_event(req))
@@ -157,3 +203,7 @@ def _finish_event(req: Request) -> dict:
         "text": req.text,
         "prompt_tokens": len(req.prompt_ids),
     }
+
+
+def _drop(msg: Message) -> None:
+    """A pipeline of one rank has nobody to send to."""

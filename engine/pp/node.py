@@ -91,7 +91,7 @@ class PPNode:
         vocab = self.model.config.vocab_size
         if not prompt_ids:
             raise ValueError("prompt is empty")
-        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        bad = [t for t in prompt_ids if not (isinstance(t, int) and 0 <= t < vocab)]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is out of range [0, {vocab})")
         if len(prompt_ids) >= self.max_context:

@@ -1,0 +1,142 @@
+"""A colocated node over gRPC: same tokens as the engine, clear errors, nothing left behind."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from engine.config import EngineConfig, PPConfig
+from engine.request import SamplingParams
+from engine.service import start_colocated
+from kvbridge import rpc
+from kvbridge.v1 import admin_pb2, admin_pb2_grpc, common_pb2, generation_pb2, generation_pb2_grpc
+from tests.conftest import make_llm, make_prompts
+
+TINY = EngineConfig(model="tiny-random", page_size=4, kv_cache_tokens=8192, chunked_prefill_size=16)
+
+
+@pytest.fixture(scope="module")
+def node():
+    serving = start_colocated(TINY, PPConfig(pp_size=2))
+    yield serving
+    serving.stop()
+
+
+@pytest.fixture(scope="module")
+def stubs(node):
+    channel = rpc.make_channel(node.address)
+    return generation_pb2_grpc.GenerationStub(channel), admin_pb2_grpc.AdminStub(channel), channel
+
+
+def generate(stub, ids, **sampling) -> tuple[list[int], list[generation_pb2.GenerateResponse]]:
+    req = generation_pb2.GenerateRequest(
+        prompt=common_pb2.Prompt(token_ids=common_pb2.TokenIds(ids=ids)),
+        sampling=common_pb2.SamplingParams(**sampling),
+    )
+    responses = list(stub.Generate(req, timeout=60))
+    return [t for r in responses for t in r.token_ids], responses
+
+
+def status(admin) -> admin_pb2.Status:
+    return admin.GetStatus(admin_pb2.GetStatusRequest(), timeout=10)
+
+
+def test_generate_streams_the_engine_tokens(tiny_model, stubs):
+    gen, admin, _ = stubs
+    prompts = make_prompts(3, tiny_model.config.vocab_size, seed=31)
+    expected = make_llm(tiny_model, chunked_prefill_size=16).generate(
+        prompts, SamplingParams(max_new_tokens=9, ignore_eos=True)
+    )
+    for prompt, want in zip(prompts, expected):
+        ids, responses = generate(gen, prompt, max_new_tokens=9, ignore_eos=True)
+        assert ids == want.output_ids
+        assert [len(r.token_ids) for r in responses] == [1] * 9 + [0]  # one token per message, then the end
+        last = responses[-1]
+        assert last.finish_reason == "length" and last.usage.prompt_tokens == len(prompt)
+        assert last.usage.completion_tokens == 9
+    st = status(admin)
+    assert st.role == "colocated" and st.pp_size == 2 and [r.alive for r in st.ranks] == [True, True]
+    assert [r.kv_pages_used for r in st.ranks] == [0, 0] and st.ranks[0].kv_pages_total == 2048
+
+
+@pytest.mark.parametrize(
+    ("prompt", "sampling", "message"),
+    [
+        (common_pb2.Prompt(token_ids=common_pb2.TokenIds(ids=[5, 999])), {}, "token id 999 is out of range"),
+        (common_pb2.Prompt(), {}, "prompt is empty"),
+        (common_pb2.Prompt(text="hi"), {"temperature": -1.0}, "temperature must be >= 0, got -1.0"),
+        (common_pb2.Prompt(text="hi"), {"top_p": 1.5}, "top_p must be in (0, 1], got 1.5"),
+        (common_pb2.Prompt(text="x" * 5000), {}, "5000 tokens; the context holds 4096"),
+        (
+            common_pb2.Prompt(chat=common_pb2.ChatMessages(messages=[common_pb2.ChatMessage(role="robot")])),
+            {},
+            "role must be system, user or assistant, got 'robot'",
+        ),
+    ],
+)
+def test_bad_requests_get_invalid_argument_and_the_node_keeps_serving(stubs, prompt, sampling, message):
+    gen, admin, _ = stubs
+    req = generation_pb2.GenerateRequest(prompt=prompt, sampling=common_pb2.SamplingParams(**sampling))
+    with pytest.raises(grpc.RpcError) as err:
+        list(gen.Generate(req, timeout=30))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert message in err.value.details()
+    assert generate(gen, [5, 6, 7], max_new_tokens=2)[0]  # still serving
+    assert status(admin).ranks[0].kv_pages_used == 0
+
+
+def test_client_cancel_aborts_the_request_and_frees_its_pages(stubs):
+    gen, admin, _ = stubs
+    served = status(admin).requests_served
+    req = generation_pb2.GenerateRequest(
+        prompt=common_pb2.Prompt(token_ids=common_pb2.TokenIds(ids=list(range(5, 200)))),
+        sampling=common_pb2.SamplingParams(max_new_tokens=4000, ignore_eos=True),
+    )
+    call = gen.Generate(req, timeout=60)
+    next(call)
+    next(call)
+    call.cancel()
+    deadline = time.monotonic() + 20
+    while (st := status(admin)).requests_served == served and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert st.requests_served == served + 1
+    assert st.ranks[0].kv_pages_used == 0 and st.queues["running"] == 0 and st.queues["waiting"] == 0
+
+
+def test_health_and_reflection_are_served(stubs):
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    _, _, channel = stubs
+    health = health_pb2_grpc.HealthStub(channel)
+    for service in ("", "kvbridge.v1.Generation", "kvbridge.v1.Admin"):
+        resp = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+        assert resp.status == health_pb2.HealthCheckResponse.SERVING
+    refl = reflection_pb2_grpc.ServerReflectionStub(channel)
+    [resp] = list(
+        refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5)
+    )
+    names = {s.name for s in resp.list_services_response.service}
+    assert {"kvbridge.v1.Generation", "kvbridge.v1.Admin", "grpc.health.v1.Health"} <= names
+
+
+def test_serve_command_prints_its_port_and_stops_on_sigterm():
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvbridge", "serve", "--model", "tiny-random", "--port", "0", "--quiet"],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = proc.stderr.readline()
+        assert line.startswith("kvbridge serve: listening on 127.0.0.1:"), line
+        port = int(line.rsplit(":", 1)[1])
+        gen = generation_pb2_grpc.GenerationStub(rpc.make_channel(f"127.0.0.1:{port}"))
+        assert len(generate(gen, [1, 2, 3], max_new_tokens=3, ignore_eos=True)[0]) == 3
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0
+    finally:
+        proc.kill()
