@@ -6,8 +6,6 @@ import os
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from engine.pages import PageTable
 
 
@@ -52,12 +50,11 @@ class Request:
     arrival_s: float = field(default_factory=time.perf_counter)
     first_token_s: float | None = None
     finish_s: float | None = None
-    generator: torch.Generator | None = None
+    seed: int = 0  # the sampling seed: params.seed, or a random one drawn at creation
+    num_sampled: int = 0  # tokens sampled for this request so far (where sampling starts: see sampler.py)
 
     def __post_init__(self) -> None:
-        if not self.params.greedy:
-            seed = self.params.seed if self.params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
-            self.generator = torch.Generator().manual_seed(seed)
+        self.seed = self.params.seed if self.params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
 
     @property
     def all_ids(self) -> list[int]:

@@ -1,4 +1,10 @@
-"""Next-token sampling: greedy, temperature, top-k, top-p; one generator per request."""
+"""Next-token sampling: greedy, temperature, top-k, top-p.
+
+The randomness of a request's n-th token comes from (seed, n) alone, not from a
+generator's running state, so the same seeded request samples the same tokens alone or
+batched, on one process or a pipeline, and when its first token is sampled by a prefill
+node and the rest by a decode node.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +19,13 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
     for i, req in enumerate(requests):
         if not req.params.greedy:
             tokens[i] = _sample_row(logits[i], req)
+        req.num_sampled += 1
     return tokens
+
+
+def token_generator(seed: int, index: int) -> torch.Generator:
+    mixed = (seed ^ (index * 0x9E3779B97F4A7C15)) & ((1 << 63) - 1)
+    return torch.Generator().manual_seed(mixed)
 
 
 def _sample_row(logits: torch.Tensor, req: Request) -> int:
@@ -29,4 +41,4 @@ def _sample_row(logits: torch.Tensor, req: Request) -> int:
         drop = sorted_probs.cumsum(0) - sorted_probs >= p.top_p
         sorted_probs[drop] = 0
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    return int(torch.multinomial(probs, 1, generator=req.generator).item())
+    return int(torch.multinomial(probs, 1, generator=token_generator(req.seed, req.num_sampled)).item())

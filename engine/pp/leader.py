@@ -13,6 +13,7 @@ import math
 import queue
 import time
 from collections import deque
+from dataclasses import replace
 
 import torch
 
@@ -85,7 +86,7 @@ class Leader:
         for req in step.requests:
             if not req.announced:
                 req.announced = True
-                self._decide(ADMIT, req.rid, req.params)
+                self._decide(ADMIT, req.rid, replace(req.params, seed=req.seed))
         self._send(Message(STEP, self._take_unsent(), step.batch))
         meta = AttentionMetadata.build(step.batch, self.pool.page_size, self.stage.device)
         ids = torch.tensor(step.batch.input_ids, dtype=torch.long, device=self.stage.device)
