@@ -13,15 +13,19 @@ import torch
 from engine.batch import AttentionMetadata
 from engine.kv_pool import KVPool
 from engine.model import ModelStage
+from engine.pp.agent import KVAgent
 from engine.pp.dist import Link
-from engine.pp.wire import ADMIT, SHUTDOWN, STEP, Decision, Message
+from engine.pp.wire import ADMIT, ROUTE, SHUTDOWN, STEP, Decision, Message
 from engine.request import Request
 from engine.sampler import sample
 
 
 class Follower:
-    def __init__(self, rank: int, pp_size: int, stage: ModelStage, pool: KVPool, link: Link):
+    def __init__(
+        self, rank: int, pp_size: int, stage: ModelStage, pool: KVPool, link: Link, agent: KVAgent | None = None
+    ):
         self.rank, self.stage, self.pool, self.link = rank, stage, pool, link
+        self.agent = agent or KVAgent()
         self.prev = rank - 1
         self.is_last = rank == pp_size - 1
         self.emit = self._return_tokens if self.is_last else self._forward
@@ -39,7 +43,9 @@ class Follower:
                 hidden = self.link.recv_tensor(
                     (b.num_tokens, self.stage.config.hidden_size), self.stage.dtype, self.prev
                 )
-                self.emit(raw, msg, meta, self.stage.forward(meta, hidden, self.pool))
+                out = self.stage.forward(meta, hidden, self.pool)
+                self.agent.after_forward(b)
+                self.emit(raw, msg, meta, out)
             elif not self.is_last:
                 self.link.send_bytes(raw, self.rank + 1)
             if msg.kind == SHUTDOWN:
@@ -51,9 +57,11 @@ class Follower:
             assert d.seq == len(self.log), f"rank {self.rank}: decision {d.seq} arrived, expected {len(self.log)}"
             self.log.append(d)
             if d.kind == ADMIT:
-                self.live[d.rid] = Request(d.rid, [], d.params, None)
-            else:
+                self.live[d.rid] = req = Request(d.rid, [], d.params, None)
+                req.num_sampled = (d.info or {}).get("first_sample_index", 0)
+            elif d.kind != ROUTE:
                 del self.live[d.rid]
+            self.agent.on_decision(d)
 
     def _forward(self, raw: bytes, msg: Message, meta: AttentionMetadata, hidden: torch.Tensor) -> None:
         self.link.send_bytes(raw, self.rank + 1)

@@ -21,6 +21,7 @@ from engine.batch import AttentionMetadata
 from engine.kv_pool import KVPool
 from engine.model import ModelStage
 from engine.pages import PageTable
+from engine.pp.agent import KVAgent
 from engine.pp.dist import Link
 from engine.pp.wire import ABORT, ADMIT, CONTROL, FINISH, SHUTDOWN, STEP, Decision, Message
 from engine.request import Request, SamplingParams
@@ -39,8 +40,10 @@ class Leader:
         pp_loop_size: int,
         inbox,
         outbox,
+        agent: KVAgent | None = None,
     ):
         self.stage, self.pool, self.scheduler, self.link = stage, pool, scheduler, link
+        self.agent = agent or KVAgent()  # rank 0 holds layers too: it moves their KV like any rank
         self.pp_size, self.loop_size = pp_size, pp_loop_size
         self.last_rank = pp_size - 1
         self.inbox, self.outbox = inbox, outbox
@@ -90,7 +93,9 @@ class Leader:
         self._send(Message(STEP, self._take_unsent(), step.batch))
         meta = AttentionMetadata.build(step.batch, self.pool.page_size, self.stage.device)
         ids = torch.tensor(step.batch.input_ids, dtype=torch.long, device=self.stage.device)
-        self._send_hidden(step, self.stage.forward(meta, ids, self.pool))
+        hidden = self.stage.forward(meta, ids, self.pool)
+        self.agent.after_forward(step.batch)
+        self._send_hidden(step, hidden)
         self.inflight.append(step)
 
     def _complete_oldest(self) -> None:
@@ -181,10 +186,11 @@ class Leader:
             self._decide(kind, req.rid)
         self.outbox.put(_finish_event(req))
 
-    def _decide(self, kind: str, rid: str, params: SamplingParams | None = None) -> None:
-        d = Decision(len(self.log), kind, rid, params)
+    def _decide(self, kind: str, rid: str, params: SamplingParams | None = None, info: dict | None = None) -> None:
+        d = Decision(len(self.log), kind, rid, params, info)
         self.log.append(d)
         self._unsent.append(d)
+        self.agent.on_decision(d)
 
     def _take_unsent(self) -> tuple[Decision, ...]:
         out, self._unsent = tuple(self._unsent), []

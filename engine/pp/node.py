@@ -11,16 +11,19 @@ each host starts its own share of the ranks; the host with rank 0 is the front.
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import os
 import queue
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.multiprocessing as mp
 
 from engine.config import EngineConfig, PPConfig
+from engine.kv_pool import KVPool
 from engine.llm import Completion, resolve_device, resolve_dtype
 from engine.model import ModelStage, stage_ranges
 from engine.pages import PageAllocator
@@ -28,7 +31,7 @@ from engine.pp import dist as pp_dist
 from engine.progress import Progress
 from engine.request import SamplingParams
 from engine.scheduler import Scheduler
-from engine.weights import load_model
+from engine.weights import LoadedModel, load_model
 
 
 @dataclass(frozen=True)
@@ -41,8 +44,17 @@ class RankReport:
 
 
 class PPNode:
-    def __init__(self, config: EngineConfig, pp: PPConfig, progress: bool = True, timeout_s: float = 120.0):
+    def __init__(
+        self,
+        config: EngineConfig,
+        pp: PPConfig,
+        progress: bool = True,
+        timeout_s: float = 120.0,
+        role: str = "engine.pp.node:colocated_role",
+        role_args: dict | None = None,
+    ):
         self.config, self.pp = config, pp
+        self.endpoints: dict[int, dict] = {}  # rank -> what its role published when ready
         self.model = load_model(config.model, progress=progress)  # warms the weight cache for the ranks
         mc = self.model.config
         self.max_context = min(config.max_context or mc.max_position_embeddings, mc.max_position_embeddings)
@@ -55,6 +67,7 @@ class PPNode:
                 target=rank_main,
                 args=(
                     rank,
+                    role,
                     asdict(config),
                     asdict(pp),
                     addr,
@@ -63,6 +76,7 @@ class PPNode:
                     self.inbox,
                     self.outbox,
                     self.reports,
+                    role_args or {},
                 ),
                 name=f"kvbridge-pp{rank}",
                 daemon=True,
@@ -83,6 +97,7 @@ class PPNode:
                 if msg.get("error"):
                     self.kill()
                     raise RuntimeError(f"pipeline rank {msg['rank']} failed to start: {msg['error']}")
+                self.endpoints[msg["rank"]] = msg.get("endpoint", {})
                 bar.advance()
 
     # ------------------------------------------------------------------ requests
@@ -192,52 +207,87 @@ class PPNode:
                 p.join(timeout=5)
 
 
-def rank_main(rank, config, pp, addr, threads, timeout_s, inbox, outbox, reports) -> None:
-    """Entry point of a rank process."""
+@dataclass
+class RankContext:
+    """What a rank process has when its role is built (see `colocated_role`)."""
+
+    rank: int
+    config: EngineConfig
+    pp: PPConfig
+    model: LoadedModel
+    stage: ModelStage  # this rank's layers
+    data_group: object  # torch.distributed group for descriptions, hidden states, tokens
+    control_group: object  # torch.distributed group for consensus rounds
+    inbox: object  # rank 0: requests from the front
+    outbox: object  # rank 0: events to the front
+    role_args: dict  # role-specific settings from the front
+
+    @property
+    def max_context(self) -> int:
+        mc = self.model.config
+        return min(self.config.max_context or mc.max_position_embeddings, mc.max_position_embeddings)
+
+    def make_scheduler(self, pool: KVPool, scheduler_cls=Scheduler) -> Scheduler:
+        """Rank 0's scheduler, with the dynamic chunk planner when asked for (profiles now)."""
+        policy = None
+        if self.pp.enable_dynamic_chunking:
+            from engine.profile import plan_chunks, prefill_timer
+
+            policy = plan_chunks(self.config, prefill_timer([self.stage], [pool]), self.max_context, progress=False)
+        mc = self.model.config
+        allocator = PageAllocator(self.config.total_pages)
+        return scheduler_cls(self.config, allocator, self.max_context, self.model.tokenizer, mc.eos_token_ids, policy)
+
+
+@dataclass
+class RankRole:
+    """A built role: the loop to run, and what the front learns when the rank is ready."""
+
+    loop: object  # has run() -> list[Decision]; rank 0 also .requests and .scheduler
+    endpoint: dict = field(default_factory=dict)  # e.g. a decode rank's receiver address
+    close: Callable[[], None] = lambda: None  # frees what the role holds (shared memory, servers)
+
+
+def colocated_role(ctx: RankContext) -> RankRole:
     from engine.pp.follower import Follower
     from engine.pp.leader import Leader
 
+    pool = ctx.stage.new_kv_pool(ctx.config.total_pages, ctx.config.page_size)
+    link = pp_dist.Link(ctx.data_group)
+    if ctx.rank == 0:
+        scheduler = ctx.make_scheduler(pool)
+        return RankRole(
+            Leader(ctx.stage, pool, scheduler, link, ctx.pp.pp_size, ctx.pp.pp_loop_size, ctx.inbox, ctx.outbox)
+        )
+    return RankRole(Follower(ctx.rank, ctx.pp.pp_size, ctx.stage, pool, link))
+
+
+def rank_main(rank, role, config, pp, addr, threads, timeout_s, inbox, outbox, reports, role_args) -> None:
+    """Entry point of a rank process. `role`: "module:function" building its RankRole."""
     config, pp = EngineConfig(**config), PPConfig(**pp)
     torch.set_num_threads(threads)
     try:
         model = load_model(config.model, progress=False)
-        mc = model.config
         device = resolve_device(config.device)
         if device.type == "cuda":
             device = torch.device("cuda", rank % torch.cuda.device_count())
-        layers = stage_ranges(mc.num_hidden_layers, pp.pp_size)[rank]
-        stage = ModelStage(mc, model.weights, layers, device, resolve_dtype(config.dtype, device))
-        pool = stage.new_kv_pool(config.total_pages, config.page_size)
-        data_group, _control_group = pp_dist.init(rank, pp.pp_size, addr, timeout_s)
-        link = pp_dist.Link(data_group)
+        layers = stage_ranges(model.config.num_hidden_layers, pp.pp_size)[rank]
+        stage = ModelStage(model.config, model.weights, layers, device, resolve_dtype(config.dtype, device))
+        data_group, control_group = pp_dist.init(rank, pp.pp_size, addr, timeout_s)
+        ctx = RankContext(rank, config, pp, model, stage, data_group, control_group, inbox, outbox, role_args)
+        module, fn = role.split(":")
+        built: RankRole = getattr(importlib.import_module(module), fn)(ctx)
     except Exception as e:
         reports.put({"rank": rank, "error": f"{type(e).__name__}: {e}"})
         return
-    reports.put({"rank": rank, "ready": True})
-    scheduler = allocator = None
+    reports.put({"rank": rank, "ready": True, "endpoint": built.endpoint})
     try:
-        if rank == 0:
-            allocator = PageAllocator(config.total_pages)
-            max_context = min(config.max_context or mc.max_position_embeddings, mc.max_position_embeddings)
-            policy = None
-            if pp.enable_dynamic_chunking:
-                from engine.profile import plan_chunks, prefill_timer
-
-                policy = plan_chunks(config, prefill_timer([stage], [pool]), max_context, progress=False)
-            scheduler = Scheduler(config, allocator, max_context, model.tokenizer, mc.eos_token_ids, policy)
-            role = Leader(stage, pool, scheduler, link, pp.pp_size, pp.pp_loop_size, inbox, outbox)
-        else:
-            role = Follower(rank, pp.pp_size, stage, pool, link)
-        log = role.run()
-        live = len(role.requests) if rank == 0 else len(role.live)
-        reports.put(
-            {
-                "rank": rank,
-                "log": [d.key() for d in log],
-                "live_requests": live,
-                "pages_used": allocator.num_used if allocator else -1,
-            }
-        )
+        log = built.loop.run()
+        live = len(built.loop.requests) if rank == 0 else len(built.loop.live)
+        pages = built.loop.scheduler.allocator.num_used if rank == 0 else -1
+        reports.put({"rank": rank, "log": [d.key() for d in log], "live_requests": live, "pages_used": pages})
     except Exception as e:
         reports.put({"rank": rank, "log": [], "live_requests": -1, "pages_used": -1, "error": repr(e)})
         raise
+    finally:
+        built.close()

@@ -13,16 +13,17 @@ from dataclasses import asdict, dataclass
 from engine.batch import ForwardBatch
 from engine.request import SamplingParams
 
-ADMIT, FINISH, ABORT = "admit", "finish", "abort"
+ADMIT, ROUTE, FINISH, ABORT = "admit", "route", "finish", "abort"
 STEP, CONTROL, SHUTDOWN = "step", "control", "shutdown"
 
 
 @dataclass(frozen=True)
 class Decision:
     seq: int  # position in the node's decision log, from 0, contiguous
-    kind: str  # ADMIT (the request exists; carries its sampling params) | FINISH | ABORT
+    kind: str  # ADMIT (the request exists; carries its sampling params) | ROUTE (where its KV goes) | FINISH | ABORT
     rid: str
     params: SamplingParams | None = None  # ADMIT only: the last rank samples with it
+    info: dict | None = None  # role-specific, JSON-safe (e.g. a disaggregated request's room and pages)
 
     def key(self) -> tuple[int, str, str]:
         return (self.seq, self.kind, self.rid)
@@ -39,7 +40,9 @@ class Message:
         return json.dumps(
             {
                 "kind": self.kind,
-                "decisions": [[d.seq, d.kind, d.rid, asdict(d.params) if d.params else None] for d in self.decisions],
+                "decisions": [
+                    [d.seq, d.kind, d.rid, asdict(d.params) if d.params else None, d.info] for d in self.decisions
+                ],
                 "batch": None
                 if b is None
                 else [list(b.rids), list(b.starts), list(b.q_lens), [list(t) for t in b.page_tables], list(b.sample)],
@@ -52,9 +55,10 @@ class Message:
         try:
             raw = json.loads(data)
             decisions = tuple(
-                Decision(int(seq), kind, str(rid), _params(params)) for seq, kind, rid, params in raw["decisions"]
+                Decision(int(seq), kind, str(rid), _params(params), info)
+                for seq, kind, rid, params, info in raw["decisions"]
             )
-            if any(d.kind not in (ADMIT, FINISH, ABORT) for d in decisions) or raw["kind"] not in (
+            if any(d.kind not in (ADMIT, ROUTE, FINISH, ABORT) for d in decisions) or raw["kind"] not in (
                 STEP,
                 CONTROL,
                 SHUTDOWN,
