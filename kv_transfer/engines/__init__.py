@@ -1,0 +1,1 @@
+"""Transfer engines: each module holds both halves of one engine (prefill sender, decode side)."""

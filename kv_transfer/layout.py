@@ -1,0 +1,115 @@
+"""The records both sides exchange (as dataclasses; kv_transfer/wire.py converts to protobuf):
+a rank's endpoint, a node's KV layout, and the geometry of a page."""
+
+from __future__ import annotations
+
+import functools
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kv_transfer.layers import LayerRange
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ValueError(f"KV dtype must be one of {sorted(DTYPES)}, got {name!r}")
+    return DTYPES[name]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    for name, dt in DTYPES.items():
+        if dt == dtype:
+            return name
+    raise ValueError(f"unsupported KV dtype {dtype}")
+
+
+@functools.cache
+def local_host_id() -> str:
+    """Equal on two processes that can share /dev/shm and CUDA IPC: hostname and boot id."""
+    boot = Path("/proc/sys/kernel/random/boot_id")
+    return f"{socket.gethostname()}/{boot.read_text().strip() if boot.exists() else ''}"
+
+
+@dataclass(frozen=True)
+class PageGeometry:
+    """What a page holds; both sides of a transfer must agree on every field."""
+
+    page_size: int  # tokens per page
+    num_kv_heads: int
+    head_dim: int
+    dtype: str  # "float32" | "float16" | "bfloat16"
+
+    @property
+    def layer_block_bytes(self) -> int:
+        """Bytes of one layer of one page: K and V, [2, page_size, kv_heads, head_dim]."""
+        itemsize = dtype_from_name(self.dtype).itemsize
+        return 2 * self.page_size * self.num_kv_heads * self.head_dim * itemsize
+
+    def pool_shape(self, num_pages: int, layer_range: LayerRange) -> tuple[int, ...]:
+        """[num_pages, layers_of_rank, 2, page_size, kv_heads, head_dim] (engine/kv_pool.py)."""
+        layers = layer_range[1] - layer_range[0]
+        return (num_pages, layers, 2, self.page_size, self.num_kv_heads, self.head_dim)
+
+    def pool_bytes(self, num_pages: int, layer_range: LayerRange) -> int:
+        return num_pages * (layer_range[1] - layer_range[0]) * self.layer_block_bytes
+
+    @classmethod
+    def of_pool(cls, pool) -> PageGeometry:
+        """The geometry of an engine.kv_pool.KVPool."""
+        _, _, _, page_size, heads, head_dim = pool.buffer.shape
+        return cls(page_size, heads, head_dim, dtype_name(pool.buffer.dtype))
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """One rank's share of the layers and where to reach it (proto RankEndpoint)."""
+
+    rank: int  # index of the rank in its node, 0 = the node's front
+    layer_start: int  # the rank owns model layers [layer_start, layer_end)
+    layer_end: int
+    receiver_addr: str = ""  # host:port of the rank's KVReceiver gRPC service (decode ranks)
+    shm_name: str = ""  # the rank's pool segment in /dev/shm ("" when not shared)
+    torch_addr: str = ""  # host:port of the rank's TCPStore for torch pairs ("" when none)
+    cuda_ipc_handle: bytes = b""  # the rank's pool as a CUDA IPC handle (engines/cuda_ipc.py); b"" when none
+
+    @property
+    def layers(self) -> LayerRange:
+        return (self.layer_start, self.layer_end)
+
+
+@dataclass(frozen=True)
+class NodeLayout:
+    """A node's KV layout (proto KVLayout): what the other side needs to pair with it."""
+
+    geometry: PageGeometry  # page contents; must match between P and D
+    num_layers: int  # layers of the model
+    num_pages: int  # pool size of each rank: page ids are [0, num_pages)
+    ranks: tuple[RankInfo, ...]  # in rank order; their layer ranges tile [0, num_layers)
+    model_fingerprint: str = ""  # digest of the weights; must match between P and D
+    backends: tuple[str, ...] = ()  # transfer engines the node can drive
+    host_id: str = ""  # equal ids = same machine (shared memory and CUDA IPC possible)
+
+    @property
+    def layer_ranges(self) -> list[LayerRange]:
+        return [r.layers for r in self.ranks]
+
+
+def incompatibility(prefill: NodeLayout, decode: NodeLayout) -> str:
+    """Why a prefill node cannot feed a decode node ("" when it can), naming both values."""
+    checks = [
+        ("model fingerprint", prefill.model_fingerprint, decode.model_fingerprint),
+        ("number of layers", prefill.num_layers, decode.num_layers),
+        ("page size", prefill.geometry.page_size, decode.geometry.page_size),
+        ("KV dtype", prefill.geometry.dtype, decode.geometry.dtype),
+        ("KV heads", prefill.geometry.num_kv_heads, decode.geometry.num_kv_heads),
+        ("head dim", prefill.geometry.head_dim, decode.geometry.head_dim),
+    ]
+    for what, p, d in checks:
+        if p != d:
+            return f"{what} differs: prefill {p!r}, decode {d!r}"
+    return ""

@@ -1,0 +1,347 @@
+"""The prefill rank's side: one Sender per (rank process, engine), with one worker thread.
+
+The daemon's calls return at once; the worker runs them in order, so a room's pushes land
+before its TransferDone notices go out. Engines (kv_transfer/engines/) subclass Sender and
+fill in how to open a connection to one decode rank and how to write pages through it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+
+from engine.kv_pool import KVPool
+from kv_transfer.layers import overlap
+from kv_transfer.layout import NodeLayout, PageGeometry, RankInfo
+from kv_transfer.poll import IllegalTransition, KVPoll, StatusBoard, StatusChange
+from kvbridge.rpc import make_channel
+from kvbridge.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
+
+
+@dataclass(frozen=True)
+class SenderConfig:
+    deadline_s: float = 30.0  # every gRPC call: notices, first tokens, page streams
+    grpc_chunk_bytes: int = 4 << 20  # page bytes per PageChunk message (grpc engine)
+    torch_chunk_bytes: int = 64 << 20  # page bytes per torch message; <= the receivers' max_chunk_bytes
+    torch_timeout_s: float = 120.0  # a torch pair's send/recv timeout; idle pairs are pinged well within it
+    peer_idle_s: float = 300.0  # connections that no room used for this long are closed
+    tick_s: float = 1.0  # how often the worker looks after idle connections
+
+
+@dataclass(frozen=True)
+class Target:
+    """A decode rank that this prefill rank feeds in one room."""
+
+    info: RankInfo  # the decode rank and its endpoints
+    lo: int  # model layers [lo, hi) this rank writes there: the overlap of both ranges
+    hi: int
+
+
+@dataclass
+class SenderRoom:
+    """A room as the worker sees it."""
+
+    room: int  # pairing key of the request
+    decode: NodeLayout  # the decode node's layout, as registered
+    targets: tuple[Target, ...]  # overlapping decode ranks, in rank order
+    first_rank: RankInfo  # decode rank 0: where the first token goes
+    dst_pages: frozenset[int]  # destination page ids the decode node registered
+    bytes_sent: dict[int, int] = field(default_factory=dict)  # decode rank -> page bytes written so far
+
+
+@dataclass
+class _Peer:
+    conn: object  # the engine's connection to one decode rank
+    rooms: set[int]  # rooms using it
+    last_used: float  # time.monotonic() of the last write or ping
+
+
+class Sender:
+    """Pushes one prefill rank's pages to the decode ranks of each room. Call from one thread."""
+
+    name = "base"  # the engine's name in make_sender
+
+    def __init__(
+        self,
+        pool: KVPool,
+        rank: int,
+        config: SenderConfig | None = None,
+        on_change: Callable[[StatusChange], None] | None = None,
+    ):
+        self.pool = pool
+        self.rank = rank
+        self.config = config or SenderConfig()
+        self.layers = (pool.layer_start, pool.layer_end)
+        self.geometry = PageGeometry.of_pool(pool)
+        self.board = StatusBoard(on_change)
+        self._rooms: dict[int, SenderRoom] = {}  # read by the worker, written by the caller under _lock
+        self._lock = threading.Lock()
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._peers: dict[str, _Peer] = {}  # worker only: engine key -> connection
+        self._stubs: dict[str, tuple[grpc.Channel, kv_transfer_pb2_grpc.KVReceiverStub]] = {}  # worker only
+        self._last_maintain = time.monotonic()
+        self._worker = threading.Thread(target=self._run, name=f"kv-sender-{self.name}-{rank}", daemon=True)
+        self._worker.start()
+
+    # ---- the daemon's calls (non-blocking) ----
+
+    def connect(self, room: int, decode: NodeLayout, page_ids: Sequence[int], rid: str = "") -> None:
+        """The decode node registered `room`: its layout and destination pages. The room starts
+        BOOTSTRAPPING and becomes WAITING_FOR_INPUT once every overlapping decode rank is reachable."""
+        targets = tuple(
+            Target(info, *both) for info in decode.ranks if (both := overlap(self.layers, info.layers)) is not None
+        )
+        self.board.add(room, rid)
+        with self._lock:
+            self._rooms[room] = SenderRoom(room, decode, targets, decode.ranks[0], frozenset(page_ids))
+        problem = self._registration_problem(decode, page_ids, targets)
+        if problem:
+            self.board.fail(room, problem)
+        else:
+            self._jobs.put(("connect", room))
+        self.board.flush()
+
+    def push(self, room: int, src_page_ids: Sequence[int], dst_page_ids: Sequence[int], num_tokens: int) -> None:
+        """Copy this rank's layers of pages src -> dst (pairwise) to every overlapping decode rank.
+        num_tokens: prompt tokens now in the pages (for progress). A no-op once the room is terminal."""
+        r = self._room(room)
+        if len(src_page_ids) != len(dst_page_ids):
+            raise ValueError(f"push of room {room}: {len(src_page_ids)} source pages, {len(dst_page_ids)} destinations")
+        bad = [p for p in src_page_ids if not 0 <= p < self.pool.num_pages]
+        if bad:
+            raise ValueError(f"push of room {room}: source page {bad[0]} out of range [0, {self.pool.num_pages})")
+        unknown = [q for q in dst_page_ids if q not in r.dst_pages]
+        if unknown:
+            raise ValueError(f"push of room {room}: destination page {unknown[0]} was not registered")
+        self._jobs.put(("push", room, tuple(src_page_ids), tuple(dst_page_ids), num_tokens))
+
+    def finish(self, room: int, num_tokens: int) -> None:
+        """All pushes of the room are queued: once they landed, send TransferDone to every overlapping
+        decode rank; SUCCESS when every one acknowledged."""
+        self._room(room)
+        self._jobs.put(("finish", room, num_tokens))
+
+    def send_first_token(self, room: int, token: int, prompt_tokens: int) -> None:
+        """Last prefill rank only, before finish(): the sampled first token, to decode rank 0."""
+        self._room(room)
+        self._jobs.put(("first_token", room, token, prompt_tokens))
+
+    def abort(self, room: int, reason: str) -> None:
+        """Fail the room here now, and tell its decode ranks (TransferDone with the error)."""
+        self._room(room)
+        if self.board.fail(room, reason):
+            self._jobs.put(("notify_error", room, reason))
+        self.board.flush()
+
+    def forget(self, room: int) -> None:
+        """The daemon is done with the room (it is terminal, or abandoned)."""
+        self.board.remove(room)
+        self._jobs.put(("forget", room))
+
+    def poll(self, room: int) -> KVPoll:
+        return self.board.poll(room)
+
+    def reason(self, room: int) -> str:
+        return self.board.reason(room)
+
+    def pop_changes(self) -> list[StatusChange]:
+        return self.board.pop_changes()
+
+    def close(self) -> None:
+        """Stop the worker after the queued jobs, and close every connection."""
+        if self._worker.is_alive():
+            self._jobs.put(None)
+            self._worker.join()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ---- engine hooks ----
+
+    def _key(self, info: RankInfo) -> str:
+        """Connections are shared by every room that goes to the same decode rank endpoint."""
+        return info.receiver_addr
+
+    def _open(self, info: RankInfo, decode: NodeLayout) -> object:
+        raise NotImplementedError
+
+    def _write(self, conn, room: int, target: Target, src: Sequence[int], dst: Sequence[int]) -> int:
+        """Write layers [target.lo, target.hi) of pages src -> dst; returns the page bytes written."""
+        raise NotImplementedError
+
+    def _sync(self, conn) -> None:
+        """Make every write visible to the decode rank (before its notice goes out)."""
+
+    def _ping(self, conn) -> None:
+        """Keep an idle connection alive."""
+
+    def _close(self, conn) -> None:
+        pass
+
+    # ---- the worker ----
+
+    def _registration_problem(self, decode: NodeLayout, page_ids: Sequence[int], targets) -> str:
+        if decode.geometry != self.geometry:
+            return f"page geometry differs: prefill {self.geometry}, decode {decode.geometry}"
+        if not targets:
+            return f"no decode rank overlaps prefill rank {self.rank}'s layers {self.layers}"
+        bad = [q for q in page_ids if not 0 <= q < decode.num_pages]
+        if bad:
+            return f"destination page id {bad[0]} out of range [0, {decode.num_pages})"
+        if any(not t.info.receiver_addr for t in targets):
+            return "a decode rank has no receiver address"
+        return ""
+
+    def _room(self, room: int) -> SenderRoom:
+        with self._lock:
+            if room not in self._rooms:
+                raise KeyError(f"room {room} is not connected on prefill rank {self.rank}")
+            return self._rooms[room]
+
+    def _run(self) -> None:
+        while True:
+            try:
+                job = self._jobs.get(timeout=self.config.tick_s)
+            except queue.Empty:
+                job = ()
+            if job is None:
+                break
+            if job:
+                self._do(job)
+            self._maintain()
+        for key in list(self._peers):
+            self._drop_peer(key)
+        for channel, _ in self._stubs.values():
+            channel.close()
+
+    def _do(self, job: tuple) -> None:
+        kind, room = job[0], job[1]
+        with self._lock:
+            r = self._rooms.get(room)
+        if kind == "forget":
+            self._forget(room)
+            return
+        if r is None:
+            return
+        if kind == "notify_error":  # sent even when the daemon forgot the room right after abort()
+            self._notify(r, 0, job[2])
+            return
+        try:
+            if room in self.board and not self.board.poll(room).is_terminal:
+                getattr(self, f"_do_{kind}")(r, *job[2:])
+        except Exception as e:
+            reason = f"{type(e).__name__}: {e}"
+            if self._fail(room, reason):
+                self._notify(r, 0, reason)
+        self.board.flush()
+
+    def _do_connect(self, r: SenderRoom) -> None:
+        for t in r.targets:
+            self._peer(t.info, r)
+        self._advance(r.room, KVPoll.WAITING_FOR_INPUT)
+
+    def _do_push(self, r: SenderRoom, src: tuple, dst: tuple, num_tokens: int) -> None:
+        self._advance(r.room, KVPoll.TRANSFERRING)
+        for t in r.targets:
+            key = self._key(t.info)
+            conn = self._peer(t.info, r)
+            try:
+                n = self._write(conn, r.room, t, src, dst)
+            except Exception:
+                self._drop_peer(key)  # a broken connection is reopened by the next room
+                raise
+            r.bytes_sent[t.info.rank] = r.bytes_sent.get(t.info.rank, 0) + n
+            self._peers[key].last_used = time.monotonic()
+
+    def _do_finish(self, r: SenderRoom, num_tokens: int) -> None:
+        for t in r.targets:
+            self._sync(self._peer(t.info, r))
+        errors = self._notify(r, num_tokens, "")
+        if errors:
+            self._fail(r.room, "; ".join(errors))
+        else:
+            self._advance(r.room, KVPoll.SUCCESS)
+
+    def _do_first_token(self, r: SenderRoom, token: int, prompt_tokens: int) -> None:
+        msg = kv_transfer_pb2.FirstTokenNotice(room=r.room, token=token, prompt_tokens=prompt_tokens)
+        self._stub(r.first_rank.receiver_addr).FirstToken(msg, timeout=self.config.deadline_s)
+
+    def _notify(self, r: SenderRoom, num_tokens: int, error: str) -> list[str]:
+        """TransferDone to every target; returns the failures (empty when every one acknowledged)."""
+        errors = []
+        for t in r.targets:
+            notice = kv_transfer_pb2.TransferNotice(
+                room=r.room,
+                src_rank=self.rank,
+                layer_start=t.lo,
+                layer_end=t.hi,
+                num_tokens=num_tokens,
+                bytes=r.bytes_sent.get(t.info.rank, 0),
+                error=error,
+            )
+            try:
+                self._stub(t.info.receiver_addr).TransferDone(notice, timeout=self.config.deadline_s)
+            except grpc.RpcError as e:
+                errors.append(f"decode rank {t.info.rank} ({t.info.receiver_addr}): {e.code().name}: {e.details()}")
+        return errors
+
+    def _advance(self, room: int, state: KVPoll) -> None:
+        with contextlib.suppress(IllegalTransition, KeyError):  # the daemon aborted or forgot it meanwhile
+            self.board.advance(room, state)
+
+    def _fail(self, room: int, reason: str) -> bool:
+        try:
+            return self.board.fail(room, reason)
+        except KeyError:
+            return False  # forgotten meanwhile
+
+    def _stub(self, addr: str) -> kv_transfer_pb2_grpc.KVReceiverStub:
+        if addr not in self._stubs:
+            channel = make_channel(addr)
+            self._stubs[addr] = (channel, kv_transfer_pb2_grpc.KVReceiverStub(channel))
+        return self._stubs[addr][1]
+
+    def _peer(self, info: RankInfo, r: SenderRoom):
+        key = self._key(info)
+        if key not in self._peers:
+            self._peers[key] = _Peer(self._open(info, r.decode), set(), time.monotonic())
+        peer = self._peers[key]
+        peer.rooms.add(r.room)
+        return peer.conn
+
+    def _drop_peer(self, key: str) -> None:
+        peer = self._peers.pop(key, None)
+        if peer is not None:
+            with contextlib.suppress(Exception):  # closing a broken connection may fail too; it is gone anyway
+                self._close(peer.conn)
+
+    def _forget(self, room: int) -> None:
+        with self._lock:
+            self._rooms.pop(room, None)
+        for peer in self._peers.values():
+            peer.rooms.discard(room)
+
+    def _maintain(self) -> None:
+        """Ping connections idle for a quarter of the torch timeout; close unused ones."""
+        now = time.monotonic()
+        if now - self._last_maintain < self.config.tick_s:
+            return
+        self._last_maintain = now
+        for key, peer in list(self._peers.items()):
+            if not peer.rooms and now - peer.last_used > self.config.peer_idle_s:
+                self._drop_peer(key)
+            elif now - peer.last_used > self.config.torch_timeout_s / 4:
+                try:
+                    self._ping(peer.conn)
+                    peer.last_used = now
+                except Exception:
+                    self._drop_peer(key)
