@@ -41,6 +41,8 @@ def make_sender(
 def choose_backend(prefill: NodeLayout, decode: NodeLayout, device: str | torch.device = "cpu") -> str:
     """The fastest engine both nodes drive and the pair can use: shm (same host, CPU pools),
     cuda_ipc (same host, CUDA pools), torch, then grpc, the universal fallback."""
+    if not all(r.receiver_addr for r in decode.ranks):  # every engine's notices go there
+        raise ValueError("the decode layout has a rank without a receiver address")
     both = set(prefill.backends) & set(decode.backends)
     same_host = bool(prefill.host_id) and prefill.host_id == decode.host_id
     ranks = decode.ranks
@@ -51,6 +53,4 @@ def choose_backend(prefill: NodeLayout, decode: NodeLayout, device: str | torch.
         return "cuda_ipc"
     if "torch" in both and all(r.torch_addr for r in ranks):
         return "torch"
-    if not all(r.receiver_addr for r in ranks):
-        raise ValueError("the decode layout has a rank without a receiver address")
     return "grpc"

@@ -1,0 +1,95 @@
+"""Engine choice, the one factory, layout compatibility, and the protobuf adapters."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from engine.kv_pool import KVPool
+from kv_transfer import BACKENDS, NodeLayout, PageGeometry, RankInfo, choose_backend, incompatibility, make_sender
+from kv_transfer.engines.cuda_ipc import CudaIpcSender
+from kv_transfer.engines.grpc_stream import GrpcSender
+from kv_transfer.engines.shm import ShmSender
+from kv_transfer.engines.torch_p2p import TorchSender
+from kv_transfer.wire import layout_from_proto, layout_to_proto, sources_of
+
+GEOMETRY = PageGeometry(page_size=4, num_kv_heads=2, head_dim=8, dtype="float32")
+
+
+def make_rank(rank, lo, hi, shm=True, torch_addr=True, ipc=False) -> RankInfo:
+    return RankInfo(
+        rank,
+        lo,
+        hi,
+        receiver_addr=f"127.0.0.1:{5000 + rank}",
+        shm_name=f"kvbridge-1-r{rank}-ab" if shm else "",
+        torch_addr=f"127.0.0.1:{6000 + rank}" if torch_addr else "",
+        cuda_ipc_handle=bytes([rank, 0, 255]) if ipc else b"",
+    )
+
+
+def make_layout(host="h1", backends=BACKENDS, **rank_kw) -> NodeLayout:
+    ranks = (make_rank(0, 0, 3, **rank_kw), make_rank(1, 3, 6, **rank_kw))
+    return NodeLayout(GEOMETRY, 6, 32, ranks, "fp", tuple(backends), host)
+
+
+def test_same_host_cpu_picks_shm():
+    assert choose_backend(make_layout(), make_layout(), "cpu") == "shm"
+
+
+def test_same_host_cuda_picks_cuda_ipc_when_every_rank_exports_a_handle():
+    assert choose_backend(make_layout(), make_layout(ipc=True), "cuda:0") == "cuda_ipc"
+    assert choose_backend(make_layout(), make_layout(ipc=False), "cuda") == "torch"
+
+
+def test_other_host_picks_torch_then_grpc():
+    assert choose_backend(make_layout("h1"), make_layout("h2"), "cpu") == "torch"
+    assert choose_backend(make_layout("h1"), make_layout("h2", torch_addr=False), "cpu") == "grpc"
+    assert choose_backend(make_layout("h1", backends=("grpc",)), make_layout("h2"), "cpu") == "grpc"
+
+
+def test_shm_needs_both_nodes_to_drive_it_and_a_known_host():
+    assert choose_backend(make_layout(backends=("torch", "grpc")), make_layout(), "cpu") == "torch"
+    assert choose_backend(make_layout(host=""), make_layout(host=""), "cpu") == "torch"
+
+
+def test_a_rank_without_receiver_cannot_be_fed():
+    bad = make_layout(torch_addr=False)
+    bad = dataclasses.replace(bad, ranks=(dataclasses.replace(bad.ranks[0], receiver_addr=""), bad.ranks[1]))
+    with pytest.raises(ValueError, match="without a receiver address"):
+        choose_backend(make_layout("h1"), bad, "cpu")
+
+
+@pytest.mark.parametrize(
+    "name,cls", [("shm", ShmSender), ("torch", TorchSender), ("grpc", GrpcSender), ("cuda_ipc", CudaIpcSender)]
+)
+def test_make_sender_builds_the_named_engine(name, cls):
+    pool = KVPool(4, (0, 3), 4, 2, 8, torch.float32)
+    with make_sender(name, pool, rank=0) as sender:
+        assert type(sender) is cls and sender.name == name and sender.layers == (0, 3)
+
+
+def test_make_sender_rejects_unknown_names():
+    with pytest.raises(ValueError, match="got 'auto'"):
+        make_sender("auto", KVPool(4, (0, 3), 4, 2, 8, torch.float32), rank=0)
+
+
+def test_incompatibility_names_both_values():
+    p = make_layout()
+    assert incompatibility(p, make_layout()) == ""
+    d = dataclasses.replace(p, geometry=dataclasses.replace(GEOMETRY, page_size=16))
+    assert incompatibility(p, d) == "page size differs: prefill 4, decode 16"
+    d = dataclasses.replace(p, model_fingerprint="other")
+    assert incompatibility(p, d) == "model fingerprint differs: prefill 'fp', decode 'other'"
+
+
+@pytest.mark.parametrize("ipc", [False, True])
+def test_layout_survives_the_proto_round_trip(ipc):
+    layout = make_layout(shm=not ipc, ipc=ipc)
+    assert layout_from_proto(layout_to_proto(layout)) == layout
+
+
+def test_sources_of_lists_every_prefill_rank():
+    assert [(s.rank, s.layer_start, s.layer_end) for s in sources_of(make_layout())] == [(0, 0, 3), (1, 3, 6)]
