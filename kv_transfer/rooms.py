@@ -203,6 +203,8 @@ class RoomTable:
                 raise BadTransfer(problem)
             s.notice = n
             self._try_complete(r)
+            if self.board.poll(room) == KVPoll.FAILED:  # the accounting failed: tell the sender why
+                raise BadTransfer(self.board.reason(room))
 
     def set_first_token(self, room: int, token: int, prompt_tokens: int) -> None:
         with self._locked():
@@ -215,6 +217,8 @@ class RoomTable:
                 raise BadTransfer(problem)
             r.first_token = (token, prompt_tokens)
             self._try_complete(r)
+            if self.board.poll(room) == KVPoll.FAILED:
+                raise BadTransfer(self.board.reason(room))
 
     # ---- checks (called under the lock) ----
 

@@ -103,6 +103,7 @@ class Sender:
         problem = self._registration_problem(decode, page_ids, targets)
         if problem:
             self.board.fail(room, problem)
+            self._jobs.put(("notify_error", room, problem))  # the decode ranks would wait in vain
         else:
             self._jobs.put(("connect", room))
         self.board.flush()

@@ -64,7 +64,8 @@ def test_direct_room_counts_notice_bytes_against_the_prompt_pages():
     assert t.board.poll(5) == KVPoll.SUCCESS
     t.expect(6, "r", [1, 2, 3], P_SOURCES, "shm")
     t.done(notice(0, 9, 2 * BLOCK), 6)  # 9 tokens need 3 pages
-    t.done(notice(1, 9, 3 * BLOCK), 6)
+    with pytest.raises(BadTransfer, match="prefill rank 0 reports"):  # the sender learns why
+        t.done(notice(1, 9, 3 * BLOCK), 6)
     assert t.board.poll(6) == KVPoll.FAILED
     assert t.board.reason(6) == f"prefill rank 0 reports {2 * BLOCK} bytes; 3 pages need {3 * BLOCK}"
 
@@ -140,7 +141,8 @@ def test_more_bytes_than_the_notice_says_fails():
     write(t, 5, 0, 2, 3, [7, 8])
     write(t, 5, 1, 3, 4, [7, 8])
     t.done(notice(1, 8, 2 * BLOCK), 5)
-    t.done(notice(0, 8, BLOCK), 5)
+    with pytest.raises(BadTransfer):
+        t.done(notice(0, 8, BLOCK), 5)
     assert t.board.reason(5) == f"prefill rank 0: {2 * BLOCK} bytes landed, its notice says {BLOCK}"
 
 
@@ -151,7 +153,8 @@ def test_pages_never_written_fail_even_when_bytes_add_up():
     write(t, 5, 0, 2, 3, [7])  # page 8 never written
     write(t, 5, 1, 3, 4, [7, 8])
     t.done(notice(1, 8, 2 * BLOCK), 5)
-    t.done(notice(0, 8, 2 * BLOCK), 5)
+    with pytest.raises(BadTransfer):
+        t.done(notice(0, 8, 2 * BLOCK), 5)
     assert t.board.reason(5) == "prefill rank 0 never wrote pages [8] of the prompt"
 
 
@@ -159,7 +162,8 @@ def test_sources_must_agree_on_num_tokens():
     t = make_table()
     t.expect(5, "r", [7, 8], P_SOURCES, "shm")
     t.done(notice(0, 8, 2 * BLOCK), 5)
-    t.done(notice(1, 7, 2 * BLOCK), 5)
+    with pytest.raises(BadTransfer):
+        t.done(notice(1, 7, 2 * BLOCK), 5)
     assert t.board.reason(5) == "prefill ranks disagree on num_tokens: [7, 8]"
 
 
@@ -177,7 +181,8 @@ def test_first_token_disagreeing_with_notices_fails():
     t = make_table(rank=0, layers=(0, 2), first_token=True)
     t.expect(5, "r", [7], P_SOURCES, "shm")
     t.set_first_token(5, 42, 4)
-    t.done(Notice(0, 0, 2, 3, 2 * BLOCK), 5)
+    with pytest.raises(BadTransfer):
+        t.done(Notice(0, 0, 2, 3, 2 * BLOCK), 5)
     assert t.board.reason(5) == "first token says 4 prompt tokens, notices 3"
 
 
