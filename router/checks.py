@@ -1,0 +1,57 @@
+"""Validation of a GenerateRequest at the router, before any node sees it.
+
+The nodes check everything again (token ids against the vocabulary, prompt length against the
+context); the router rejects what it can tell is wrong without the model, so that a bad request
+costs no upstream call. Each check raises ValueError naming the field and the bad value.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+from kvbridge.v1 import generation_pb2
+
+CHAT_ROLES = ("system", "user", "assistant")
+MAX_RID_CHARS = 128
+MAX_STOP_STRINGS = 16
+_RID = re.compile(r"[A-Za-z0-9._:-]+")
+
+
+def check_generate(req: generation_pb2.GenerateRequest) -> None:
+    if req.rid and (len(req.rid) > MAX_RID_CHARS or not _RID.fullmatch(req.rid)):
+        raise ValueError(f"rid must be 1..{MAX_RID_CHARS} characters of [A-Za-z0-9._:-], got {req.rid[:200]!r}")
+    if req.HasField("prefill"):
+        raise ValueError("prefill is set by the router; leave it unset")
+    check_prompt(req)
+    check_sampling(req)
+
+
+def check_prompt(req: generation_pb2.GenerateRequest) -> None:
+    prompt = req.prompt
+    kind = prompt.WhichOneof("kind")
+    if kind is None:
+        raise ValueError("prompt is empty: set one of text, chat, token_ids")
+    if kind == "text" and not prompt.text:
+        raise ValueError("prompt.text is empty")
+    if kind == "token_ids" and not prompt.token_ids.ids:
+        raise ValueError("prompt.token_ids is empty")
+    if kind == "chat":
+        if not prompt.chat.messages:
+            raise ValueError("prompt.chat has no messages")
+        for i, m in enumerate(prompt.chat.messages):
+            if m.role not in CHAT_ROLES:
+                raise ValueError(f"prompt.chat.messages[{i}].role must be system, user or assistant, got {m.role!r}")
+
+
+def check_sampling(req: generation_pb2.GenerateRequest) -> None:
+    s = req.sampling
+    if not (math.isfinite(s.temperature) and s.temperature >= 0):
+        raise ValueError(f"sampling.temperature must be >= 0 and finite, got {s.temperature}")
+    if not 0 <= s.top_p <= 1:  # 0 = unset (1.0); NaN fails too
+        raise ValueError(f"sampling.top_p must be in (0, 1], got {s.top_p}")
+    if len(s.stop) > MAX_STOP_STRINGS:
+        raise ValueError(f"sampling.stop has {len(s.stop)} strings; at most {MAX_STOP_STRINGS}")
+    for i, stop in enumerate(s.stop):
+        if not stop:
+            raise ValueError(f"sampling.stop[{i}] is empty")

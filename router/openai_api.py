@@ -1,0 +1,301 @@
+"""OpenAI-compatible JSON <-> kvbridge.v1 messages: request parsing and validation, response and
+error bodies. No I/O here (http.py does it).
+
+Fields read: model, prompt (string, token-id list, or a list holding one of those), messages,
+max_tokens / max_completion_tokens, temperature, top_p, seed, stop (string or list), n (only 1),
+stream, stream_options.include_usage; extensions as in vLLM: top_k (-1 or 0 = off),
+stop_token_ids, ignore_eos. Fields that would change the output but are not implemented (echo,
+logprobs, penalties, logit_bias, tools, best_of, suffix, non-text response_format) are rejected
+rather than silently ignored; other unknown fields are ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from kvbridge.v1 import common_pb2, generation_pb2
+from router.checks import MAX_STOP_STRINGS, check_generate
+
+UINT32_MAX = (1 << 32) - 1
+UINT64_MAX = (1 << 64) - 1
+CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+# gRPC status -> (HTTP status, OpenAI error type), as google.rpc maps codes to HTTP.
+HTTP_OF_CODE = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error"),
+    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
+    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
+    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
+    grpc.StatusCode.ALREADY_EXISTS: (409, "invalid_request_error"),
+    grpc.StatusCode.ABORTED: (409, "server_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    grpc.StatusCode.CANCELLED: (499, "server_error"),
+    grpc.StatusCode.UNIMPLEMENTED: (501, "server_error"),
+    grpc.StatusCode.UNAVAILABLE: (503, "server_error"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "server_error"),
+}
+
+
+class BadRequest(ValueError):
+    """A bad request body: HTTP 400 naming the field (`param`) and the value."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+def error_body(code: grpc.StatusCode, message: str, param: str | None = None) -> tuple[int, dict]:
+    """(HTTP status, OpenAI error object) for a gRPC status."""
+    status, kind = HTTP_OF_CODE.get(code, (500, "server_error"))
+    return status, {"error": {"message": message, "type": kind, "param": param, "code": code.name.lower()}}
+
+
+@dataclass(frozen=True)
+class OpenAIRequest:
+    chat: bool  # /v1/chat/completions (else /v1/completions)
+    model: str  # as the client named it; "" when absent
+    stream: bool  # answer as server-sent events
+    include_usage: bool  # stream_options.include_usage: a last chunk with usage
+    request: generation_pb2.GenerateRequest  # checked; rid unset (the router sets it)
+
+
+def _show(value) -> str:
+    text = json.dumps(value) if not isinstance(value, float) else repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _int(body: dict, name: str, low: int, high: int) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= high:
+        raise BadRequest(f"{name} must be an integer in [{low}, {high}], got {_show(v)}", name)
+    return v
+
+
+def _number(body: dict, name: str, low: float, high: float, low_open: bool = False) -> float | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    ok = isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+    if not (ok and (low < v if low_open else low <= v) and v <= high):
+        interval = f"{'(' if low_open else '['}{low:g}, {high:g}]"
+        raise BadRequest(f"{name} must be a number in {interval}, got {_show(v)}", name)
+    return float(v)
+
+
+def _token_ids(v, name: str) -> list[int] | None:
+    if isinstance(v, list) and v and all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+        bad = [t for t in v if not 0 <= t <= UINT32_MAX]
+        if bad:
+            raise BadRequest(f"{name} holds a token id out of range: {bad[0]}", name)
+        return v
+    return None
+
+
+def _prompt(body: dict) -> common_pb2.Prompt:
+    v = body.get("prompt")
+    if isinstance(v, list) and len(v) == 1 and isinstance(v[0], str | list):
+        v = v[0]  # a batch of one
+    if isinstance(v, str):
+        if not v:
+            raise BadRequest("prompt is empty", "prompt")
+        return common_pb2.Prompt(text=v)
+    ids = _token_ids(v, "prompt")
+    if ids is None:
+        raise BadRequest(f"prompt must be a non-empty string or token-id list (one prompt), got {_show(v)}", "prompt")
+    return common_pb2.Prompt(token_ids=common_pb2.TokenIds(ids=ids))
+
+
+def _content(m: dict, i: int) -> str:
+    c = m.get("content")
+    if c is None:
+        return ""
+    if isinstance(c, str):
+        return c
+    if isinstance(c, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in c):
+        texts = [p.get("text") for p in c]
+        if all(isinstance(t, str) for t in texts):
+            return "".join(texts)
+    raise BadRequest(f"messages[{i}].content must be a string or a list of text parts, got {_show(c)}", "messages")
+
+
+def _messages(body: dict) -> common_pb2.Prompt:
+    v = body.get("messages")
+    if not isinstance(v, list) or not v:
+        raise BadRequest(f"messages must be a non-empty list, got {_show(v)}", "messages")
+    out = []
+    for i, m in enumerate(v):
+        if not isinstance(m, dict):
+            raise BadRequest(f"messages[{i}] must be an object, got {_show(m)}", "messages")
+        role = m.get("role")
+        if not isinstance(role, str) or role not in CHAT_ROLES:
+            raise BadRequest(
+                f"messages[{i}].role must be system, developer, user or assistant, got {_show(role)}", "messages"
+            )
+        out.append(common_pb2.ChatMessage(role=CHAT_ROLES[role], content=_content(m, i)))
+    return common_pb2.Prompt(chat=common_pb2.ChatMessages(messages=out))
+
+
+def _stop(body: dict) -> list[str]:
+    v = body.get("stop")
+    if v is None:
+        return []
+    stops = [v] if isinstance(v, str) else v
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise BadRequest(f"stop must be a non-empty string or a list of them, got {_show(v)}", "stop")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise BadRequest(f"stop has {len(stops)} strings; at most {MAX_STOP_STRINGS}", "stop")
+    return stops
+
+
+def _unsupported(body: dict, chat: bool) -> None:
+    off = {
+        "echo": lambda v: v in (None, False),
+        "best_of": lambda v: v in (None, 1),
+        "logprobs": lambda v: v in (None, False) if chat else v is None,
+        "top_logprobs": lambda v: v is None,
+        "presence_penalty": lambda v: v in (None, 0),
+        "frequency_penalty": lambda v: v in (None, 0),
+        "logit_bias": lambda v: not v,
+        "tools": lambda v: not v,
+        "suffix": lambda v: not v,
+        "response_format": lambda v: v is None or v == {"type": "text"},
+    }
+    for name, is_off in off.items():
+        if not is_off(body.get(name)):
+            raise BadRequest(f"{name} is not supported, got {_show(body[name])}", name)
+
+
+def parse_request(raw: bytes, chat: bool) -> OpenAIRequest:
+    """Validate an HTTP body and build the GenerateRequest; BadRequest names the bad field."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise BadRequest(f"the body is not valid JSON: {str(e)[:200]}") from None
+    if not isinstance(body, dict):
+        raise BadRequest(f"the body must be a JSON object, got {_show(body)}")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise BadRequest(f"model must be a string, got {_show(model)}", "model")
+    n = body.get("n")
+    if n is not None and (n != 1 or isinstance(n, bool)):
+        raise BadRequest(f"n must be 1 (one choice per request), got {_show(n)}", "n")
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise BadRequest(f"stream must be a boolean, got {_show(stream)}", "stream")
+    options = body.get("stream_options")
+    usage = options.get("include_usage") if isinstance(options, dict) else None
+    if options is not None and not (isinstance(options, dict) and isinstance(usage, bool | None)):
+        raise BadRequest(f'stream_options must be {{"include_usage": bool}}, got {_show(options)}', "stream_options")
+    _unsupported(body, chat)
+
+    sampling = common_pb2.SamplingParams(stop=_stop(body))
+    max_tokens = _int(body, "max_completion_tokens", 1, UINT32_MAX)
+    max_tokens = max_tokens if max_tokens is not None else _int(body, "max_tokens", 1, UINT32_MAX)
+    if max_tokens is not None:
+        sampling.max_new_tokens = max_tokens
+    if (t := _number(body, "temperature", 0, 2)) is not None:
+        sampling.temperature = t
+    if (p := _number(body, "top_p", 0, 1, low_open=True)) is not None:
+        sampling.top_p = p
+    if (k := _int(body, "top_k", -1, UINT32_MAX)) is not None:
+        sampling.top_k = max(k, 0)
+    if (seed := _int(body, "seed", 0, UINT64_MAX)) is not None:
+        sampling.seed = seed
+    if body.get("stop_token_ids") not in (None, []):
+        ids = _token_ids(body["stop_token_ids"], "stop_token_ids")
+        if ids is None:
+            raise BadRequest(
+                f"stop_token_ids must be a list of token ids, got {_show(body['stop_token_ids'])}", "stop_token_ids"
+            )
+        sampling.stop_token_ids.extend(ids)
+    ignore_eos = body.get("ignore_eos")
+    if ignore_eos is not None and not isinstance(ignore_eos, bool):
+        raise BadRequest(f"ignore_eos must be a boolean, got {_show(ignore_eos)}", "ignore_eos")
+    sampling.ignore_eos = bool(ignore_eos)
+
+    prompt = _messages(body) if chat else _prompt(body)
+    request = generation_pb2.GenerateRequest(prompt=prompt, sampling=sampling)
+    try:
+        check_generate(request)
+    except ValueError as e:
+        raise BadRequest(str(e)) from None
+    return OpenAIRequest(
+        chat=chat,
+        model=model or "",
+        stream=bool(stream),
+        include_usage=bool(usage),
+        request=request,
+    )
+
+
+@dataclass
+class Reply:
+    """The answer to one OpenAI request, built from the GenerateResponses as they arrive."""
+
+    req: OpenAIRequest
+    rid: str
+    model: str  # the model named in the answer
+    created: int = field(default_factory=lambda: int(time.time()))
+    text: list[str] = field(default_factory=list)  # deltas so far
+    finish_reason: str = ""
+    usage: dict | None = None
+    role_sent: bool = False  # chat streams announce the assistant role once
+
+    def _head(self, obj: str) -> dict:
+        prefix = "chatcmpl-" if self.req.chat else "cmpl-"
+        return {"id": prefix + self.rid, "object": obj, "created": self.created, "model": self.model}
+
+    def add(self, resp: generation_pb2.GenerateResponse) -> dict | None:
+        """Record a response; returns the stream chunk it makes (None when it carries nothing)."""
+        self.text.append(resp.text)
+        if resp.finish_reason:
+            self.finish_reason = resp.finish_reason
+        if resp.HasField("usage"):
+            u = resp.usage
+            self.usage = {
+                "prompt_tokens": u.prompt_tokens,
+                "completion_tokens": u.completion_tokens,
+                "total_tokens": u.prompt_tokens + u.completion_tokens,
+            }
+        if not (resp.text or resp.finish_reason or (self.req.chat and not self.role_sent)):
+            return None
+        finish = resp.finish_reason or None
+        if self.req.chat:
+            delta = {"content": resp.text} if resp.text or not self.role_sent else {}
+            if not self.role_sent:
+                delta, self.role_sent = {"role": "assistant", **delta}, True
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            chunk = {**self._head("chat.completion.chunk"), "choices": [choice]}
+        else:
+            choice = {"index": 0, "text": resp.text, "logprobs": None, "finish_reason": finish}
+            chunk = {**self._head("text_completion"), "choices": [choice]}
+        if self.req.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def usage_chunk(self) -> dict | None:
+        """The last chunk of a stream that asked for usage (stream_options.include_usage)."""
+        if not self.req.include_usage:
+            return None
+        obj = "chat.completion.chunk" if self.req.chat else "text_completion"
+        return {**self._head(obj), "choices": [], "usage": self.usage}
+
+    def final(self) -> dict:
+        """The whole answer of a non-streaming request."""
+        text = "".join(self.text)
+        finish = self.finish_reason or None
+        if self.req.chat:
+            message = {"role": "assistant", "content": text}
+            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
+            return {**self._head("chat.completion"), "choices": [choice], "usage": self.usage}
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        return {**self._head("text_completion"), "choices": [choice], "usage": self.usage}

@@ -1,0 +1,389 @@
+"""The router against in-test nodes that follow the contract: pairing of prefill and decode
+halves, failure propagation both ways, retries, health, deadlines, cancellation, status."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2
+
+from kvbridge import rpc
+from kvbridge.v1 import (
+    admin_pb2,
+    admin_pb2_grpc,
+    common_pb2,
+    generation_pb2,
+    generation_pb2_grpc,
+    prefill_pb2,
+    prefill_pb2_grpc,
+)
+from router.config import RouterConfig
+from router.server import start_router
+
+
+@dataclass
+class Rooms:
+    """What the fake prefill nodes did, by room; fake decode nodes wait on it like real ones."""
+
+    prefilled: dict[int, str] = field(default_factory=dict)  # room -> address of the P that prefilled it
+    cond: threading.Condition = field(default_factory=threading.Condition)
+
+
+class FakeGeneration(generation_pb2_grpc.GenerationServicer):
+    """Streams `tokens` tokens (ids 100, 101, ..., text "t0 t1 ..."), one per message, then a last
+    message with finish_reason and usage, as a colocated or decode node does."""
+
+    def __init__(self, node: FakeNode):
+        self.node = node
+
+    def Generate(self, request, context):
+        node = self.node
+        node.requests.append(request)
+
+        def ended() -> None:
+            if request.rid not in node.completed:
+                node.cancelled.append(request.rid)
+
+        if not context.add_callback(ended):  # the call ended before this handler ran (cancelled early)
+            ended()
+        if request.prompt.WhichOneof("kind") is None:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty")
+        first = time.monotonic() + node.first_s  # "prefill": nothing is sent until then
+        while context.is_active() and time.monotonic() < first:
+            time.sleep(0.01)
+        if node.fail is not None:
+            context.abort(node.fail, f"{node.address} fails as told")
+        if request.HasField("prefill"):  # decode node: the KV comes from the paired prefill node
+            room, deadline = request.prefill.room, time.monotonic() + 10
+            with node.rooms.cond:
+                while room not in node.rooms.prefilled and context.is_active() and time.monotonic() < deadline:
+                    node.rooms.cond.wait(0.02)
+            if node.rooms.prefilled.get(room) != request.prefill.prefill_addr:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"room {room} never arrived")
+        n = request.sampling.max_new_tokens or node.tokens
+        for i in range(n):
+            if not context.is_active():
+                return
+            time.sleep(node.token_s)
+            yield generation_pb2.GenerateResponse(rid=request.rid, token_ids=[100 + i], text=f"t{i} ")
+        node.completed.append(request.rid)
+        yield generation_pb2.GenerateResponse(
+            rid=request.rid,
+            finish_reason="length",
+            usage=common_pb2.Usage(prompt_tokens=len(request.prompt.token_ids.ids), completion_tokens=n),
+        )
+
+    def GetModelInfo(self, request, context):
+        return generation_pb2.ModelInfo(model="fake", fingerprint="f00", max_context=64, role=self.node.role)
+
+
+class FakePrefill(prefill_pb2_grpc.PrefillServicer):
+    def __init__(self, node: FakeNode):
+        self.node = node
+
+    def Prefill(self, request, context):
+        node = self.node
+        node.requests.append(request)
+        if node.hold is not None:  # stay busy until cancelled or released
+            while context.is_active() and not node.hold.wait(0.02):
+                pass
+            if not context.is_active():
+                node.cancelled.append(request.rid)
+                return prefill_pb2.PrefillResponse()
+        if node.fail is not None:
+            context.abort(node.fail, f"{node.address} fails as told")
+        with node.rooms.cond:
+            node.rooms.prefilled[request.room] = node.address
+            node.rooms.cond.notify_all()
+        return prefill_pb2.PrefillResponse(rid=request.rid, prompt_tokens=3, first_token=100)
+
+
+class FakeNode:
+    def __init__(self, role: str, rooms: Rooms, tokens: int = 4, token_s: float = 0.0, first_s: float = 0.0):
+        self.role, self.rooms = role, rooms
+        self.tokens, self.token_s, self.first_s = tokens, token_s, first_s  # tokens per request, seconds
+        self.requests: list = []  # every request received, in order
+        self.cancelled: list[str] = []  # rids whose call ended before its last message (cancel, deadline, abort)
+        self.completed: list[str] = []  # rids whose stream was produced to the end
+        self.fail: grpc.StatusCode | None = None  # abort every request with this code
+        self.hold: threading.Event | None = None  # prefill: block until set or cancelled
+        if role == "prefill":
+            services = [(prefill_pb2_grpc.add_PrefillServicer_to_server, FakePrefill(self))]
+            names = ["kvbridge.v1.Prefill"]
+        else:
+            services = [(generation_pb2_grpc.add_GenerationServicer_to_server, FakeGeneration(self))]
+            names = ["kvbridge.v1.Generation"]
+        self.server, port, self.health = rpc.make_server("127.0.0.1", 0, services, names)
+        self.address = f"127.0.0.1:{port}"
+        self.server.start()
+
+    def set_serving(self, serving: bool) -> None:
+        s = health_pb2.HealthCheckResponse
+        name = "kvbridge.v1.Prefill" if self.role == "prefill" else "kvbridge.v1.Generation"
+        self.health.set(name, s.SERVING if serving else s.NOT_SERVING)
+
+    def stop(self) -> None:
+        self.server.stop(None).wait()
+
+
+@pytest.fixture
+def fleet():
+    """make(colocated=n, prefill=n, decode=n, **node kwargs) -> (router, {role: [FakeNode]})."""
+    made, routers = [], []
+
+    def make(colocated: int = 0, prefill: int = 0, decode: int = 0, timeout_s: float = 30.0, **kw):
+        rooms = Rooms()
+        nodes = {
+            role: [FakeNode(role, rooms, **kw) for _ in range(k)]
+            for role, k in (("colocated", colocated), ("prefill", prefill), ("decode", decode))
+        }
+        made.extend(n for group in nodes.values() for n in group)
+        config = RouterConfig(
+            port=0,
+            http_port=0,
+            colocated=tuple(n.address for n in nodes["colocated"]),
+            prefill=tuple(n.address for n in nodes["prefill"]),
+            decode=tuple(n.address for n in nodes["decode"]),
+            request_timeout_s=timeout_s,
+            health_retry_s=0.1,
+        )
+        routers.append(start_router(config))
+        return routers[-1], nodes
+
+    yield make
+    for r in routers:
+        r.stop(grace_s=0)
+    for n in made:
+        n.stop()
+
+
+def make_request(ids=(1, 2, 3), **sampling) -> generation_pb2.GenerateRequest:
+    return generation_pb2.GenerateRequest(
+        prompt=common_pb2.Prompt(token_ids=common_pb2.TokenIds(ids=list(ids))),
+        sampling=common_pb2.SamplingParams(**sampling),
+    )
+
+
+def router_stub(router) -> generation_pb2_grpc.GenerationStub:
+    return generation_pb2_grpc.GenerationStub(rpc.make_channel(f"127.0.0.1:{router.port}"))
+
+
+def generate(router, **kw) -> list[generation_pb2.GenerateResponse]:
+    return list(router_stub(router).Generate(make_request(**kw), timeout=30))
+
+
+def wait_until(predicate, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def test_disaggregated_request_pairs_prefill_and_decode_by_room(fleet):
+    router, nodes = fleet(prefill=1, decode=1)
+    [p], [d] = nodes["prefill"], nodes["decode"]
+    responses = generate(router)
+    assert [t for r in responses for t in r.token_ids] == [100, 101, 102, 103]
+    [dreq], [preq] = d.requests, p.requests
+    assert dreq.prefill.prefill_addr == p.address
+    assert preq.room == dreq.prefill.room and 0 <= preq.room < 2**63
+    assert preq.rid == dreq.rid and len(preq.rid) == 32
+    assert list(preq.prompt.token_ids.ids) == [1, 2, 3]
+
+
+def test_rooms_and_rids_are_fresh_per_request(fleet):
+    router, nodes = fleet(prefill=1, decode=1)
+    for _ in range(5):
+        generate(router)
+    rooms = [r.room for r in nodes["prefill"][0].requests]
+    rids = [r.rid for r in nodes["decode"][0].requests]
+    assert len(set(rooms)) == 5 and len(set(rids)) == 5
+
+
+def test_prefill_failure_cancels_decode_and_the_client_gets_its_status(fleet):
+    router, nodes = fleet(prefill=1, decode=1)
+    [p], [d] = nodes["prefill"], nodes["decode"]
+    p.fail = grpc.StatusCode.FAILED_PRECONDITION
+    with pytest.raises(grpc.RpcError) as err:
+        generate(router)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert f"{p.address} fails as told" in err.value.details() and f"prefill/{p.address}" in err.value.details()
+    rid = d.requests[0].rid
+    assert wait_until(lambda: rid in d.cancelled)  # the decode half was cancelled, not left waiting
+
+
+def test_decode_failure_cancels_prefill(fleet):
+    router, nodes = fleet(prefill=1, decode=1, first_s=0.5)  # D fails 0.5 s in, while P is busy with it
+    [p], [d] = nodes["prefill"], nodes["decode"]
+    p.hold = threading.Event()
+    d.fail = grpc.StatusCode.RESOURCE_EXHAUSTED
+    with pytest.raises(grpc.RpcError) as err:
+        generate(router)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    rid = d.requests[0].rid
+    assert [r.rid for r in p.requests] == [rid]
+    assert wait_until(lambda: rid in p.cancelled)
+
+
+def test_equal_nodes_share_requests_round_robin(fleet):
+    router, nodes = fleet(colocated=2)
+    for _ in range(6):
+        generate(router)
+    assert [len(n.requests) for n in nodes["colocated"]] == [3, 3]
+
+
+def test_least_outstanding_node_gets_the_next_request(fleet):
+    router, nodes = fleet(colocated=2, tokens=200, token_s=0.01)
+    stub = router_stub(router)
+    long_call = stub.Generate(make_request(), timeout=30)
+    next(long_call)  # one node is busy with it now
+    busy = next(n for n in nodes["colocated"] if n.requests)
+    for _ in range(3):
+        list(stub.Generate(make_request(max_new_tokens=1), timeout=30))
+    idle = next(n for n in nodes["colocated"] if n is not busy)
+    assert (len(busy.requests), len(idle.requests)) == (1, 3)
+    status = admin_pb2_grpc.AdminStub(rpc.make_channel(f"127.0.0.1:{router.port}")).GetStatus(
+        admin_pb2.GetStatusRequest(), timeout=5
+    )
+    assert status.role == "router"
+    assert status.queues == {f"colocated/{busy.address}": 1, f"colocated/{idle.address}": 0}
+    long_call.cancel()
+
+
+def test_not_serving_node_is_skipped_until_it_serves_again(fleet):
+    router, nodes = fleet(colocated=2)
+    a, b = nodes["colocated"]
+    a.set_serving(False)
+    assert wait_until(lambda: not router.pool.nodes[0].healthy)
+    for _ in range(4):
+        generate(router)
+    assert (len(a.requests), len(b.requests)) == (0, 4)
+    a.set_serving(True)
+    assert wait_until(lambda: router.pool.nodes[0].healthy)
+    for _ in range(4):
+        generate(router)
+    assert len(a.requests) == 2
+
+
+def test_unavailable_node_is_retried_elsewhere_before_any_token(fleet):
+    router, nodes = fleet(colocated=2)
+    a, b = nodes["colocated"]
+    a.fail = grpc.StatusCode.UNAVAILABLE
+    for _ in range(4):
+        assert len(generate(router)) == 5
+    assert len(b.requests) == 4 and len(a.requests) >= 1
+
+
+def test_all_nodes_down_gives_unavailable(fleet):
+    router, nodes = fleet(colocated=1)
+    nodes["colocated"][0].stop()
+    assert wait_until(lambda: not router.pool.nodes[0].healthy)
+    with pytest.raises(grpc.RpcError) as err:
+        generate(router)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_upstream_deadline_comes_from_the_flag(fleet):
+    router, _ = fleet(colocated=1, tokens=100, token_s=0.05, timeout_s=0.5)
+    with pytest.raises(grpc.RpcError) as err:
+        generate(router)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+@pytest.mark.parametrize("first_s", [0.0, 60.0])  # cancelled while streaming / while waiting for a first token
+def test_grpc_client_cancel_cancels_upstream(fleet, first_s):
+    router, nodes = fleet(colocated=1, tokens=5000, token_s=0.01, first_s=first_s)
+    [node] = nodes["colocated"]
+    call = router_stub(router).Generate(make_request(), timeout=120)
+    if first_s:
+        assert wait_until(lambda: node.requests)
+    else:
+        next(call)
+    call.cancel()
+    rid = node.requests[0].rid
+    assert wait_until(lambda: rid in node.cancelled, timeout=5)
+    assert wait_until(lambda: router.pool.outstanding() == {f"colocated/{node.address}": 0})
+
+
+def test_http_client_disconnect_cancels_both_halves(fleet):
+    router, nodes = fleet(prefill=1, decode=1, tokens=5000, token_s=0.01)
+    [d] = nodes["decode"]
+    body = json.dumps({"prompt": [1, 2, 3], "stream": True}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{router.http_port}/v1/completions", data=body)
+    resp = urllib.request.urlopen(req, timeout=30)
+    assert resp.readline().startswith(b"data: ")
+    resp.close()
+    rid = d.requests[0].rid
+    assert wait_until(lambda: rid in d.cancelled)
+    assert wait_until(lambda: set(router.pool.outstanding().values()) == {0})
+
+
+def test_http_client_gone_while_waiting_for_the_first_token_cancels_upstream(fleet):
+    router, nodes = fleet(colocated=1, first_s=60.0)
+    [node] = nodes["colocated"]
+    body = json.dumps({"prompt": [1, 2, 3]}).encode()
+    sock = socket.create_connection(("127.0.0.1", router.http_port))
+    head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n"
+    sock.sendall(head.encode() + body)
+    assert wait_until(lambda: node.requests)
+    sock.close()
+    rid = node.requests[0].rid
+    assert wait_until(lambda: rid in node.cancelled, timeout=5)
+
+
+def http(router, method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(f"http://127.0.0.1:{router.http_port}{path}", data=data, method=method)
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+@pytest.mark.parametrize(
+    ("code", "status"),
+    [
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, 429),
+        (grpc.StatusCode.FAILED_PRECONDITION, 400),
+        (grpc.StatusCode.INTERNAL, 500),
+    ],
+)
+def test_node_errors_map_to_http_statuses(fleet, code, status):
+    router, nodes = fleet(colocated=1)
+    nodes["colocated"][0].fail = code
+    got, body = http(router, "POST", "/v1/completions", {"prompt": [1], "stream": True})
+    assert got == status
+    assert body["error"]["code"] == code.name.lower() and "fails as told" in body["error"]["message"]
+
+
+def test_no_healthy_node_is_503_and_health_says_so(fleet):
+    router, nodes = fleet(colocated=1)
+    assert http(router, "GET", "/health") == (200, {"status": "ok"})
+    nodes["colocated"][0].set_serving(False)
+    assert wait_until(lambda: not router.pool.nodes[0].healthy)
+    status, body = http(router, "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})
+    assert status == 503 and body["error"]["code"] == "unavailable"
+    assert http(router, "GET", "/health")[0] == 503
+
+
+def test_models_and_unknown_routes(fleet):
+    router, _ = fleet(colocated=1)
+    status, body = http(router, "GET", "/v1/models")
+    assert status == 200 and [m["id"] for m in body["data"]] == ["fake"] and body["data"][0]["max_model_len"] == 64
+    assert http(router, "GET", "/v1/models/fake")[1]["id"] == "fake"
+    assert http(router, "GET", "/v1/models/other")[0] == 404
+    assert http(router, "GET", "/v2/nothing")[0] == 404
+    assert http(router, "POST", "/v1/embeddings", {"input": "x"})[0] == 404
+    status, body = http(router, "POST", "/v1/completions", {"model": "other", "prompt": "x"})
+    assert status == 404 and body["error"]["param"] == "model"
