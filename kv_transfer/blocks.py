@@ -7,40 +7,67 @@ to one indexed copy.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from kv_transfer.layers import LayerRange, local_slice, page_runs
+
+RUN_BYTES = 64 << 10  # a run copy this large pays for its Python call; smaller runs go by index ops
 
 
 def _ids(ids: Sequence[int], device: torch.device) -> torch.Tensor:
     return torch.as_tensor(list(ids), dtype=torch.int64, device=device)
 
 
-def _few_runs(runs: list, n: int) -> bool:
-    """Run-by-run copies pay a Python call each; worth it while runs are long on average."""
-    return len(runs) <= max(4, n // 8)
+def _by_runs(runs: list, nbytes: int) -> bool:
+    """Copy run by run (one block copy each) when runs are few or long, else by one indexed copy."""
+    return len(runs) <= 4 or nbytes // len(runs) >= RUN_BYTES
 
 
-def gather(buffer: torch.Tensor, rank_range: LayerRange, ids: Sequence[int], lo: int, hi: int) -> torch.Tensor:
-    """Layers [lo, hi) of pages `ids` as one contiguous tensor [n, hi - lo, 2, page_size, kv_heads, head_dim].
-    A single run of whole pages is a view of the pool (no copy)."""
+def _block_bytes(buffer: torch.Tensor, n: int, lo: int, hi: int) -> int:
+    return n * (hi - lo) * buffer[0, 0].numel() * buffer.element_size()
+
+
+def gather(
+    buffer: torch.Tensor,
+    rank_range: LayerRange,
+    ids: Sequence[int],
+    lo: int,
+    hi: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Layers [lo, hi) of pages `ids` as one contiguous tensor [n, hi - lo, 2, page_size, kv_heads, head_dim],
+    written into `out` (a flat uint8 scratch tensor on the pool's device, large enough) when given. A single
+    run of whole pages is a view of the pool (no copy)."""
     layers = local_slice(rank_range, lo, hi)
     runs = page_runs(ids, ids)
-    if len(runs) == 1:
+    whole = layers == slice(0, buffer.shape[1])
+    if len(runs) == 1 and whole:
         p0, _, n = runs[0]
-        return buffer[p0 : p0 + n, layers].contiguous()
-    if layers == slice(0, buffer.shape[1]):
-        return buffer.index_select(0, _ids(ids, buffer.device))
-    return buffer[_ids(ids, buffer.device), layers].contiguous()
+        return buffer[p0 : p0 + n]
+    shape = (len(ids), hi - lo, *buffer.shape[2:])
+    if out is None:
+        dst = torch.empty(shape, dtype=buffer.dtype, device=buffer.device)
+    else:
+        dst = out[: _block_bytes(buffer, len(ids), lo, hi)].view(buffer.dtype).view(shape)
+    if _by_runs(runs, _block_bytes(buffer, len(ids), lo, hi)):
+        i = 0
+        for p0, _, n in runs:
+            dst[i : i + n].copy_(buffer[p0 : p0 + n, layers])
+            i += n
+    elif whole:
+        torch.index_select(buffer, 0, _ids(ids, buffer.device), out=dst)
+    else:
+        dst.copy_(buffer[_ids(ids, buffer.device), layers])
+    return dst
 
 
 def scatter(buffer: torch.Tensor, rank_range: LayerRange, ids: Sequence[int], lo: int, hi: int, src: torch.Tensor):
     """Write src [n, hi - lo, 2, page_size, kv_heads, head_dim] into layers [lo, hi) of pages `ids`."""
     layers = local_slice(rank_range, lo, hi)
     runs = page_runs(range(len(ids)), ids)
-    if _few_runs(runs, len(ids)):
+    if _by_runs(runs, _block_bytes(buffer, len(ids), lo, hi)):
         for i, q0, n in runs:
             buffer[q0 : q0 + n, layers].copy_(src[i : i + n])
     elif layers == slice(0, buffer.shape[1]):
@@ -58,14 +85,18 @@ def copy_pages(
     dst_ids: Sequence[int],
     lo: int,
     hi: int,
+    scratch: Callable[[int], torch.Tensor] | None = None,
 ) -> int:
     """Copy layers [lo, hi) of pages src_ids of one pool straight into pages dst_ids of another
-    (one copy per run of consecutive ids); returns the bytes copied."""
+    (one copy per run of consecutive ids; short scattered runs go through scratch(nbytes), a reusable
+    uint8 buffer); returns the bytes."""
     s_layers, d_layers = local_slice(src_range, lo, hi), local_slice(dst_range, lo, hi)
     runs = page_runs(src_ids, dst_ids)
-    if _few_runs(runs, len(src_ids)):
+    nbytes = _block_bytes(src, len(src_ids), lo, hi)
+    if _by_runs(runs, nbytes):
         for p0, q0, n in runs:
             dst[q0 : q0 + n, d_layers].copy_(src[p0 : p0 + n, s_layers])
     else:
-        scatter(dst, dst_range, dst_ids, lo, hi, gather(src, src_range, src_ids, lo, hi))
-    return len(src_ids) * (hi - lo) * src[0, 0].numel() * src.element_size()
+        out = scratch(nbytes) if scratch else None
+        scatter(dst, dst_range, dst_ids, lo, hi, gather(src, src_range, src_ids, lo, hi, out))
+    return nbytes

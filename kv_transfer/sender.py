@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
+import torch
 
 from engine.kv_pool import KVPool
 from kv_transfer.layers import overlap
@@ -86,6 +87,7 @@ class Sender:
         self._peers: dict[str, _Peer] = {}  # worker only: engine key -> connection
         self._stubs: dict[str, tuple[grpc.Channel, kv_transfer_pb2_grpc.KVReceiverStub]] = {}  # worker only
         self._last_maintain = time.monotonic()
+        self._scratch_buf = torch.empty(0, dtype=torch.uint8, device=pool.buffer.device)  # worker only
         self._worker = threading.Thread(target=self._run, name=f"kv-sender-{self.name}-{rank}", daemon=True)
         self._worker.start()
 
@@ -304,6 +306,12 @@ class Sender:
             return self.board.fail(room, reason)
         except KeyError:
             return False  # forgotten meanwhile
+
+    def _scratch(self, nbytes: int) -> torch.Tensor:
+        """A reusable uint8 buffer of at least nbytes on the pool's device (fresh memory would fault in)."""
+        if self._scratch_buf.numel() < nbytes:
+            self._scratch_buf = torch.empty(nbytes, dtype=torch.uint8, device=self.pool.buffer.device)
+        return self._scratch_buf
 
     def _stub(self, addr: str) -> kv_transfer_pb2_grpc.KVReceiverStub:
         if addr not in self._stubs:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from engine.model import stage_ranges
+from kv_transfer import blocks
 from kv_transfer.blocks import copy_pages, gather, scatter
 from kv_transfer.layers import Chunk, check_ranges, local_slice, overlap, overlaps, page_runs, plan_chunks
 
@@ -84,19 +85,23 @@ def make_buffer(num_pages: int, layers: int, seed: int) -> torch.Tensor:
     return torch.randn(num_pages, layers, 2, 4, 2, 3, generator=g)
 
 
+@pytest.mark.parametrize("by_runs", [True, False])
 @pytest.mark.parametrize("consecutive", [True, False])
 @pytest.mark.parametrize("lo,hi", [(3, 6), (4, 5)])
-def test_gather_scatter_copy_match_per_page_reference(consecutive, lo, hi):
+def test_gather_scatter_copy_match_per_page_reference(monkeypatch, by_runs, consecutive, lo, hi):
+    monkeypatch.setattr(blocks, "RUN_BYTES", 0 if by_runs else 1 << 40)  # force either copy strategy
     src_range, dst_range = (3, 6), (2, 7)
     src, dst = make_buffer(40, 3, 0), torch.zeros(40, 5, 2, 4, 2, 3)
     rng = random.Random(1)
     src_ids = list(range(5, 25)) if consecutive else rng.sample(range(40), 20)
     dst_ids = list(range(12, 32)) if consecutive else rng.sample(range(40), 20)
 
-    block = gather(src, src_range, src_ids, lo, hi)
-    assert block.shape == (20, hi - lo, 2, 4, 2, 3) and block.is_contiguous()
-    for i, p in enumerate(src_ids):
-        assert torch.equal(block[i], src[p, lo - 3 : hi - 3])
+    scratch = torch.full((1 << 16,), 7, dtype=torch.uint8)
+    for out in (None, scratch):
+        block = gather(src, src_range, src_ids, lo, hi, out)
+        assert block.shape == (20, hi - lo, 2, 4, 2, 3) and block.is_contiguous()
+        for i, p in enumerate(src_ids):
+            assert torch.equal(block[i], src[p, lo - 3 : hi - 3])
 
     scatter(dst, dst_range, dst_ids, lo, hi, block)
     expected = torch.zeros_like(dst)
@@ -105,6 +110,6 @@ def test_gather_scatter_copy_match_per_page_reference(consecutive, lo, hi):
     assert torch.equal(dst, expected)
 
     direct = torch.zeros_like(dst)
-    n = copy_pages(src, src_range, src_ids, direct, dst_range, dst_ids, lo, hi)
+    n = copy_pages(src, src_range, src_ids, direct, dst_range, dst_ids, lo, hi, scratch=lambda n: scratch)
     assert torch.equal(direct, expected)
     assert n == 20 * (hi - lo) * 2 * 4 * 2 * 3 * 4

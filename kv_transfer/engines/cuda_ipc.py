@@ -83,7 +83,8 @@ class CudaIpcSender(Sender):
         return _Conn(info, decode)
 
     def _write(self, conn: _Conn, room: int, target: Target, src: Sequence[int], dst: Sequence[int]) -> int:
-        return copy_pages(self.pool.buffer, self.layers, src, conn.pool, conn.layers, dst, target.lo, target.hi)
+        args = (self.pool.buffer, self.layers, src, conn.pool, conn.layers, dst, target.lo, target.hi)
+        return copy_pages(*args, scratch=self._scratch)
 
     def _sync(self, conn: _Conn) -> None:
         torch.cuda.synchronize(self.pool.buffer.device)

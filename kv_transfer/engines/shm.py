@@ -95,7 +95,8 @@ class ShmSender(Sender):
         return _Conn(info, decode)
 
     def _write(self, conn: _Conn, room: int, target: Target, src: Sequence[int], dst: Sequence[int]) -> int:
-        return copy_pages(self.pool.buffer, self.layers, src, conn.pool, conn.layers, dst, target.lo, target.hi)
+        args = (self.pool.buffer, self.layers, src, conn.pool, conn.layers, dst, target.lo, target.hi)
+        return copy_pages(*args, scratch=self._scratch)
 
     def _close(self, conn: _Conn) -> None:
         conn.pool = None  # unmapped with its last view

@@ -137,7 +137,9 @@ class TorchSender(Sender):
     def _write(self, pair: PairClient, room: int, t: Target, src: Sequence[int], dst: Sequence[int]) -> int:
         total = 0
         for c in plan_chunks(len(src), t.lo, t.hi, self.geometry.layer_block_bytes, self.config.torch_chunk_bytes):
-            block = gather(self.pool.buffer, self.layers, src[c.page_start : c.page_end], c.layer_start, c.layer_end)
+            pages = src[c.page_start : c.page_end]
+            out = self._scratch(len(pages) * (c.layer_end - c.layer_start) * self.geometry.layer_block_bytes)
+            block = gather(self.pool.buffer, self.layers, pages, c.layer_start, c.layer_end, out)
             total += pair.send(room, self.rank, c.layer_start, c.layer_end, dst[c.page_start : c.page_end], block)
         return total
 
