@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from engine.pp.node import PPNode
@@ -25,6 +25,9 @@ class Delta:
     finish_reason: str = ""  # set on the last delta
     prompt_tokens: int = 0  # set on the last delta
     completion_tokens: int = 0  # set on the last delta
+    error: str = ""  # the request failed (last delta): why
+    code: str = ""  # and the gRPC status code name to report it with
+    kv_bytes: int = 0  # disaggregated: KV bytes moved for it
 
 
 @dataclass
@@ -64,10 +67,15 @@ class NodeFront:
         self._tokens = itertools.count()
         self._lock = threading.Lock()
         self._closed = False
+        # other events from rank 0, by kind (e.g. a decode node's "preallocated"): called on the dispatch
+        # thread, so they must not block
+        self.handlers: dict[str, Callable[[dict], None]] = {}
         self._thread = threading.Thread(target=self._dispatch, name="kvbridge-dispatch", daemon=True)
         self._thread.start()
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, rid: str) -> Iterator[Delta]:
+    def submit(
+        self, prompt_ids: list[int], params: SamplingParams, rid: str, extra: dict | None = None
+    ) -> Iterator[Delta]:
         """Start a request; iterate its deltas (the last has finish_reason). Raises ValueError on bad input."""
         events: queue.Queue = queue.Queue()
         with self._lock:
@@ -75,7 +83,7 @@ class NodeFront:
                 raise ValueError(f"duplicate request id {rid!r}")
             self._streams[rid] = events
         try:
-            self.node.add_request(prompt_ids, params, rid)
+            self.node.add_request(prompt_ids, params, rid, extra)
         except ValueError:
             with self._lock:
                 del self._streams[rid]
@@ -129,6 +137,10 @@ class NodeFront:
                 continue
             except (EOFError, OSError):
                 return
+            handler = self.handlers.get(ev["event"])
+            if handler is not None:
+                handler(ev)
+                continue
             with self._lock:
                 target = self._status.get(ev["token"]) if ev["event"] == "status" else self._streams.get(ev["rid"])
             if target is not None:

@@ -45,6 +45,7 @@ class Request:
     num_computed: int = 0  # tokens whose K/V is in the cache, or scheduled into it by a batch in flight
     awaiting_output: bool = False  # a batch in flight samples this request's next token
     announced: bool = False  # its ADMIT decision went down the pipeline (PP)
+    room: int | None = None  # disaggregated serving: the key pairing its prefill and decode halves
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     text: str = ""  # detokenized output, set when the request finishes
     arrival_s: float = field(default_factory=time.perf_counter)

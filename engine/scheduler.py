@@ -55,6 +55,9 @@ class Scheduler:
         self.chunk_policy = chunk_policy
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admitted: holds pages, in admission order
+        # finished computing but still holding pages until release() (a prefill node's KV in transfer)
+        self.held: dict[str, Request] = {}
+        self.hold_pages_on_finish = False
 
     @property
     def num_unfinished(self) -> int:
@@ -151,7 +154,7 @@ class Scheduler:
             req.output_ids.append(tok)
             if req.first_token_s is None:
                 req.first_token_s = now
-            reason = self._stop_reason(req, tok)
+            reason = self.stop_reason(req, tok)
             if reason:
                 req.finish_s = now
                 if not req.text and self.tokenizer is not None:
@@ -160,7 +163,8 @@ class Scheduler:
                 finished.append(req)
         return finished
 
-    def _stop_reason(self, req: Request, tok: int) -> str | None:
+    def stop_reason(self, req: Request, tok: int) -> str | None:
+        """Why `req` ends with its newest token `tok`, or None."""
         p = req.params
         if p.stop and self.tokenizer is not None:
             text = self.tokenizer.decode(req.output_ids)
@@ -186,14 +190,34 @@ class Scheduler:
         req.finish_reason = reason
         if req in self.running:
             self.running.remove(req)
-            self.allocator.free(req.rid, req.page_table.pages)
-            req.page_table.pages = []
+            if self.hold_pages_on_finish and reason != "abort":
+                self.held[req.rid] = req
+            else:
+                self.allocator.free(req.rid, req.page_table.pages)
+                req.page_table.pages = []
         elif req in self.waiting:
             self.waiting.remove(req)
 
+    def release(self, req: Request) -> None:
+        """Free the pages of a request (held after finishing, or never scheduled)."""
+        self.held.pop(req.rid, None)
+        if req.page_table.pages:
+            self.allocator.free(req.rid, req.page_table.pages)
+            req.page_table.pages = []
+
+    def add_prebuilt(self, req: Request) -> None:
+        """A request whose prompt K/V is already in its pages (a decode node's transferred request) and
+        whose first token is known: it joins decoding directly."""
+        assert req.output_ids and req.num_computed == len(req.prompt_ids), req.rid
+        self.running.append(req)
+
+    def reserved(self) -> list[Request]:
+        """Requests holding pages outside the running list (a decode node's preallocated ones)."""
+        return []
+
     def check_invariants(self) -> None:
         self.allocator.check_invariants()
-        held = sum(len(r.page_table.pages) for r in self.running)
+        held = sum(len(r.page_table.pages) for r in (*self.running, *self.held.values(), *self.reserved()))
         if held != self.allocator.num_used:
             raise AssertionError(f"pages held by running requests ({held}) != pages used ({self.allocator.num_used})")
         if any(r.page_table.pages for r in self.waiting):

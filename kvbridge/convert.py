@@ -6,9 +6,13 @@ INVALID_ARGUMENT.
 
 from __future__ import annotations
 
+from google.protobuf import json_format
+
 from engine.request import SamplingParams
 from engine.tokenizer import Tokenizer
-from kvbridge.v1 import common_pb2
+from kv_transfer import wire as kv_wire
+from kv_transfer.layout import NodeLayout
+from kvbridge.v1 import common_pb2, prefill_pb2
 
 DEFAULT_MAX_NEW_TOKENS = 128
 
@@ -59,3 +63,33 @@ def prompt_ids(prompt: common_pb2.Prompt, tokenizer: Tokenizer | None) -> list[i
     if not messages:
         raise ValueError("prompt.chat has no messages")
     return tokenizer.encode(tokenizer.apply_chat_template(messages))
+
+
+# ---------------------------------------------------------------- KV layouts
+
+layout_to_proto = kv_wire.layout_to_proto
+
+
+def layout_from_proto(msg: prefill_pb2.KVLayout) -> NodeLayout:
+    """A peer's layout, checked: its ranks must tile the model's layers. ValueError otherwise."""
+    expected = 0
+    for i, r in enumerate(msg.ranks):
+        if r.rank != i or r.layer_start != expected or r.layer_end <= r.layer_start:
+            raise ValueError(
+                f"layout rank {i} has layers [{r.layer_start}, {r.layer_end}), expected to start at {expected}"
+            )
+        expected = r.layer_end
+    if not msg.ranks or expected != msg.num_layers:
+        raise ValueError(f"layout ranks cover {expected} layers of {msg.num_layers}")
+    if not msg.page_size or not msg.num_pages:
+        raise ValueError(f"layout page_size {msg.page_size} and num_pages {msg.num_pages} must be > 0")
+    return kv_wire.layout_from_proto(msg)
+
+
+def layout_to_dict(layout: NodeLayout) -> dict:
+    """JSON-safe form, for decisions sent down a pipeline."""
+    return json_format.MessageToDict(kv_wire.layout_to_proto(layout), preserving_proto_field_name=True)
+
+
+def layout_from_dict(d: dict) -> NodeLayout:
+    return layout_from_proto(json_format.ParseDict(d, prefill_pb2.KVLayout()))

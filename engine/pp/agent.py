@@ -16,3 +16,6 @@ class KVAgent:
 
     def after_forward(self, batch: ForwardBatch) -> None:
         """This rank just computed `batch` for its layers: their new K/V are in its pool."""
+
+    def on_sampled(self, batch: ForwardBatch, tokens: list[int]) -> None:
+        """The last rank sampled `tokens`, one per sampled request of `batch`, in order."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -57,8 +58,18 @@ class GlooTransport:
 class ControlChannel:
     """A rank's consensus driver in a background thread."""
 
-    def __init__(self, rank: int, pp_size: int, transport: GlooTransport | None, idle_poll_s: float = 0.002):
+    def __init__(
+        self,
+        rank: int,
+        pp_size: int,
+        transport: GlooTransport | None,
+        idle_poll_s: float = 0.002,
+        on_decisions: Callable[[], None] | None = None,
+        collect: bool = True,
+    ):
         self.state = RankState(rank, pp_size)
+        self.on_decisions = on_decisions  # called (no arguments, from the thread) after decisions arrive
+        self.collect = collect  # keep decisions for take_decisions(); ranks that only follow need not
         self.lock = threading.Lock()
         self.driver = RingDriver(make_role(self.state), transport, guard=self.lock)
         self.idle_poll_s = idle_poll_s  # rank 0: pause after a round that decided nothing
@@ -92,8 +103,11 @@ class ControlChannel:
             while not self._stop:
                 result = self.driver.step(timeout=None)
                 if result.decisions:
-                    with self.lock:
-                        self._decided.extend(result.decisions)
+                    if self.collect:
+                        with self.lock:
+                            self._decided.extend(result.decisions)
+                    if self.on_decisions is not None:
+                        self.on_decisions()
                 elif self.state.rank == 0 and (result.idle or result.finished is not None):
                     # nothing decided: wait for a local change, or poll the other ranks again soon
                     self._wake.wait(self.idle_poll_s)

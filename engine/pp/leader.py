@@ -68,6 +68,7 @@ class Leader:
         while not (self.stopping and not self.inflight):
             idle = not self.inflight and not self.scheduler.num_unfinished and not self._unsent
             self._drain_inbox(block=idle)
+            self._tick()
             step = None
             if len(self.inflight) < self.loop_size and not self.stopping:
                 step = self.scheduler.schedule(self._decode_cap())
@@ -123,7 +124,9 @@ class Leader:
         return self.link.recv_tensor((len(step.sampled) + 1,), torch.int64, self.last_rank).tolist()
 
     def _sample_here(self, step: ScheduledStep, logits: torch.Tensor) -> None:
-        self._sampled.append([len(step.sampled), *sample(logits, step.sampled)])
+        tokens = sample(logits, step.sampled)
+        self.agent.on_sampled(step.batch, tokens)
+        self._sampled.append([len(step.sampled), *tokens])
 
     def _take_sampled(self, step: ScheduledStep) -> list[int]:
         return self._sampled.popleft()
@@ -145,10 +148,10 @@ class Leader:
     def _handle(self, msg: tuple) -> None:
         op = msg[0]
         if op == "add":
-            _, rid, prompt_ids, params = msg
+            _, rid, prompt_ids, params, extra = msg
             req = Request(rid, list(prompt_ids), SamplingParams(**params), PageTable(self.pool.page_size))
             self.requests[rid] = req
-            self.scheduler.add(req)
+            self._admit_new(req, extra)
         elif op == "abort":
             req = self.requests.get(msg[1])
             if req is not None:
@@ -162,6 +165,13 @@ class Leader:
             for req in list(self.requests.values()):
                 self.scheduler.finish(req, "abort")
                 self._retire(req, ABORT)
+
+    def _tick(self) -> None:
+        """Once per turn, before scheduling: roles move their own queues here."""
+
+    def _admit_new(self, req: Request, extra: dict) -> None:
+        """A new request from the front; roles with queues before scheduling override this."""
+        self.scheduler.add(req)
 
     def status(self, token: int) -> dict:
         alloc = self.scheduler.allocator
@@ -179,12 +189,13 @@ class Leader:
             "served": self.served,
         }
 
-    def _retire(self, req: Request, kind: str) -> None:
+    def _retire(self, req: Request, kind: str, **event) -> None:
+        """The request is over here: tell every rank (if they know it) and the front."""
         del self.requests[req.rid]
         self.served += 1
         if req.announced:
             self._decide(kind, req.rid)
-        self.outbox.put(_finish_event(req))
+        self.outbox.put(_finish_event(req, **event))
 
     def _decide(self, kind: str, rid: str, params: SamplingParams | None = None, info: dict | None = None) -> None:
         d = Decision(len(self.log), kind, rid, params, info)
@@ -201,7 +212,8 @@ def _token_event(req: Request, tok: int) -> dict:
     return {"event": "token", "rid": req.rid, "token": tok, "index": len(req.output_ids) - 1}
 
 
-def _finish_event(req: Request) -> dict:
+def _finish_event(req: Request, **extra) -> dict:
+    """extra: e.g. error="..." with code="UNAVAILABLE" when the request failed, kv_bytes=..."""
     return {
         "event": "finish",
         "rid": req.rid,
@@ -209,6 +221,7 @@ def _finish_event(req: Request) -> dict:
         "output_ids": list(req.output_ids),
         "text": req.text,
         "prompt_tokens": len(req.prompt_ids),
+        **extra,
     }
 
 

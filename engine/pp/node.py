@@ -102,7 +102,10 @@ class PPNode:
 
     # ------------------------------------------------------------------ requests
 
-    def add_request(self, prompt_ids: list[int], params: SamplingParams, rid: str | None = None) -> str:
+    def add_request(
+        self, prompt_ids: list[int], params: SamplingParams, rid: str | None = None, extra: dict | None = None
+    ) -> str:
+        """Queue a request at rank 0. extra: role-specific fields (a disaggregated request's room...)."""
         vocab = self.model.config.vocab_size
         if not prompt_ids:
             raise ValueError("prompt is empty")
@@ -118,7 +121,7 @@ class PPNode:
         if rid in self._pending:
             raise ValueError(f"duplicate request id {rid!r}")
         self._pending[rid] = {"arrival": time.perf_counter(), "first": None, "done": None}
-        self.inbox.put(("add", rid, list(prompt_ids), asdict(params)))
+        self.inbox.put(("add", rid, list(prompt_ids), asdict(params), extra or {}))
         return rid
 
     def abort(self, rid: str) -> None:

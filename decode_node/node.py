@@ -1,0 +1,98 @@
+"""A decode node: its rank processes (role `decode_role`) and its front."""
+
+from __future__ import annotations
+
+from google.protobuf import json_format
+
+from decode_node.agent import DecodeAgent
+from decode_node.loop import DecodeLeader, DecodeScheduler
+from engine.config import EngineConfig, PPConfig
+from engine.frontend import NodeFront
+from engine.llm import resolve_device, resolve_dtype
+from engine.pp import dist as pp_dist
+from engine.pp.control import ControlChannel, GlooTransport
+from engine.pp.follower import Follower
+from engine.pp.node import PPNode, RankContext, RankRole
+from kv_transfer import KVReceiverEndpoint, NodeLayout, PageGeometry, ReceiverConfig, local_host_id
+from kv_transfer import wire as kv_wire
+from kv_transfer.layout import dtype_name
+from kvbridge.v1 import prefill_pb2
+
+RESERVE_TOKENS = 64  # free room kept for decoding when a request's pages are preallocated
+
+
+def decode_role(ctx: RankContext) -> RankRole:
+    pp, config, mc = ctx.pp, ctx.config, ctx.model.config
+    transport = GlooTransport(ctx.control_group, ctx.rank, pp.pp_size) if pp.pp_size > 1 else None
+    wake = (lambda: ctx.inbox.put(("consensus",))) if ctx.rank == 0 else None
+    chan = ControlChannel(ctx.rank, pp.pp_size, transport, on_decisions=wake, collect=ctx.rank == 0)
+    agent = DecodeAgent(ctx.rank, None, chan)
+    lo, hi = ctx.stage.layer_range
+    receiver = KVReceiverEndpoint(
+        ReceiverConfig(
+            rank=ctx.rank,
+            layer_start=lo,
+            layer_end=hi,
+            num_pages=config.total_pages,
+            page_size=config.page_size,
+            num_kv_heads=mc.num_key_value_heads,
+            head_dim=mc.head_dim,
+            dtype=dtype_name(ctx.stage.dtype),
+            device=str(ctx.stage.device),
+            host=ctx.role_args.get("host", "127.0.0.1"),
+            awaits_first_token=ctx.rank == 0,
+        ),
+        on_change=agent.on_change,
+    )
+    agent.receiver = receiver
+    link = pp_dist.Link(ctx.data_group)
+
+    def close() -> None:
+        chan.stop()
+        receiver.close()
+
+    if ctx.rank == 0:
+        scheduler = ctx.make_scheduler(receiver.pool, DecodeScheduler)
+        loop = DecodeLeader(
+            ctx.stage, receiver.pool, scheduler, link, pp.pp_size, pp.pp_loop_size, ctx.inbox, ctx.outbox, agent,
+            chan=chan, receiver=receiver, reserve_tokens=RESERVE_TOKENS,
+        )  # fmt: skip
+    else:
+        loop = Follower(ctx.rank, pp.pp_size, ctx.stage, receiver.pool, link, agent)
+    endpoint = json_format.MessageToDict(kv_wire.rank_to_proto(receiver.endpoint), preserving_proto_field_name=True)
+    return RankRole(loop, endpoint=endpoint, close=close)
+
+
+class DecodeNode:
+    """The rank processes, the front, and this node's KV layout (with every rank's receiver)."""
+
+    def __init__(self, config: EngineConfig, pp: PPConfig, host: str = "127.0.0.1", progress: bool = False):
+        self.node = PPNode(config, pp, progress=progress, role="decode_node.node:decode_role", role_args={"host": host})
+        self.front = NodeFront(self.node)
+        mc = self.node.model.config
+        self.device = resolve_device(config.device)
+        ranks = tuple(
+            kv_wire.rank_from_proto(json_format.ParseDict(self.node.endpoints[r], prefill_pb2.RankEndpoint()))
+            for r in range(pp.pp_size)
+        )
+        self.layout = NodeLayout(
+            geometry=PageGeometry(
+                config.page_size,
+                mc.num_key_value_heads,
+                mc.head_dim,
+                dtype_name(resolve_dtype(config.dtype, self.device)),
+            ),
+            num_layers=mc.num_hidden_layers,
+            num_pages=config.total_pages,
+            ranks=ranks,
+            model_fingerprint=self.node.model.fingerprint,
+            backends=("shm", "torch", "grpc"),
+            host_id=local_host_id(),
+        )
+
+    def fail(self, rid: str, code: str, error: str) -> None:
+        self.node.inbox.put(("fail", rid, code, error))
+
+    def shutdown(self):
+        self.front.close()
+        return self.node.shutdown()

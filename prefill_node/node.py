@@ -1,0 +1,68 @@
+"""A prefill node: its rank processes (role `prefill_role`) and its gRPC front."""
+
+from __future__ import annotations
+
+from engine.config import EngineConfig, PPConfig
+from engine.frontend import NodeFront
+from engine.model import stage_ranges
+from engine.pp import dist as pp_dist
+from engine.pp.control import ControlChannel, GlooTransport
+from engine.pp.follower import Follower
+from engine.pp.node import PPNode, RankContext, RankRole
+from kv_transfer.layout import NodeLayout, PageGeometry, RankInfo, dtype_name, local_host_id
+from prefill_node.agent import PrefillAgent
+from prefill_node.loop import PrefillLeader
+
+BACKENDS = ("shm", "torch", "grpc")  # the engines a prefill rank can drive here (cuda_ipc needs GPUs)
+
+
+def prefill_role(ctx: RankContext) -> RankRole:
+    pp = ctx.pp
+    pool = ctx.stage.new_kv_pool(ctx.config.total_pages, ctx.config.page_size)
+    transport = GlooTransport(ctx.control_group, ctx.rank, pp.pp_size) if pp.pp_size > 1 else None
+    wake = (lambda: ctx.inbox.put(("consensus",))) if ctx.rank == 0 else None
+    chan = ControlChannel(ctx.rank, pp.pp_size, transport, on_decisions=wake, collect=ctx.rank == 0)
+    agent = PrefillAgent(ctx.rank, ctx.rank == pp.pp_size - 1, pool, chan)
+    link = pp_dist.Link(ctx.data_group)
+
+    def close() -> None:
+        chan.stop()
+        agent.close()
+
+    if ctx.rank == 0:
+        scheduler = ctx.make_scheduler(pool)
+        loop = PrefillLeader(
+            ctx.stage, pool, scheduler, link, pp.pp_size, pp.pp_loop_size, ctx.inbox, ctx.outbox, agent, chan=chan
+        )
+    else:
+        loop = Follower(ctx.rank, pp.pp_size, ctx.stage, pool, link, agent)
+    return RankRole(loop, close=close)
+
+
+class PrefillNode:
+    """The rank processes, the front, and this node's KV layout."""
+
+    def __init__(self, config: EngineConfig, pp: PPConfig, progress: bool = False):
+        self.node = PPNode(config, pp, progress=progress, role="prefill_node.node:prefill_role")
+        self.front = NodeFront(self.node)
+        mc = self.node.model.config
+        ranges = stage_ranges(mc.num_hidden_layers, pp.pp_size)
+        from engine.llm import resolve_device, resolve_dtype
+
+        dtype = resolve_dtype(config.dtype, resolve_device(config.device))
+        self.layout = NodeLayout(
+            geometry=PageGeometry(config.page_size, mc.num_key_value_heads, mc.head_dim, dtype_name(dtype)),
+            num_layers=mc.num_hidden_layers,
+            num_pages=config.total_pages,
+            ranks=tuple(RankInfo(i, lo, hi) for i, (lo, hi) in enumerate(ranges)),
+            model_fingerprint=self.node.model.fingerprint,
+            backends=BACKENDS,
+            host_id=local_host_id(),
+        )
+
+    def register(self, room: int, registration: dict) -> None:
+        self.node.inbox.put(("register", room, registration))
+
+    def shutdown(self):
+        self.front.close()
+        return self.node.shutdown()

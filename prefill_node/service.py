@@ -1,0 +1,101 @@
+"""The prefill node's gRPC front: Prefill (the router's half of a request), Bootstrap
+(layout and registration, for decode nodes), Admin, health and reflection on one port."""
+
+from __future__ import annotations
+
+import grpc
+
+from engine.config import EngineConfig, PPConfig
+from engine.service import AdminService
+from kv_transfer.layout import incompatibility
+from kvbridge import convert, rpc
+from kvbridge.v1 import admin_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from prefill_node.node import PrefillNode
+
+SERVICES = ("kvbridge.v1.Prefill", "kvbridge.v1.Bootstrap", "kvbridge.v1.Admin")
+
+
+class PrefillService(prefill_pb2_grpc.PrefillServicer):
+    def __init__(self, node: PrefillNode):
+        self.node = node
+
+    def Prefill(self, request, context):
+        front = self.node.front
+        if not request.rid or not request.room:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"rid and room are required, got {request.rid!r} {request.room}"
+            )
+        try:
+            ids = convert.prompt_ids(request.prompt, front.tokenizer)
+            params = convert.sampling_params(request.sampling)
+            deltas = front.submit(ids, params, request.rid, {"room": request.room})
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        context.add_callback(lambda: front.abort(request.rid))
+        first = []
+        for d in deltas:
+            first += d.token_ids
+            if d.finish_reason:
+                if d.error:
+                    context.abort(getattr(grpc.StatusCode, d.code or "UNAVAILABLE"), d.error)
+                return prefill_pb2.PrefillResponse(
+                    rid=request.rid, prompt_tokens=d.prompt_tokens, first_token=first[0], kv_bytes=d.kv_bytes
+                )
+        context.abort(grpc.StatusCode.UNAVAILABLE, "the prefill node stopped")
+
+
+class BootstrapService(prefill_pb2_grpc.BootstrapServicer):
+    def __init__(self, node: PrefillNode):
+        self.node = node
+
+    def GetLayout(self, request, context):
+        return convert.layout_to_proto(self.node.layout)
+
+    def Register(self, request, context):
+        try:
+            decode = convert.layout_from_proto(request.decode_layout)
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"decode_layout: {e}")
+        problem = incompatibility(self.node.layout, decode)
+        if problem:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
+        if request.backend not in self.node.layout.backends:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"backend {request.backend!r} is not one of {', '.join(self.node.layout.backends)}",
+            )
+        bad = [p for p in request.page_ids if p >= decode.num_pages]
+        if not request.room or not request.page_ids or bad:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"room {request.room} needs page ids in [0, {decode.num_pages}), got {list(request.page_ids)[:8]}",
+            )
+        registration = {
+            "room": request.room,
+            "backend": request.backend,
+            "page_ids": list(request.page_ids),
+            "decode": convert.layout_to_dict(decode),
+        }
+        self.node.register(request.room, registration)
+        return prefill_pb2.RegisterResponse()
+
+
+class PrefillServer:
+    def __init__(self, node: PrefillNode, host: str, port: int):
+        self.node = node
+        services = [
+            (prefill_pb2_grpc.add_PrefillServicer_to_server, PrefillService(node)),
+            (prefill_pb2_grpc.add_BootstrapServicer_to_server, BootstrapService(node)),
+            (admin_pb2_grpc.add_AdminServicer_to_server, AdminService(node.front, "prefill")),
+        ]
+        self.server, self.port, self.health = rpc.make_server(host, port, services, SERVICES)
+        self.address = f"{host}:{self.port}"
+        self.server.start()
+
+    def stop(self, grace_s: float = 2.0):
+        self.server.stop(grace_s).wait()
+        return self.node.shutdown()
+
+
+def start_prefill(config: EngineConfig, pp: PPConfig, host: str = "127.0.0.1", port: int = 0) -> PrefillServer:
+    return PrefillServer(PrefillNode(config, pp), host, port)
