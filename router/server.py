@@ -20,19 +20,23 @@ class Router:
         self.config = config
         self.pool = NodePool(config.nodes, health_retry_s=config.health_retry_s)
         self.dispatcher = Dispatcher(self.pool, config.request_timeout_s)
+        try:  # HTTP first: a bad host fails here with a clean message (gRPC's core also logs its own)
+            self.http = HTTPFront(config.host, config.http_port, self.dispatcher)
+        except ValueError:
+            self.pool.close()
+            raise
         services = [
             (generation_pb2_grpc.add_GenerationServicer_to_server, GenerationService(self.dispatcher)),
             (admin_pb2_grpc.add_AdminServicer_to_server, AdminService(self.dispatcher)),
         ]
-        self.server, self.port, self.health = rpc.make_server(
-            config.host, config.port, services, SERVICES, max_workers=config.grpc_workers
-        )
         try:
-            self.http = HTTPFront(config.host, config.http_port, self.dispatcher)
-        except ValueError:
-            self.server.stop(None)
+            self.server, self.port, self.health = rpc.make_server(
+                config.host, config.port, services, SERVICES, max_workers=config.grpc_workers
+            )
+        except (RuntimeError, ValueError):  # grpcio raises RuntimeError when the bind fails
+            self.http.server.server_close()
             self.pool.close()
-            raise
+            raise ValueError(f"cannot bind {config.host}:{config.port} for gRPC") from None
         self.http_port = self.http.port
         self._update_health()
         self.pool.add_listener(self._update_health)

@@ -1,0 +1,68 @@
+"""`kvbridge router` as an operator runs it: a real process, one ready line, one-line errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from kvbridge import rpc
+from kvbridge.v1 import generation_pb2_grpc
+from tests.test_router_dispatch import FakeNode, Rooms, make_request
+
+# The router subcommand on its own parser (kvbridge.cli wires the same two functions in).
+DRIVER = """
+import argparse, sys
+from router.cli import add_router_parser
+parser = argparse.ArgumentParser(prog="kvbridge")
+add_router_parser(parser.add_subparsers(dest="command", required=True))
+args = parser.parse_args(sys.argv[1:])
+sys.exit(args.func(args))
+"""
+
+
+def router_process(*flags: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-c", DRIVER, "router", *flags], stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+
+
+def test_router_prints_its_ports_serves_and_stops_on_sigterm():
+    node = FakeNode("colocated", Rooms())
+    proc = router_process("--colocated", node.address, "--port", "0", "--http-port", "0")
+    try:
+        line = proc.stderr.readline()
+        assert line.startswith("kvbridge router: grpc on 127.0.0.1:"), line
+        grpc_part, http_part = line.strip().split(", ")
+        assert http_part.startswith("http on 127.0.0.1:")
+        port = int(grpc_part.rsplit(":", 1)[1])
+        stub = generation_pb2_grpc.GenerationStub(rpc.make_channel(f"127.0.0.1:{port}"))
+        responses = list(stub.Generate(make_request(), timeout=30))
+        assert [t for r in responses for t in r.token_ids] == [100, 101, 102, 103]
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0
+    finally:
+        proc.kill()
+        node.stop()
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--colocated", "127.0.0.1:1", "--port", "x"], "--port must be an integer, got 'x'"),
+        (["--colocated", "127.0.0.1:1", "--port", "-5"], "--port must be in [0, 65535], got -5"),
+        (["--colocated", "nohost"], "--colocated: expected HOST:PORT with a port in [1, 65535], got 'nohost'"),
+        (["--prefill", "127.0.0.1:1"], "prefill and decode nodes come together"),
+        ([], "no backends"),
+        (["--colocated", "127.0.0.1:1", "--request-timeout-s", "0"], "--request-timeout-s must be > 0, got 0.0"),
+        (["--colocated", "127.0.0.1:1", "--request-timeout-s", "soon"], "--request-timeout-s must be a number"),
+        (["--colocated", "127.0.0.1:1", "--host", "256.0.0.1"], "cannot bind 256.0.0.1:"),
+    ],
+)
+def test_bad_flags_are_one_line_naming_the_value_and_exit_2(flags, message):
+    proc = router_process(*flags)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2, err
+    assert err.count("\n") == 1 and err.startswith("kvbridge router: error: "), err
+    assert message in err
