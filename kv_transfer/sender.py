@@ -8,6 +8,7 @@ fill in how to open a connection to one decode rank and how to write pages throu
 from __future__ import annotations
 
 import contextlib
+import logging
 import queue
 import threading
 import time
@@ -23,6 +24,8 @@ from kv_transfer.layout import NodeLayout, PageGeometry, RankInfo
 from kv_transfer.poll import IllegalTransition, KVPoll, StatusBoard, StatusChange
 from kvbridge.rpc import make_channel
 from kvbridge.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -218,9 +221,12 @@ class Sender:
                 job = ()
             if job is None:
                 break
-            if job:
-                self._do(job)
-            self._maintain()
+            try:
+                if job:
+                    self._do(job)
+                self._maintain()
+            except Exception:  # the worker must outlive any one job: later rooms depend on it
+                log.exception("kv sender %s rank %d: job %s", self.name, self.rank, job[:2] if job else "maintain")
         for key in list(self._peers):
             self._drop_peer(key)
         for channel, _ in self._stubs.values():
@@ -295,6 +301,8 @@ class Sender:
                 self._stub(t.info.receiver_addr).TransferDone(notice, timeout=self.config.deadline_s)
             except grpc.RpcError as e:
                 errors.append(f"decode rank {t.info.rank} ({t.info.receiver_addr}): {e.code().name}: {e.details()}")
+            except Exception as e:  # e.g. an address the channel cannot parse
+                errors.append(f"decode rank {t.info.rank} ({t.info.receiver_addr!r}): {type(e).__name__}: {e}")
         return errors
 
     def _advance(self, room: int, state: KVPoll) -> None:
