@@ -75,6 +75,11 @@ class DecodeGenerationService(generation_pb2_grpc.GenerationServicer):
         if problem:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
         backend = self.backend if self.backend != "auto" else choose_backend(layout, self.node.layout, self.node.device)
+        if backend not in layout.backends:
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"transfer backend {backend!r} is not one the prefill node drives ({', '.join(layout.backends)})",
+            )
         try:
             ids = convert.prompt_ids(request.prompt, front.tokenizer)
             params = convert.sampling_params(request.sampling)

@@ -90,6 +90,23 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=0, help="gRPC port (0: a free one, printed when ready)")
     serve.add_argument("--quiet", action="store_true", help="no progress output")
 
+    for role, what in (("prefill", "a prefill node (Prefill and Bootstrap)"), ("decode", "a decode node (Generation)")):
+        node = sub.add_parser(role, help=what)
+        add_config_flags(node, EngineConfig)
+        add_config_flags(node, PPConfig)
+        node.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+        node.add_argument("--port", type=int, default=0, help="gRPC port (0: a free one, printed when ready)")
+        node.add_argument(
+            "--transfer-backend", default="auto", choices=["auto", "shm", "torch", "grpc", "cuda_ipc"],
+            help="KV transfer engine: on a decode node, the one it asks for (auto: the fastest the pair supports); "
+            "on a prefill node, the only one it offers (auto: all it can drive)",
+        )  # fmt: skip
+        node.add_argument("--quiet", action="store_true", help="no progress output")
+
+    from router.cli import add_router_parser
+
+    add_router_parser(sub)
+
     bench = sub.add_parser("bench", help="run a benchmark from bench/ (prints JSON)")
     bench.add_argument("name", choices=["engine", "consensus", "pp"])
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own flags")
@@ -201,6 +218,32 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_node(args: argparse.Namespace) -> int:
+    """`kvbridge prefill` and `kvbridge decode`: serve until SIGINT or SIGTERM."""
+    if not 0 <= args.port < 65536:
+        raise UsageError(f"--port must be in [0, 65535], got {args.port}")
+    try:
+        config, pp = from_flags(EngineConfig, args), from_flags(PPConfig, args)
+        if args.command == "prefill":
+            from prefill_node.node import PrefillNode
+            from prefill_node.service import PrefillServer
+
+            node = PrefillNode(config, pp, progress=not args.quiet, backend=args.transfer_backend)
+            server = PrefillServer(node, args.host, args.port)
+        else:
+            from decode_node.node import DecodeNode
+            from decode_node.service import DecodeServer
+
+            node = DecodeNode(config, pp, args.host, progress=not args.quiet)
+            server = DecodeServer(node, args.host, args.port, args.transfer_backend)
+    except (ValueError, FileNotFoundError) as e:
+        raise UsageError(str(e)) from None
+    print(f"kvbridge {args.command}: listening on {server.address}", file=sys.stderr, flush=True)
+    wait_for_signal()
+    server.stop()
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     import importlib
 
@@ -210,7 +253,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return {"generate": cmd_generate, "serve": cmd_serve, "bench": cmd_bench}[args.command](args)
+        commands = {"generate": cmd_generate, "serve": cmd_serve, "prefill": cmd_node, "decode": cmd_node}
+        commands |= {"bench": cmd_bench, "router": lambda a: a.func(a)}
+        return commands[args.command](args)
     except UsageError as e:
         print(f"kvbridge {args.command}: error: {e}", file=sys.stderr)
         return 2

@@ -42,7 +42,9 @@ def prefill_role(ctx: RankContext) -> RankRole:
 class PrefillNode:
     """The rank processes, the front, and this node's KV layout."""
 
-    def __init__(self, config: EngineConfig, pp: PPConfig, progress: bool = False):
+    def __init__(self, config: EngineConfig, pp: PPConfig, progress: bool = False, backend: str = "auto"):
+        if backend != "auto" and backend not in BACKENDS:
+            raise ValueError(f"transfer backend must be auto or one of {', '.join(BACKENDS)}, got {backend!r}")
         self.node = PPNode(config, pp, progress=progress, role="prefill_node.node:prefill_role")
         self.front = NodeFront(self.node)
         mc = self.node.model.config
@@ -56,7 +58,7 @@ class PrefillNode:
             num_pages=config.total_pages,
             ranks=tuple(RankInfo(i, lo, hi) for i, (lo, hi) in enumerate(ranges)),
             model_fingerprint=self.node.model.fingerprint,
-            backends=BACKENDS,
+            backends=BACKENDS if backend == "auto" else (backend,),
             host_id=local_host_id(),
         )
 

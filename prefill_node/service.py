@@ -97,5 +97,7 @@ class PrefillServer:
         return self.node.shutdown()
 
 
-def start_prefill(config: EngineConfig, pp: PPConfig, host: str = "127.0.0.1", port: int = 0) -> PrefillServer:
-    return PrefillServer(PrefillNode(config, pp), host, port)
+def start_prefill(
+    config: EngineConfig, pp: PPConfig, host: str = "127.0.0.1", port: int = 0, backend: str = "auto"
+) -> PrefillServer:
+    return PrefillServer(PrefillNode(config, pp, backend=backend), host, port)

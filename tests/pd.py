@@ -1,0 +1,98 @@
+"""Factories for disaggregated tests: nodes started in parallel, a direct P+D dispatch, idle checks."""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+
+from decode_node.service import start_decode
+from engine.config import EngineConfig, PPConfig
+from kvbridge import rpc
+from kvbridge.v1 import (
+    admin_pb2,
+    admin_pb2_grpc,
+    common_pb2,
+    generation_pb2,
+    generation_pb2_grpc,
+    prefill_pb2,
+    prefill_pb2_grpc,
+)
+from prefill_node.service import start_prefill
+
+TINY = EngineConfig(model="tiny-random", page_size=4, kv_cache_tokens=4096, chunked_prefill_size=16)
+
+
+def start_nodes(specs: dict[str, tuple], config: EngineConfig = TINY) -> dict:
+    """specs: name -> ("prefill", pp) or ("decode", pp, backend); started in parallel."""
+
+    def start(spec):
+        if spec[0] == "prefill":
+            return start_prefill(config if len(spec) < 3 else spec[2], PPConfig(pp_size=spec[1]))
+        return start_decode(config if len(spec) < 4 else spec[3], PPConfig(pp_size=spec[1]), backend=spec[2])
+
+    with ThreadPoolExecutor(len(specs)) as pool:
+        futures = {name: pool.submit(start, spec) for name, spec in specs.items()}
+        return {name: f.result() for name, f in futures.items()}
+
+
+def stop_nodes(nodes: dict) -> None:
+    with ThreadPoolExecutor(max(1, len(nodes))) as pool:
+        list(pool.map(lambda n: n.stop(), nodes.values()))
+
+
+def token_prompt(ids: list[int]) -> common_pb2.Prompt:
+    return common_pb2.Prompt(token_ids=common_pb2.TokenIds(ids=ids))
+
+
+def pd_generate(p_addr: str, d_addr: str, prompt: common_pb2.Prompt, max_new_tokens: int, timeout: float = 120):
+    """What the router does for one request: D.Generate (stream) and P.Prefill at once.
+    Returns (tokens, decode responses, prefill response or the RpcError of either half)."""
+    rid, room = secrets.token_hex(8), secrets.randbits(63)
+    sampling = common_pb2.SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
+    prefill = prefill_pb2_grpc.PrefillStub(rpc.make_channel(p_addr)).Prefill.future(
+        prefill_pb2.PrefillRequest(rid=rid, room=room, prompt=prompt, sampling=sampling), timeout=timeout
+    )
+    req = generation_pb2.GenerateRequest(
+        rid=rid, prompt=prompt, sampling=sampling, prefill=generation_pb2.PrefillRoute(room=room, prefill_addr=p_addr)
+    )
+    stream = generation_pb2_grpc.GenerationStub(rpc.make_channel(d_addr)).Generate(req, timeout=timeout)
+    try:
+        responses = list(stream)
+    except grpc.RpcError as e:
+        prefill.cancel()
+        return [], [], e
+    return [t for r in responses for t in r.token_ids], responses, prefill.result()
+
+
+def status(addr: str) -> admin_pb2.Status:
+    return admin_pb2_grpc.AdminStub(rpc.make_channel(addr)).GetStatus(admin_pb2.GetStatusRequest(), timeout=10)
+
+
+def wait_idle(addr: str, timeout: float = 30) -> admin_pb2.Status:
+    """The node's status once no page is used and every queue is empty (cleanup is asynchronous)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        st = status(addr)
+        if all(r.kv_pages_used == 0 for r in st.ranks) and not any(st.queues.values()):
+            return st
+        if time.monotonic() > deadline:
+            return st
+        time.sleep(0.05)
+
+
+def in_parallel(fn, args_list: list) -> list:
+    results = [None] * len(args_list)
+
+    def run(i, args):
+        results[i] = fn(*args)
+
+    threads = [threading.Thread(target=run, args=(i, a)) for i, a in enumerate(args_list)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
