@@ -104,7 +104,8 @@ class Sender:
         )
         self.board.add(room, rid)
         with self._lock:
-            self._rooms[room] = SenderRoom(room, decode, targets, decode.ranks[0], frozenset(page_ids))
+            first = decode.ranks[0] if decode.ranks else RankInfo(0, 0, 0)
+            self._rooms[room] = SenderRoom(room, decode, targets, first, frozenset(page_ids))
         problem = self._registration_problem(decode, page_ids, targets)
         if problem:
             self.board.fail(room, problem)

@@ -66,11 +66,16 @@ class Header:
         return cls(kind, room & ((1 << 64) - 1), *rest)
 
 
-def _groups(store, n: int, rank: int, backend: str, timeout: timedelta):
+def _nccl_possible(device: torch.device) -> bool:
+    return device.type == "cuda" and dist.is_nccl_available()
+
+
+def _groups(store, n: int, rank: int, backend: str, timeout: timedelta, device: torch.device):
     """(control gloo group, data group) of pair n."""
     ctrl = dist.ProcessGroupGloo(dist.PrefixStore(f"kvpair/{n}/gloo/", store), rank, 2, timeout)
     if backend != "nccl":
         return ctrl, ctrl
+    torch.cuda.set_device(device)  # this thread's current device: where NCCL puts the pair's communicator
     opts = dist.ProcessGroupNCCL.Options()
     opts._timeout = timeout
     return ctrl, dist.ProcessGroupNCCL(dist.PrefixStore(f"kvpair/{n}/nccl/", store), rank, 2, opts)
@@ -87,14 +92,14 @@ class PairClient:
         timeout = timedelta(seconds=timeout_s)
         self._store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
         self.n = self._store.add("kvpair/count", 1)
-        proposed = "nccl" if device.type == "cuda" else "gloo"
+        proposed = "nccl" if _nccl_possible(device) else "gloo"
         self._store.set(f"kvpair/{self.n}/hello", HELLO.pack(VERSION, src_rank, proposed.encode()))
         answer = self._store.get(f"kvpair/{self.n}/accept").decode()
         if answer.startswith("error:"):
             raise ConnectionError(f"torch pair with {addr} refused: {answer[6:]}")
         self.backend = answer  # "gloo" | "nccl"
         self.device = device
-        self._ctrl, self._data = _groups(self._store, self.n, 1, answer, timeout)
+        self._ctrl, self._data = _groups(self._store, self.n, 1, answer, timeout, device)
         self._in_flight: list[torch.Tensor] = []  # NCCL sources kept alive until sync()
 
     def send(self, room: int, src_rank: int, lo: int, hi: int, dst: Sequence[int], block: torch.Tensor) -> int:
@@ -188,15 +193,21 @@ class TorchReceiverPort:
         self._acceptor.join()
 
     def _accept_loop(self) -> None:
-        n, since = 1, time.monotonic()
-        while not self._stop.wait(0.02):
-            count = self._store.add("kvpair/count", 0)
-            while n <= count:
-                if self._store.check([f"kvpair/{n}/hello"]):
-                    self._accept(n, self._store.get(f"kvpair/{n}/hello"))
-                elif time.monotonic() - since < HELLO_WAIT_S:
-                    break
-                n, since = n + 1, time.monotonic()
+        n, waiting_since = 1, None  # the next pair number; since when its hello is overdue
+        try:
+            while not self._stop.wait(0.02):
+                count = self._store.add("kvpair/count", 0)
+                while n <= count:
+                    if self._store.check([f"kvpair/{n}/hello"]):
+                        self._accept(n, self._store.get(f"kvpair/{n}/hello"))
+                    else:
+                        waiting_since = waiting_since or time.monotonic()
+                        if time.monotonic() - waiting_since < HELLO_WAIT_S:
+                            break
+                        log.warning("torch pair %d never said hello; skipped", n)  # its prefill rank died
+                    n, waiting_since = n + 1, None
+        except Exception:
+            log.exception("torch pair acceptor at %s stopped", self.addr)
 
     def _accept(self, n: int, hello: bytes) -> None:
         try:
@@ -206,7 +217,7 @@ class TorchReceiverPort:
         except (struct.error, ValueError) as e:
             self._store.set(f"kvpair/{n}/accept", f"error:{e}".encode())
             return
-        nccl = proposed.rstrip(b"\0") == b"nccl" and self._pool.device.type == "cuda"
+        nccl = proposed.rstrip(b"\0") == b"nccl" and _nccl_possible(self._pool.device)
         backend = "nccl" if nccl else "gloo"
         self._store.set(f"kvpair/{n}/accept", backend.encode())
         args = (n, src_rank, backend)
@@ -215,7 +226,7 @@ class TorchReceiverPort:
     def _serve_pair(self, n: int, src_rank: int, backend: str) -> None:
         staging = torch.empty(0, dtype=torch.uint8, device=self._pool.device if backend == "nccl" else "cpu")
         try:
-            ctrl, data = _groups(self._store, n, 0, backend, self._timeout)
+            ctrl, data = _groups(self._store, n, 0, backend, self._timeout, self._pool.device)
             while True:
                 raw = torch.empty(HEADER_LEN, dtype=torch.int64)
                 ctrl.recv([raw], 1, 0).wait()
