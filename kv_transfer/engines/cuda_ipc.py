@@ -3,6 +3,10 @@
 as explicit bytes (no pickle) in its RankInfo; the prefill rank opens it
 (UntypedStorage._new_shared_cuda) and copies its pages device to device straight into the pool.
 
+A process cannot open its own IPC handle, so the two sides must be different processes. Every
+importer of one export shares one torch IPC ref-counter slot; the pool outlives them all (it is
+freed when the decode rank exits), so the count only matters at shutdown.
+
 Written for GPU machines; tests skip where CUDA is absent.
 """
 
@@ -40,7 +44,7 @@ def export_pool(buffer: torch.Tensor) -> bytes:
     storage = buffer.untyped_storage()
     device, handle, size, offset, ref_handle, ref_offset, event_handle, event_sync = storage._share_cuda_()
     fixed = _FIXED.pack(device, size, offset, ref_offset, buffer.storage_offset(), bool(event_sync))
-    return _pack_bytes(fixed, handle, ref_handle, event_handle or b"")
+    return _pack_bytes(fixed, handle, ref_handle, event_handle)
 
 
 def import_pool(blob: bytes, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -52,7 +56,7 @@ def import_pool(blob: bytes, shape: tuple[int, ...], dtype: torch.dtype) -> torc
         raise ValueError(f"CUDA IPC storage holds {size} bytes; the decode layout needs {need}")
     torch.cuda._lazy_init()
     storage = torch.UntypedStorage._new_shared_cuda(
-        device, handle, size, offset, ref_handle, ref_offset, event_handle or None, event_sync
+        device, handle, size, offset, ref_handle, ref_offset, event_handle, event_sync
     )
     typed = torch.storage.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)
     return torch._utils._rebuild_tensor(typed, tensor_offset, shape, torch.empty(shape, device="meta").stride())
