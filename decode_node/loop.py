@@ -43,6 +43,7 @@ class DecodeLeader(Leader):
         self.reserve_tokens = reserve_tokens  # free room kept for decoding when preallocating
         self.prealloc: deque[Request] = deque()  # waiting for pages
         self.extras: dict[str, dict] = {}  # rid -> its room, prefill layout ranges, backend
+        self.registered_at: dict[str, float] = {}  # rid -> when every rank expected its pages
 
     # ---------------------------------------------------------------- inputs
 
@@ -81,6 +82,7 @@ class DecodeLeader(Leader):
                 continue
             if d.verdict == Verdict.READY and d.stream == S.DECODE_PREALLOCATED:
                 # every rank expects the room: the front may now register it with the prefill node
+                self.registered_at[req.rid] = time.perf_counter()
                 self.outbox.put({"event": "preallocated", "rid": req.rid, "page_ids": list(req.page_table.pages)})
             elif d.verdict == Verdict.READY and d.stream == S.DECODE_TRANSFERRED:
                 self._join(req)
@@ -118,7 +120,8 @@ class DecodeLeader(Leader):
         req.num_sampled = 1
         req.output_ids.append(token)
         req.first_token_s = time.perf_counter()
-        self.outbox.put({"event": "token", "rid": req.rid, "token": token, "index": 0})
+        kv_seconds = req.first_token_s - self.registered_at.pop(req.rid, req.first_token_s)
+        self.outbox.put({"event": "token", "rid": req.rid, "token": token, "index": 0, "kv_seconds": kv_seconds})
         self.scheduler.add_prebuilt(req)
         reason = self.scheduler.stop_reason(req, token)
         if reason:  # the first token already ends it (EOS, max_new_tokens == 1, a stop string)
@@ -135,6 +138,7 @@ class DecodeLeader(Leader):
             self.prealloc.remove(req)
         self.extras.pop(req.rid, None)
         self.scheduler.transfer.pop(req.rid, None)
+        self.registered_at.pop(req.rid, None)
         self.chan.abort(req.rid)
         self.scheduler.finish(req, "abort")
         self.scheduler.release(req)

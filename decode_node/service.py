@@ -99,7 +99,8 @@ class DecodeGenerationService(generation_pb2_grpc.GenerationServicer):
                 first = False
                 page_bytes = self.node.layout.geometry.layer_block_bytes * self.node.layout.num_layers
                 pages = -(-len(ids) // self.node.layout.geometry.page_size)
-                resp.transfer.CopyFrom(generation_pb2.TransferStats(backend=backend, kv_bytes=pages * page_bytes))
+                stats = generation_pb2.TransferStats(backend=backend, kv_bytes=pages * page_bytes, seconds=d.kv_seconds)
+                resp.transfer.CopyFrom(stats)
             if d.finish_reason:
                 resp.finish_reason = d.finish_reason
                 resp.usage.CopyFrom(

@@ -28,6 +28,7 @@ class Delta:
     error: str = ""  # the request failed (last delta): why
     code: str = ""  # and the gRPC status code name to report it with
     kv_bytes: int = 0  # disaggregated: KV bytes moved for it
+    kv_seconds: float = 0.0  # disaggregated, first delta: from registration to the KV landing on every rank
 
 
 @dataclass
@@ -97,7 +98,7 @@ class NodeFront:
                 if ev is None:
                     raise RuntimeError("the node stopped")
                 if ev["event"] == "token":
-                    yield Delta([ev["token"]], text.push(ev["token"]))
+                    yield Delta([ev["token"]], text.push(ev["token"]), kv_seconds=ev.get("kv_seconds", 0.0))
                 else:
                     yield Delta([], text.finish(ev["text"]), ev["finish_reason"], prompt_tokens, len(ev["output_ids"]))
                     return

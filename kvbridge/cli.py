@@ -103,9 +103,11 @@ def build_parser() -> argparse.ArgumentParser:
         )  # fmt: skip
         node.add_argument("--quiet", action="store_true", help="no progress output")
 
+    from kvbridge.demo import add_demo_parser
     from router.cli import add_router_parser
 
     add_router_parser(sub)
+    add_demo_parser(sub)
 
     bench = sub.add_parser("bench", help="run a benchmark from bench/ (prints JSON)")
     bench.add_argument("name", choices=["engine", "consensus", "pp"])
@@ -244,6 +246,12 @@ def cmd_node(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_demo(args: argparse.Namespace) -> int:
+    from kvbridge.demo import run_demo
+
+    return run_demo(args)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     import importlib
 
@@ -254,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         commands = {"generate": cmd_generate, "serve": cmd_serve, "prefill": cmd_node, "decode": cmd_node}
-        commands |= {"bench": cmd_bench, "router": lambda a: a.func(a)}
+        commands |= {"bench": cmd_bench, "router": lambda a: a.func(a), "demo": cmd_demo}
         return commands[args.command](args)
     except UsageError as e:
         print(f"kvbridge {args.command}: error: {e}", file=sys.stderr)

@@ -32,11 +32,16 @@ class GlooTransport:
 
     def send(self, payload: bytes) -> None:
         self._sending = [(w, t) for w, t in self._sending if not w.is_completed()]
-        for t in (
-            torch.tensor([len(payload)], dtype=torch.int64),
-            torch.frombuffer(bytearray(payload), dtype=torch.uint8),
-        ):
+        tensors = [torch.tensor([len(payload)], dtype=torch.int64)]
+        if payload:  # an empty payload (the ring's close sentinel) is its length alone
+            tensors.append(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+        for t in tensors:
             self._sending.append((dist.isend(t, self.next, group=self.group), t))
+
+    def flush(self) -> None:
+        for work, _ in self._sending:
+            work.wait()
+        self._sending.clear()
 
     def recv(self, timeout: float | None) -> bytes | None:
         if self._pending is None:
@@ -50,13 +55,39 @@ class GlooTransport:
                     return None  # the receive stays posted for the next call
                 time.sleep(self.poll_s)
         self._pending = None
+        if self._len.item() == 0:
+            return b""
         buf = torch.empty(int(self._len.item()), dtype=torch.uint8)
         dist.recv(buf, self.prev, group=self.group)  # the payload follows its length at once
         return buf.numpy().tobytes()
 
 
+CLOSE = b""  # sent around the ring once, at shutdown: every control thread forwards it and exits
+
+
+class RingClosed(Exception):
+    pass
+
+
+class _ClosableRing:
+    """A transport on which the CLOSE sentinel ends the ring instead of reaching the driver."""
+
+    def __init__(self, inner: GlooTransport):
+        self.inner = inner
+
+    def send(self, payload: bytes) -> None:
+        self.inner.send(payload)
+
+    def recv(self, timeout: float | None) -> bytes | None:
+        payload = self.inner.recv(timeout)
+        if payload == CLOSE:
+            raise RingClosed
+        return payload
+
+
 class ControlChannel:
-    """A rank's consensus driver in a background thread."""
+    """A rank's consensus driver in a background thread. `stop()` closes the ring (rank 0 sends the
+    sentinel round it; the others forward it) so that no thread is left inside a receive at exit."""
 
     def __init__(
         self,
@@ -71,7 +102,8 @@ class ControlChannel:
         self.on_decisions = on_decisions  # called (no arguments, from the thread) after decisions arrive
         self.collect = collect  # keep decisions for take_decisions(); ranks that only follow need not
         self.lock = threading.Lock()
-        self.driver = RingDriver(make_role(self.state), transport, guard=self.lock)
+        self.transport = transport
+        self.driver = RingDriver(make_role(self.state), transport and _ClosableRing(transport), guard=self.lock)
         self.idle_poll_s = idle_poll_s  # rank 0: pause after a round that decided nothing
         self._wake = threading.Event()
         self._decided: list[Decision] = []  # issued (rank 0) or applied (rank k), not yet taken
@@ -94,13 +126,14 @@ class ControlChannel:
             out, self._decided = self._decided, []
         return out
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 10.0) -> None:
         self._stop = True
         self._wake.set()
+        self.thread.join(timeout_s)
 
     def _run(self) -> None:
         try:
-            while not self._stop:
+            while not (self._stop and self.state.rank == 0):
                 result = self.driver.step(timeout=None)
                 if result.decisions:
                     if self.collect:
@@ -112,5 +145,12 @@ class ControlChannel:
                     # nothing decided: wait for a local change, or poll the other ranks again soon
                     self._wake.wait(self.idle_poll_s)
                     self._wake.clear()
+            if self.transport is not None:  # rank 0, stopping: send the sentinel round the ring
+                self.transport.send(CLOSE)
+                while self.transport.recv(None) != CLOSE:
+                    pass
+        except RingClosed:  # ranks 1..P-1: pass the sentinel on, then stop
+            self.transport.send(CLOSE)
+            self.transport.flush()
         except BaseException as e:  # surfaced to the rank's loop through .error
             self.error = e
