@@ -30,6 +30,8 @@ Decode rank (one KVReceiverEndpoint per rank process; ReceiverConfig):
       reuse an aborted room's pages only after the prefill side reported it terminal.
   close()
       at shutdown: stops the service, unlinks the pool's segment.
+  remove_segments_of(pid)
+      the node daemon, when a rank process died without close(): unlinks its segments.
 
 Prefill rank (one Sender per engine per rank process; make_sender(name, pool, rank)):
   choose_backend(prefill_layout, decode_layout, device)
@@ -59,6 +61,7 @@ Every engine's TransferDone and FirstToken notices go over gRPC to the decode ra
 KVReceiver, which checks every page id, layer and byte count it is told about.
 """
 
+from kv_transfer.engines.shm import remove_segments_of
 from kv_transfer.factory import BACKENDS, CHOICES, choose_backend, make_sender
 from kv_transfer.layers import overlap, overlaps
 from kv_transfer.layout import NodeLayout, PageGeometry, RankInfo, incompatibility, local_host_id
@@ -88,4 +91,5 @@ __all__ = [
     "make_sender",
     "overlap",
     "overlaps",
+    "remove_segments_of",
 ]

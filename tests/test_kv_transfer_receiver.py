@@ -9,8 +9,10 @@ from pathlib import Path
 
 import grpc
 import pytest
+import torch.multiprocessing as mp
 
 from kv_transfer import KVPoll, KVReceiverEndpoint, ReceiverConfig, Source
+from kv_transfer.engines.shm import remove_segments_of
 from kv_transfer.poll import StatusChange
 from kv_transfer.rooms import Notice
 from kvbridge.rpc import make_channel
@@ -138,3 +140,23 @@ def test_plain_memory_pool_has_no_segment():
     with KVReceiverEndpoint(make_config(shared_memory=False, torch_store=False)) as r:
         assert r.endpoint.shm_name == "" and r.endpoint.torch_addr == ""
         assert r.pool.buffer.shape == (8, 2, 2, 4, 2, 8)
+
+
+def die_holding_a_receiver(out) -> None:
+    r = KVReceiverEndpoint(make_config(torch_store=False))
+    out.put(r.endpoint.shm_name)
+    out.close()
+    out.join_thread()  # the name is sent before the process dies
+    os._exit(3)  # no close(), no cleanup
+
+
+def test_segments_of_a_dead_rank_process_can_be_removed_by_pid():
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    proc = ctx.Process(target=die_holding_a_receiver, args=(out,))
+    proc.start()
+    name = out.get(timeout=60)
+    proc.join(30)
+    assert proc.exitcode == 3 and (SHM / name).exists()
+    assert remove_segments_of(proc.pid) == [name]
+    assert not (SHM / name).exists()

@@ -73,6 +73,17 @@ class Segment:
             shm.unlink()
 
 
+def remove_segments_of(pid: int) -> list[str]:
+    """Unlink the segments a dead process created (its name prefix carries its pid); for a daemon
+    whose rank process died without close(). Returns the names removed."""
+    removed = []
+    for path in SHM_DIR.glob(f"{NAME_PREFIX}{pid}-*"):
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+            removed.append(path.name)
+    return removed
+
+
 class _Conn:
     def __init__(self, info: RankInfo, decode: NodeLayout):
         g = decode.geometry
