@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from consensus.state import RankState
-from consensus.types import Decision, Report, Stream, Verdict
+from consensus.types import STREAMS, Decision, Report, Stream, Verdict
 
 
 @dataclass(frozen=True)
@@ -68,12 +68,12 @@ def check_agreement(logs: Sequence[Sequence[Decision]], *, quiescent: bool) -> N
 def expected_decisions(record: RoundRecord, dead_before: set[str]) -> list[tuple[Stream, str, Verdict]]:
     """What a round must decide, from its reports alone: (stream, rid, verdict) in order."""
     failed: dict[str, Stream] = {}
-    for s in Stream:
+    for s in STREAMS:
         for rid in sorted(frozenset().union(*(r.failed[s] for r in record.reports))):
             if rid not in dead_before:
                 failed.setdefault(rid, s)
     out = [(s, rid, Verdict.FAILED) for rid, s in failed.items()]
-    for s in Stream:
+    for s in STREAMS:
         everyone = frozenset.intersection(*(r.ready[s] for r in record.reports))
         out += [(s, rid, Verdict.READY) for rid in sorted(everyone - failed.keys() - dead_before)]
     return out
@@ -100,7 +100,7 @@ def check_no_orphan(states: Sequence[RankState]) -> None:
     for st in states:
         st.check_invariants()
         for d in st.log:
-            held = [s.name for s in Stream if d.is_terminal and st.status(s, d.rid) is not None]
+            held = [s.name for s in STREAMS if d.is_terminal and st.status(s, d.rid) is not None]
             if held:
                 raise AssertionError(f"rank {st.rank}: {d.rid!r} {d.verdict.name} at seq {d.seq}, still held in {held}")
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections import deque
 
 from consensus.state import RankState
-from consensus.types import Decision, ProtocolError, Report, Stream, Verdict
+from consensus.types import STREAMS, Decision, ProtocolError, Report, Stream, Verdict
 from consensus.wire import RoundMsg, Tally
 
 
@@ -102,7 +102,7 @@ class Leader:
                 f"round {result.round_id} came back with {len(result.decisions)} decisions at seq "
                 f"{result.first_seq}; expected none at {sent.next_seq}"
             )
-        for stream, got, put in zip(Stream, result.tallies, sent.tallies):
+        for stream, got, put in zip(STREAMS, result.tallies, sent.tallies):
             if not got.ready <= put.ready or not put.failed <= got.failed:
                 raise ProtocolError(f"round {result.round_id}: {stream.name} grew its ready or shrank its failed set")
 
@@ -183,7 +183,7 @@ def make_role(state: RankState) -> Role:
 
 def _pairs(tallies: tuple[Tally, ...], field: str) -> list[tuple[Stream, str]]:
     """(stream, rid) of one field of every tally, in stream then rid order."""
-    return [(s, rid) for s, t in zip(Stream, tallies) for rid in sorted(getattr(t, field))]
+    return [(s, rid) for s, t in zip(STREAMS, tallies) for rid in sorted(getattr(t, field))]
 
 
 def _first_stream_of(tallies: tuple[Tally, ...], field: str) -> dict[str, Stream]:

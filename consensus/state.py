@@ -23,7 +23,7 @@ import struct
 from collections.abc import Iterable, Mapping
 from types import MappingProxyType
 
-from consensus.types import Decision, LocalStatus, ProtocolError, Report, Stream, Verdict
+from consensus.types import STREAMS, Decision, LocalStatus, ProtocolError, Report, Stream, Verdict
 
 _DIGEST_RECORD = struct.Struct("!QBBH")  # seq, stream (255: none), verdict, rid length
 
@@ -39,7 +39,7 @@ class RankState:
         self.rank = rank  # this rank, in [0, pp_size)
         self.pp_size = pp_size  # ranks in the ring
         self.keep_log = keep_log  # keep every applied Decision (tests); the digest is kept either way
-        self._views: tuple[dict[str, LocalStatus], ...] = tuple({} for _ in Stream)  # by Stream: rid -> status
+        self._views: tuple[dict[str, LocalStatus], ...] = tuple({} for _ in STREAMS)  # by Stream: rid -> status
         self._dead: set[str] = set()  # rids FAILED or ABORTED by an applied decision; never live again
         self._log: list[Decision] = []  # applied decisions, seq 0, 1, ... (empty unless keep_log)
         self._applied = 0  # number of decisions applied == the next seq this rank expects
@@ -77,7 +77,7 @@ class RankState:
     @property
     def num_live(self) -> int:
         """(stream, rid) entries in this rank's views."""
-        return sum(len(v) for v in self._views)
+        return sum(map(len, self._views))
 
     def live_rids(self) -> frozenset[str]:
         return frozenset().union(*self._views)
@@ -93,7 +93,7 @@ class RankState:
 
     def report(self, round_id: int) -> Report:
         """This rank's contribution to round `round_id`: its READY and FAILED sets per stream."""
-        sets = [self.local_sets(s) for s in Stream]
+        sets = [self.local_sets(s) for s in STREAMS]
         return Report(round_id, self.rank, tuple(r for r, _ in sets), tuple(f for _, f in sets))
 
     def apply(self, decisions: Iterable[Decision]) -> None:
@@ -155,7 +155,7 @@ class RankState:
 
     def check_invariants(self) -> None:
         """Raise AssertionError, with counts, when the bookkeeping is inconsistent."""
-        for stream, view in zip(Stream, self._views):
+        for stream, view in zip(STREAMS, self._views):
             orphans = view.keys() & self._dead
             if orphans:
                 raise AssertionError(

@@ -20,7 +20,8 @@ class Stream(IntEnum):
     DECODE_TRANSFERRED = 4  # decode: every rank holds all its KV pages; may join decoding
 
 
-NUM_STREAMS = len(Stream)
+STREAMS: tuple[Stream, ...] = tuple(Stream)  # iterating an Enum class is slow; hot paths use this
+NUM_STREAMS = len(STREAMS)
 
 
 class LocalStatus(IntEnum):

@@ -31,7 +31,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from itertools import pairwise
 
-from consensus.types import NUM_STREAMS, Decision, Stream, Verdict
+from consensus.types import NUM_STREAMS, STREAMS, Decision, Stream, Verdict
 
 MAGIC = b"KC"
 VERSION = 1
@@ -74,7 +74,7 @@ class RoundMsg:
         for i, d in enumerate(self.decisions):
             if d.seq != self.first_seq + i:
                 raise ValueError(f"decision {i} has seq {d.seq}, expected {self.first_seq + i}")
-        for stream, t in zip(Stream, self.tallies):
+        for stream, t in zip(STREAMS, self.tallies):
             both = t.ready & t.failed
             if both:
                 raise ValueError(f"{stream.name}: {len(both)} rid(s) both ready and failed, e.g. {min(both)!r}")
@@ -116,7 +116,7 @@ class RoundMsg:
             raise ValueError(f"decision seqs overflow: first_seq {first_seq} + {num_decisions}")
         r.expect_room(num_decisions, _DECISION.size + _RID_LEN.size + 1, "decisions")
         decisions = tuple(_decode_decision(r, first_seq + i) for i in range(num_decisions))
-        tallies = tuple(_decode_tally(r, stream) for stream in Stream)
+        tallies = tuple(_decode_tally(r, stream) for stream in STREAMS)
         if r.remaining:
             raise ValueError(f"{r.remaining} trailing byte(s) after the message")
         return cls(round_id, hops, first_seq, decisions, tallies)

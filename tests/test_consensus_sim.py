@@ -39,7 +39,7 @@ def check_run(res: SimResult) -> int:
     return audit.check_liveness(res.logs[0], res.rounds, res.round_started, res.settled)
 
 
-@settings(max_examples=1500, deadline=None)
+@settings(max_examples=1200, deadline=None)
 @given(
     pp=st.integers(1, 8),
     seed=st.integers(0, 2**32 - 1),
@@ -69,8 +69,8 @@ def test_properties_hold_on_random_schedules(
 @pytest.mark.parametrize("pp", range(1, 9))
 def test_properties_hold_on_a_seed_sweep(pp):
     workload = Workload(num_requests=12, p_fail=0.15, p_late_fail=0.1, p_abort=0.25)
-    covered = sum(check_run(simulate(pp, seed, workload)) for seed in range(60))
-    assert covered > 60 * 12  # the liveness bound was exercised on most stages, not vacuously
+    covered = sum(check_run(simulate(pp, seed, workload)) for seed in range(40))
+    assert covered > 40 * 12  # the liveness bound was exercised on most stages, not vacuously
 
 
 def test_same_seed_same_run():
