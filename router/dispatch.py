@@ -108,18 +108,19 @@ class Routed:
     def _attempt(self, excluded: list[Node]) -> Iterator[generation_pb2.GenerateResponse]:
         if self.cancelled.is_set():
             raise RouteError(grpc.StatusCode.CANCELLED, "the client cancelled the request")
+        timeout = self._remaining()
         roles = GENERATION_ROLES if self.pool.has_eligible("prefill", excluded) else ("colocated",)
         node = self.pool.acquire(roles, excluded)
         if node is None:
             raise self._none_left(excluded)
         if node.role == "colocated":
-            yield from self._colocated(node)
+            yield from self._colocated(node, timeout)
             return
         prefill = self.pool.acquire(("prefill",), excluded)
         if prefill is None:  # the last prefill node turned unhealthy just now
             self.pool.release(node)
             raise self._none_left(excluded)
-        yield from self._disaggregated(prefill, node)
+        yield from self._disaggregated(prefill, node, timeout)
 
     def _none_left(self, excluded: list[Node]) -> RouteError:
         if excluded:
@@ -134,17 +135,19 @@ class Routed:
         return left
 
     def _open(self, call):
+        """Register an upstream call so that cancel() reaches it (at once, if cancel came first)."""
         with self._lock:
             self._calls.append(call)
         if self.cancelled.is_set():
             call.cancel()
         return call
 
-    def _colocated(self, node: Node) -> Iterator[generation_pb2.GenerateResponse]:
+    def _colocated(self, node: Node, timeout: float) -> Iterator[generation_pb2.GenerateResponse]:
+        """The node's stream, passed through. The caller acquired `node`; it is released here."""
         done = False
         try:
             stream = self._open(
-                generation_pb2_grpc.GenerationStub(node.channel).Generate(self.request, timeout=self._remaining())
+                generation_pb2_grpc.GenerationStub(node.channel).Generate(self.request, timeout=timeout)
             )
             try:
                 for resp in stream:
@@ -154,12 +157,14 @@ class Routed:
             except grpc.RpcError as e:
                 raise self._upstream_error(e, [node]) from None
             finally:
-                if not done:
-                    stream.cancel()  # the consumer went away (generator closed) or an error: no-op if over
+                if not done:  # an error, or the consumer closed this generator: no-op on a finished call
+                    stream.cancel()
         finally:
             self.pool.release(node)
 
-    def _disaggregated(self, p: Node, d: Node) -> Iterator[generation_pb2.GenerateResponse]:
+    def _disaggregated(self, p: Node, d: Node, timeout: float) -> Iterator[generation_pb2.GenerateResponse]:
+        """D's stream, passed through, with P's Prefill running beside it. The caller acquired both;
+        D is released when its stream ends, P when its Prefill call returns."""
         room = secrets.randbits(63)
         dreq = generation_pb2.GenerateRequest()
         dreq.CopyFrom(self.request)
@@ -167,39 +172,32 @@ class Routed:
         preq = prefill_pb2.PrefillRequest(
             rid=self.rid, room=room, prompt=self.request.prompt, sampling=self.request.sampling
         )
-        p_failed: list[grpc.RpcError] = []  # P's error, set by its done-callback
+        p_failed: list[grpc.RpcError] = []  # P's error, recorded before D's stream is cancelled for it
         done = False
         try:
-            timeout = self._remaining()
-        except RouteError:
-            self.pool.release(p)
-            self.pool.release(d)
-            raise
-        try:
             stream = self._open(generation_pb2_grpc.GenerationStub(d.channel).Generate(dreq, timeout=timeout))
-            p_call = self._open(prefill_pb2_grpc.PrefillStub(p.channel).Prefill.future(preq, timeout=timeout))
-        except BaseException:
-            self.pool.release(p)
-            self.pool.release(d)
-            raise
-
-        def prefill_done(f: grpc.Future) -> None:
-            self.pool.release(p)  # P is busy with the request until its Prefill call returns
-            if not f.cancelled() and f.exception() is not None:
-                p_failed.append(f.exception())
+            try:
+                p_call = self._open(prefill_pb2_grpc.PrefillStub(p.channel).Prefill.future(preq, timeout=timeout))
+            except BaseException:
                 stream.cancel()
+                self.pool.release(p)
+                raise
 
-        p_call.add_done_callback(prefill_done)
-        try:
+            def prefill_done(f: grpc.Future) -> None:
+                self.pool.release(p)
+                if not f.cancelled() and f.exception() is not None:
+                    p_failed.append(f.exception())
+                    stream.cancel()
+
+            p_call.add_done_callback(prefill_done)
             try:
                 for resp in stream:
                     self.sent += 1
                     yield resp
-                done = True
+                done = True  # P may still be finishing (its pushes settle after D has the KV): let it
             except grpc.RpcError as e:
                 if p_failed:
                     raise self._upstream_error(p_failed[0], [p]) from None
-                p_call.cancel()
                 raise self._upstream_error(e, [d]) from None
             finally:
                 if not done:

@@ -284,6 +284,31 @@ def test_unavailable_node_is_retried_elsewhere_before_any_token(fleet):
     assert len(b.requests) == 4 and len(a.requests) >= 1
 
 
+def test_unavailable_prefill_node_is_retried_with_a_fresh_room(fleet):
+    router, nodes = fleet(prefill=2, decode=1)
+    bad, good = nodes["prefill"]
+    [d] = nodes["decode"]
+    bad.fail = grpc.StatusCode.UNAVAILABLE
+    for _ in range(3):
+        assert len(generate(router)) == 5
+    assert len(good.requests) == 3 and len(bad.requests) >= 1
+    rooms = [r.prefill.room for r in d.requests]
+    assert len(set(rooms)) == len(rooms) == 3 + len(bad.requests)  # every attempt pairs anew
+    assert wait_until(lambda: set(router.pool.outstanding().values()) == {0})
+
+
+def test_decode_nodes_compete_with_colocated_nodes(fleet):
+    router, nodes = fleet(colocated=1, prefill=1, decode=1)
+    for _ in range(4):
+        generate(router)
+    assert [len(nodes[role][0].requests) for role in ("colocated", "prefill", "decode")] == [2, 2, 2]
+    nodes["prefill"][0].set_serving(False)  # no prefill node: decode nodes cannot serve alone
+    assert wait_until(lambda: not router.pool.has_eligible("prefill"))
+    for _ in range(2):
+        generate(router)
+    assert len(nodes["colocated"][0].requests) == 4
+
+
 def test_all_nodes_down_gives_unavailable(fleet):
     router, nodes = fleet(colocated=1)
     nodes["colocated"][0].stop()
