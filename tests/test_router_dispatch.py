@@ -59,7 +59,7 @@ class FakeGeneration(generation_pb2_grpc.GenerationServicer):
         first = time.monotonic() + node.first_s  # "prefill": nothing is sent until then
         while context.is_active() and time.monotonic() < first:
             time.sleep(0.01)
-        if node.fail is not None:
+        if node.fail is not None and not node.fail_after:
             context.abort(node.fail, f"{node.address} fails as told")
         if request.HasField("prefill"):  # decode node: the KV comes from the paired prefill node
             room, deadline = request.prefill.room, time.monotonic() + 10
@@ -72,6 +72,8 @@ class FakeGeneration(generation_pb2_grpc.GenerationServicer):
         for i in range(n):
             if not context.is_active():
                 return
+            if node.fail is not None and i == node.fail_after:
+                context.abort(node.fail, f"{node.address} fails as told after {i} tokens")
             time.sleep(node.token_s)
             yield generation_pb2.GenerateResponse(rid=request.rid, token_ids=[100 + i], text=f"t{i} ")
         node.completed.append(request.rid)
@@ -114,6 +116,7 @@ class FakeNode:
         self.cancelled: list[str] = []  # rids whose call ended before its last message (cancel, deadline, abort)
         self.completed: list[str] = []  # rids whose stream was produced to the end
         self.fail: grpc.StatusCode | None = None  # abort every request with this code
+        self.fail_after = 0  # ... after this many tokens
         self.hold: threading.Event | None = None  # prefill: block until set or cancelled
         if role == "prefill":
             services = [(prefill_pb2_grpc.add_PrefillServicer_to_server, FakePrefill(self))]
@@ -412,3 +415,18 @@ def test_models_and_unknown_routes(fleet):
     assert http(router, "POST", "/v1/embeddings", {"input": "x"})[0] == 404
     status, body = http(router, "POST", "/v1/completions", {"model": "other", "prompt": "x"})
     assert status == 404 and body["error"]["param"] == "model"
+
+
+def test_failure_mid_stream_ends_the_sse_stream_with_an_error_event(fleet):
+    router, nodes = fleet(colocated=2)
+    for node in nodes["colocated"]:
+        node.fail, node.fail_after = grpc.StatusCode.UNAVAILABLE, 2  # not retried: tokens went out
+    body = json.dumps({"prompt": [1, 2, 3], "stream": True}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{router.http_port}/v1/completions", data=body)
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        events = [line[6:] for line in resp.read().decode().split("\n\n") if line.startswith("data: ")]
+    assert [json.loads(e)["choices"][0]["text"] for e in events[:2]] == ["t0 ", "t1 "]
+    error = json.loads(events[2])["error"]
+    assert error["code"] == "unavailable" and "after 2 tokens" in error["message"]
+    assert events[3:] == ["[DONE]"]
+    assert sum(len(n.requests) for n in nodes["colocated"]) == 1

@@ -8,6 +8,7 @@ import http.client
 import json
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import openai
@@ -129,6 +130,24 @@ def test_openai_client_chat_and_streamed_completion(router, nodes):
     )
     assert text == want_text
     assert chunks[-1].usage.completion_tokens == len(want_ids)
+
+
+def test_concurrent_http_requests_all_complete(router, nodes):
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{router.http_port}/v1", api_key="x", max_retries=0)
+    prompts = make_prompts(8, VOCAB, seed=10)
+
+    def one(i: int) -> int:
+        extra = {"ignore_eos": True}
+        if i % 2:
+            stream = client.completions.create(model="tiny-random", prompt=prompts[i], max_tokens=5 + i, stream=True,
+                                               stream_options={"include_usage": True}, extra_body=extra)  # fmt: skip
+            return list(stream)[-1].usage.completion_tokens
+        c = client.completions.create(model="tiny-random", prompt=prompts[i], max_tokens=5 + i, extra_body=extra)
+        return c.usage.completion_tokens
+
+    with ThreadPoolExecutor(8) as pool:
+        assert list(pool.map(one, range(8))) == [5 + i for i in range(8)]
+    assert set(router.pool.outstanding().values()) == {0}
 
 
 # ---------------------------------------------------------------- bad input, generated
