@@ -37,9 +37,10 @@ class Workload:
     late_fail_max_ms: float = 5.0  # how long after READY, uniformly
     p_abort: float = 0.1  # chance that rank 0 aborts a request
     abort_window_ms: float = 30.0  # the abort comes uniformly within this long after arrival
+    paths: tuple[tuple[Stream, ...], ...] = PATHS  # each request walks one of these, chosen uniformly
 
     def __post_init__(self) -> None:
-        if self.num_requests < 0 or not 0 <= self.settle_min_ms <= self.settle_max_ms:
+        if self.num_requests < 0 or not 0 <= self.settle_min_ms <= self.settle_max_ms or not self.paths:
             raise ValueError(f"bad workload: {self}")
         for p in (self.p_fail, self.p_late_fail, self.p_abort):
             if not 0.0 <= p <= 1.0:
@@ -77,7 +78,7 @@ def _request(w: Workload, pp_size: int, rng: random.Random, i: int) -> RequestPl
     rid = f"réq-{i:04d}" if i % 7 == 3 else f"req-{i:04d}"
     arrival = rng.uniform(0.0, w.arrival_ms)
     lags = (0.0, *(rng.uniform(0.0, w.register_lag_ms) for _ in range(pp_size - 1)))
-    path = rng.choice(PATHS)
+    path = rng.choice(w.paths)
     stages = tuple(_stage(w, pp_size, rng) for _ in path)
     abort = arrival + rng.uniform(0.0, w.abort_window_ms) if rng.random() < w.p_abort else None
     return RequestPlan(rid, arrival, lags, path, stages, abort)
