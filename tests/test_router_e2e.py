@@ -131,6 +131,11 @@ def test_openai_client_chat_and_streamed_completion(router, nodes):
     assert text == want_text
     assert chunks[-1].usage.completion_tokens == len(want_ids)
 
+    chat_chunks = list(client.chat.completions.create(model=model, messages=CHAT, max_tokens=10, stream=True))
+    assert chat_chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chat_chunks) == chat.choices[0].message.content
+    assert chat_chunks[-1].choices[0].finish_reason == chat.choices[0].finish_reason
+
 
 def test_concurrent_http_requests_all_complete(router, nodes):
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{router.http_port}/v1", api_key="x", max_retries=0)
