@@ -45,6 +45,10 @@ WORKLOAD = Workload(
 )
 
 
+def _number(x: float) -> float | int:
+    return int(x) if float(x).is_integer() else x
+
+
 def percentile(values: list[float], q: float) -> float:
     s = sorted(values)
     return s[min(len(s) - 1, int(q * len(s)))]
@@ -66,7 +70,7 @@ def measure(pp: int, seeds: int, requests: int, timing: Timing, bar: Progress) -
     return {
         "bench": "consensus",
         "pp": pp,
-        "stage_ms": timing.stage_ms,
+        "stage_ms": _number(timing.stage_ms),
         "hop_ms": timing.hop_ms,
         "ours_ms": round(o, 2),
         "ours_p90_ms": round(percentile(ours, 0.9), 2),
@@ -76,7 +80,7 @@ def measure(pp: int, seeds: int, requests: int, timing: Timing, bar: Progress) -
         "speedup": round(b / o, 2),
         "samples": len(ours),
         "baseline_samples": len(base),
-        "target_ms": target,  # one stage plus 5 ms
+        "target_ms": _number(target),  # one stage plus 5 ms
         "within_target": o <= target,
     }
 

@@ -17,6 +17,11 @@ A rank's control thread calls `step` in a loop, rounds back to back:
 The driver reads and writes the state only inside `guard` (a lock shared with the
 thread that calls `set_local`/`abort`), and never holds it while it waits on the
 transport. With pp_size == 1 rank 0 concludes its own proposal; no transport is needed.
+
+Rank k applies a decision one ring traversal after rank 0 issued it. Work that rank 0
+sends down another channel because of decision s (a microbatch with an admitted request)
+should carry s + 1 (rank 0's `state.applied_seq` then); rank k steps until its own
+`state.applied_seq` reaches it before acting on that work.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 from consensus.roles import Follower, Leader, Role
+from consensus.state import RankState
 from consensus.transport import Transport
 from consensus.types import Decision, Report
 from consensus.wire import RoundMsg
@@ -53,7 +59,7 @@ class RingDriver:
         self.guard = guard if guard is not None else nullcontext()  # held around every state access
 
     @property
-    def state(self):
+    def state(self) -> RankState:
         return self.role.state
 
     def step(self, timeout: float | None = None) -> StepResult:

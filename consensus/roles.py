@@ -9,9 +9,13 @@ A round, for all five streams at once:
     rank 0      conclude(): one FAILED decision per failed rid, then one READY decision per
                 ready rid that did not fail, in (stream, rid) order; apply them at once
 
-Rounds are sequential: rank 0 starts round n + 1 only after round n came back, so a
-round never sees a stale result, and the decisions issued by round n ride round n + 1.
-`abort` issues an ABORTED decision at any time; it rides the next round.
+Rounds are sequential (max_in_flight = 1): rank 0 starts round n + 1 only after round n
+came back, so a round never sees a stale result, and the decisions issued by round n ride
+round n + 1. (consensus.baseline pipelines rounds to model the seed's schedule.) `abort`
+issues an ABORTED decision at any time; it rides the next round.
+
+A READY decision stands for the round's snapshot: if rank 0's own status turns FAILED
+after it proposed, the round still decides READY (every rank was ready when visited).
 
 Every rank applies decisions before it merges, so a rid decided in round n is gone from
 every view before anyone contributes to round n + 1: no rid is decided twice.

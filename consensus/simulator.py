@@ -42,6 +42,8 @@ class Timing:
     def __post_init__(self) -> None:
         if self.stage_ms <= 0 or self.hop_ms < 0 or not 0 <= self.hop_jitter <= 1 or self.proc_ms < 0:
             raise ValueError(f"bad timing: {self}")
+        if self.hop_ms + self.proc_ms <= 0:  # back-to-back rounds would stop the simulated clock
+            raise ValueError(f"a hop must take time: hop_ms {self.hop_ms} + proc_ms {self.proc_ms} <= 0")
 
 
 DEFAULT_TIMING = Timing()
