@@ -11,20 +11,10 @@ from kvbridge import rpc
 from kvbridge.v1 import generation_pb2_grpc
 from tests.test_router_dispatch import FakeNode, Rooms, make_request
 
-# The router subcommand on its own parser (kvbridge.cli wires the same two functions in).
-DRIVER = """
-import argparse, sys
-from router.cli import add_router_parser
-parser = argparse.ArgumentParser(prog="kvbridge")
-add_router_parser(parser.add_subparsers(dest="command", required=True))
-args = parser.parse_args(sys.argv[1:])
-sys.exit(args.func(args))
-"""
-
 
 def router_process(*flags: str) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-c", DRIVER, "router", *flags], stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        [sys.executable, "-m", "kvbridge", "router", *flags], stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True
     )
 
 
