@@ -30,7 +30,10 @@ def add_router_parser(subparsers) -> argparse.ArgumentParser:
     for f in fields(RouterConfig):
         default = ",".join(f.default) if isinstance(f.default, tuple) else f.default
         shown = f" (default: {default})" if default != "" else ""
-        parser.add_argument("--" + f.name.replace("_", "-"), default=str(default), help=_HELP[f.name] + shown)
+        metavar = "ADDRS" if isinstance(f.default, tuple) else type(f.default).__name__.upper()
+        parser.add_argument(
+            "--" + f.name.replace("_", "-"), default=str(default), metavar=metavar, help=_HELP[f.name] + shown
+        )
     parser.set_defaults(func=run_router)
     return parser
 
