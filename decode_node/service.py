@@ -89,7 +89,7 @@ class DecodeGenerationService(generation_pb2_grpc.GenerationServicer):
         except ValueError as e:
             self.pending.pop(rid, None)
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        context.add_callback(lambda: front.abort(rid))
+        rpc.abort_on_cancel(context, lambda: front.abort(rid))  # client gone: free the request's pages
         first = True
         for d in deltas:
             if d.error:

@@ -39,7 +39,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             deltas = self.front.submit(ids, params, rid)
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        context.add_callback(lambda: self.front.abort(rid))  # client gone: free the request's pages
+        rpc.abort_on_cancel(context, lambda: self.front.abort(rid))  # client gone: free the request's pages
         for d in deltas:
             resp = generation_pb2.GenerateResponse(rid=rid, token_ids=d.token_ids, text=d.text)
             if d.finish_reason:

@@ -44,7 +44,10 @@ def make_server(
     for name in ("", *service_names):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     reflection.enable_server_reflection((*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError:  # grpcio >= 1.6x raises instead of returning 0
+        bound = 0
     if bound == 0:
         raise ValueError(f"cannot bind {host}:{port}")
     return server, bound, health_servicer
@@ -58,5 +61,15 @@ def make_channel(addr: str) -> grpc.Channel:
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.keepalive_time_ms", 10_000),
             ("grpc.keepalive_timeout_ms", 5_000),
+            # a node restarted on the same address is seen again within seconds, not minutes
+            ("grpc.initial_reconnect_backoff_ms", 500),
+            ("grpc.max_reconnect_backoff_ms", 5_000),
         ],
     )
+
+
+def abort_on_cancel(context: grpc.ServicerContext, abort: Callable[[], None]) -> None:
+    """Run `abort` when the call ends early (client cancel, deadline), or now if it already has:
+    add_callback refuses a call that ended before the handler got to it."""
+    if not context.add_callback(abort):
+        abort()

@@ -31,7 +31,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
             deltas = front.submit(ids, params, request.rid, {"room": request.room})
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        context.add_callback(lambda: front.abort(request.rid))
+        rpc.abort_on_cancel(context, lambda: front.abort(request.rid))  # client gone: free the request's pages
         first = []
         for d in deltas:
             first += d.token_ids

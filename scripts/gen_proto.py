@@ -1,6 +1,6 @@
 """Regenerate kvbridge/v1/*_pb2*.py from proto/kvbridge/v1/*.proto (checked in; a test keeps them fresh).
 
-    python scripts/gen_proto.py [--out DIR]
+python scripts/gen_proto.py [--out DIR]
 """
 
 from __future__ import annotations
