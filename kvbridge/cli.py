@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 from dataclasses import fields
+from functools import partial
 
 from engine.config import EngineConfig, PPConfig
 from engine.request import SamplingParams
@@ -83,24 +84,23 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt")
     gen.add_argument("--quiet", action="store_true", help="no progress output")
 
-    serve = sub.add_parser("serve", help="a colocated node (prefill and decode in one pipeline) serving Generation")
-    add_config_flags(serve, EngineConfig)
-    add_config_flags(serve, PPConfig)
-    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
-    serve.add_argument("--port", type=int, default=0, help="gRPC port (0: a free one, printed when ready)")
-    serve.add_argument("--quiet", action="store_true", help="no progress output")
-
-    for role, what in (("prefill", "a prefill node (Prefill and Bootstrap)"), ("decode", "a decode node (Generation)")):
+    roles = {
+        "serve": "a colocated node (prefill and decode in one pipeline) serving Generation",
+        "prefill": "a prefill node (Prefill and Bootstrap)",
+        "decode": "a decode node (Generation for disaggregated requests)",
+    }
+    for role, what in roles.items():
         node = sub.add_parser(role, help=what)
         add_config_flags(node, EngineConfig)
         add_config_flags(node, PPConfig)
         node.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
         node.add_argument("--port", type=int, default=0, help="gRPC port (0: a free one, printed when ready)")
-        node.add_argument(
-            "--transfer-backend", default="auto", choices=["auto", "shm", "torch", "grpc", "cuda_ipc"],
-            help="KV transfer engine: on a decode node, the one it asks for (auto: the fastest the pair supports); "
-            "on a prefill node, the only one it offers (auto: all it can drive)",
-        )  # fmt: skip
+        if role != "serve":
+            node.add_argument(
+                "--transfer-backend", default="auto", choices=["auto", "shm", "torch", "grpc", "cuda_ipc"],
+                help="KV transfer engine: on a decode node, the one it asks for (auto: the fastest the pair "
+                "supports); on a prefill node, the only one it offers (auto: all it can drive)",
+            )  # fmt: skip
         node.add_argument("--quiet", action="store_true", help="no progress output")
 
     from kvbridge.demo import add_demo_parser
@@ -199,46 +199,37 @@ def wait_for_signal() -> None:
     stop.wait()
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    from engine.pp.node import PPNode
-    from engine.service import ServingNode
-
-    if not 0 <= args.port < 65536:
-        raise UsageError(f"--port must be in [0, 65535], got {args.port}")
-    try:
-        node = PPNode(from_flags(EngineConfig, args), from_flags(PPConfig, args), progress=not args.quiet)
-    except (ValueError, FileNotFoundError) as e:
-        raise UsageError(str(e)) from None
-    try:
-        serving = ServingNode(node, args.host, args.port)
-    except ValueError as e:
-        node.shutdown()
-        raise UsageError(str(e)) from None
-    print(f"kvbridge serve: listening on {serving.address}", file=sys.stderr, flush=True)
-    wait_for_signal()
-    serving.stop()
-    return 0
-
-
 def cmd_node(args: argparse.Namespace) -> int:
-    """`kvbridge prefill` and `kvbridge decode`: serve until SIGINT or SIGTERM."""
+    """`kvbridge serve|prefill|decode`: a node with its gRPC server, until SIGINT or SIGTERM."""
     if not 0 <= args.port < 65536:
         raise UsageError(f"--port must be in [0, 65535], got {args.port}")
+    config, progress = from_flags(EngineConfig, args), not args.quiet
     try:
-        config, pp = from_flags(EngineConfig, args), from_flags(PPConfig, args)
-        if args.command == "prefill":
+        pp = from_flags(PPConfig, args)
+        if args.command == "serve":
+            from engine.pp.node import PPNode
+            from engine.service import ServingNode
+
+            node = PPNode(config, pp, progress=progress)
+            make_server = partial(ServingNode, node, args.host, args.port)
+        elif args.command == "prefill":
             from prefill_node.node import PrefillNode
             from prefill_node.service import PrefillServer
 
-            node = PrefillNode(config, pp, progress=not args.quiet, backend=args.transfer_backend)
-            server = PrefillServer(node, args.host, args.port)
+            node = PrefillNode(config, pp, progress=progress, backend=args.transfer_backend)
+            make_server = partial(PrefillServer, node, args.host, args.port)
         else:
             from decode_node.node import DecodeNode
             from decode_node.service import DecodeServer
 
-            node = DecodeNode(config, pp, args.host, progress=not args.quiet)
-            server = DecodeServer(node, args.host, args.port, args.transfer_backend)
+            node = DecodeNode(config, pp, args.host, progress=progress)
+            make_server = partial(DecodeServer, node, args.host, args.port, args.transfer_backend)
     except (ValueError, FileNotFoundError) as e:
+        raise UsageError(str(e)) from None
+    try:
+        server = make_server()
+    except ValueError as e:  # the port is taken: stop the ranks already started
+        node.shutdown()
         raise UsageError(str(e)) from None
     print(f"kvbridge {args.command}: listening on {server.address}", file=sys.stderr, flush=True)
     wait_for_signal()
@@ -261,7 +252,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        commands = {"generate": cmd_generate, "serve": cmd_serve, "prefill": cmd_node, "decode": cmd_node}
+        commands = {"generate": cmd_generate, "serve": cmd_node, "prefill": cmd_node, "decode": cmd_node}
         commands |= {"bench": cmd_bench, "router": lambda a: a.func(a), "demo": cmd_demo}
         return commands[args.command](args)
     except UsageError as e:
