@@ -33,7 +33,7 @@ class Router:
             self.server, self.port, self.health = rpc.make_server(
                 config.host, config.port, services, SERVICES, max_workers=config.grpc_workers
             )
-        except (RuntimeError, ValueError):  # grpcio raises RuntimeError when the bind fails
+        except ValueError:  # the port cannot be bound
             self.http.server.server_close()
             self.pool.close()
             raise ValueError(f"cannot bind {config.host}:{config.port} for gRPC") from None
