@@ -108,7 +108,7 @@ def test_segment_is_owner_only_while_open_and_gone_after_close():
 
 def test_segment_is_gone_when_the_constructor_fails_after_creating_it():
     before = our_segments()
-    with pytest.raises(ValueError, match="cannot bind 256.0.0.1:0"):
+    with pytest.raises(ValueError, match=r"cannot bind 256\.0\.0\.1:0"):
         KVReceiverEndpoint(make_config(host="256.0.0.1"))
     assert our_segments() == before
 
