@@ -1,3 +1,3 @@
-from kvbridge.cli import main
+from kvbridge.cli import run
 
-raise SystemExit(main())
+run()

@@ -188,15 +188,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def wait_for_signal() -> None:
-    """Block until SIGINT or SIGTERM."""
+def stop_on_signal():
+    """An event set by SIGINT or SIGTERM; install it before announcing readiness."""
     import signal
     import threading
 
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
+    return stop
 
 
 def cmd_node(args: argparse.Namespace) -> int:
@@ -231,8 +231,9 @@ def cmd_node(args: argparse.Namespace) -> int:
     except ValueError as e:  # the port is taken: stop the ranks already started
         node.shutdown()
         raise UsageError(str(e)) from None
+    stop = stop_on_signal()
     print(f"kvbridge {args.command}: listening on {server.address}", file=sys.stderr, flush=True)
-    wait_for_signal()
+    stop.wait()
     server.stop()
     return 0
 
@@ -258,3 +259,15 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         print(f"kvbridge {args.command}: error: {e}", file=sys.stderr)
         return 2
+
+
+def run() -> None:
+    """The console script: main(), then exit without interpreter finalization. Everything was
+    stopped and flushed by then; finalization would only destroy gRPC's and gloo's native
+    threads underneath them, which can abort the process ("terminate called ...") on exit."""
+    import os
+
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
