@@ -40,7 +40,7 @@ def make_schedule(seed: int, pp_size: int, num_rids: int = 40):
 
 def rank_main(rank, pp_size, addr, seed, out, stop):
     _, control_group = pp_dist.init(rank, pp_size, addr, timeout_s=60)
-    chan = ControlChannel(rank, pp_size, GlooTransport(control_group, rank, pp_size))
+    chan = ControlChannel(rank, pp_size, GlooTransport(control_group, rank, pp_size), keep_log=True)
     events, _ = make_schedule(seed, pp_size)
     t0 = time.monotonic()
     status = {"pending": LocalStatus.PENDING, "ready": LocalStatus.READY, "failed": LocalStatus.FAILED}

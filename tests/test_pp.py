@@ -102,6 +102,7 @@ def test_abort_storm_leaves_identical_logs_and_no_page_behind(tiny_model, hard_t
     assert [finished[rids[i]]["output_ids"] for i in survivors] == [c.output_ids for c in expected]
     assert [r.error for r in reports] == ["", "", ""]
     assert reports[1].log == reports[0].log and reports[2].log == reports[0].log
+    assert len({r.log_digest for r in reports}) == 1 and reports[0].log_count == len(reports[0].log)
     kinds = [k for _, k, _ in reports[0].log]
     assert kinds.count(ABORT) + kinds.count("finish") == kinds.count(ADMIT)  # every admitted rid retired once
     assert [r.live_requests for r in reports] == [0, 0, 0]

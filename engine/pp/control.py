@@ -97,8 +97,9 @@ class ControlChannel:
         idle_poll_s: float = 0.002,
         on_decisions: Callable[[], None] | None = None,
         collect: bool = True,
+        keep_log: bool = False,
     ):
-        self.state = RankState(rank, pp_size)
+        self.state = RankState(rank, pp_size, keep_log=keep_log)  # the digest is kept either way
         self.on_decisions = on_decisions  # called (no arguments, from the thread) after decisions arrive
         self.collect = collect  # keep decisions for take_decisions(); ranks that only follow need not
         self.lock = threading.Lock()

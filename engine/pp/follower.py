@@ -15,7 +15,7 @@ from engine.kv_pool import KVPool
 from engine.model import ModelStage
 from engine.pp.agent import KVAgent
 from engine.pp.dist import Link
-from engine.pp.wire import ADMIT, ROUTE, SHUTDOWN, STEP, Decision, Message
+from engine.pp.wire import ADMIT, ROUTE, SHUTDOWN, STEP, Decision, DecisionLog, Message
 from engine.request import Request
 from engine.sampler import sample
 
@@ -30,9 +30,9 @@ class Follower:
         self.is_last = rank == pp_size - 1
         self.emit = self._return_tokens if self.is_last else self._forward
         self.live: dict[str, Request] = {}  # admitted requests: the last rank's sampler state
-        self.log: list[Decision] = []
+        self.log = DecisionLog()
 
-    def run(self) -> list[Decision]:
+    def run(self) -> DecisionLog:
         while True:
             raw = self.link.recv_bytes(self.prev)
             msg = Message.decode(raw)
@@ -54,8 +54,7 @@ class Follower:
 
     def _apply(self, decisions: tuple[Decision, ...]) -> None:
         for d in decisions:
-            assert d.seq == len(self.log), f"rank {self.rank}: decision {d.seq} arrived, expected {len(self.log)}"
-            self.log.append(d)
+            self.log.append(d)  # raises on a gap or a repeat
             if d.kind == ADMIT:
                 self.live[d.rid] = req = Request(d.rid, [], d.params, None)
                 req.num_sampled = (d.info or {}).get("first_sample_index", 0)

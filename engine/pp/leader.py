@@ -23,7 +23,7 @@ from engine.model import ModelStage
 from engine.pages import PageTable
 from engine.pp.agent import KVAgent
 from engine.pp.dist import Link
-from engine.pp.wire import ABORT, ADMIT, CONTROL, FINISH, SHUTDOWN, STEP, Decision, Message
+from engine.pp.wire import ABORT, ADMIT, CONTROL, FINISH, SHUTDOWN, STEP, Decision, DecisionLog, Message
 from engine.request import Request, SamplingParams
 from engine.sampler import sample
 from engine.scheduler import ScheduledStep, Scheduler
@@ -49,7 +49,7 @@ class Leader:
         self.inbox, self.outbox = inbox, outbox
         self.inflight: deque[ScheduledStep] = deque()
         self.requests: dict[str, Request] = {}
-        self.log: list[Decision] = []  # every decision this node made, in order
+        self.log = DecisionLog()  # every decision this node made, in order
         self._unsent: list[Decision] = []  # made but not yet sent down the pipeline
         self.stopping = False
         self.served = 0  # requests retired (any outcome) since start
@@ -64,7 +64,7 @@ class Leader:
 
     # ------------------------------------------------------------------ loop
 
-    def run(self) -> list[Decision]:
+    def run(self) -> DecisionLog:
         while not (self.stopping and not self.inflight):
             idle = not self.inflight and not self.scheduler.num_unfinished and not self._unsent
             self._drain_inbox(block=idle)
@@ -198,7 +198,7 @@ class Leader:
         self.outbox.put(_finish_event(req, **event))
 
     def _decide(self, kind: str, rid: str, params: SamplingParams | None = None, info: dict | None = None) -> None:
-        d = Decision(len(self.log), kind, rid, params, info)
+        d = Decision(self.log.count, kind, rid, params, info)
         self.log.append(d)
         self._unsent.append(d)
         self.agent.on_decision(d)

@@ -37,10 +37,12 @@ from engine.weights import LoadedModel, load_model
 @dataclass(frozen=True)
 class RankReport:
     rank: int
-    log: list[tuple[int, str, str]]  # (seq, kind, rid) of every decision the rank applied, in order
+    log: list[tuple[int, str, str]]  # (seq, kind, rid) of the decisions the rank applied (the latest 100k)
     live_requests: int  # requests the rank still tracks (0 after a clean shutdown)
     pages_used: int  # rank 0 only: pages its allocator still hands out (-1 elsewhere)
     error: str = ""  # the exception that ended the rank, if any
+    log_count: int = 0  # decisions the rank applied
+    log_digest: str = ""  # digest of all of them, in order
 
 
 class PPNode:
@@ -288,7 +290,16 @@ def rank_main(rank, role, config, pp, addr, threads, timeout_s, inbox, outbox, r
         log = built.loop.run()
         live = len(built.loop.requests) if rank == 0 else len(built.loop.live)
         pages = built.loop.scheduler.allocator.num_used if rank == 0 else -1
-        reports.put({"rank": rank, "log": [d.key() for d in log], "live_requests": live, "pages_used": pages})
+        reports.put(
+            {
+                "rank": rank,
+                "log": list(log.recent),
+                "log_count": log.count,
+                "log_digest": log.digest,
+                "live_requests": live,
+                "pages_used": pages,
+            }
+        )
     except Exception as e:
         reports.put({"rank": rank, "log": [], "live_requests": -1, "pages_used": -1, "error": repr(e)})
         raise

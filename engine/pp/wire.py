@@ -7,7 +7,9 @@ sent right after it belong to.
 
 from __future__ import annotations
 
+import hashlib
 import json
+from collections import deque
 from dataclasses import asdict, dataclass
 
 from engine.batch import ForwardBatch
@@ -27,6 +29,27 @@ class Decision:
 
     def key(self) -> tuple[int, str, str]:
         return (self.seq, self.kind, self.rid)
+
+
+class DecisionLog:
+    """A node's decisions, in order, as one rank applied them: their count, a running digest of all
+    of them, and the most recent `keep` (tests compare whole logs; a server must not grow for ever)."""
+
+    def __init__(self, keep: int = 100_000):
+        self.count = 0  # decisions applied; the next one must have seq == count
+        self.recent: deque[tuple[int, str, str]] = deque(maxlen=keep)  # (seq, kind, rid), oldest first
+        self._digest = hashlib.blake2b(digest_size=16)
+
+    def append(self, d: Decision) -> None:
+        if d.seq != self.count:
+            raise AssertionError(f"decision {d.seq} arrived, expected {self.count}")
+        self.count += 1
+        self.recent.append(d.key())
+        self._digest.update(f"{d.seq}:{d.kind}:{d.rid};".encode())
+
+    @property
+    def digest(self) -> str:
+        return self._digest.hexdigest()
 
 
 @dataclass(frozen=True)
