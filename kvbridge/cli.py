@@ -265,9 +265,12 @@ def run() -> None:
     """The console script: main(), then exit without interpreter finalization. Everything was
     stopped and flushed by then; finalization would only destroy gRPC's and gloo's native
     threads underneath them, which can abort the process ("terminate called ...") on exit."""
+    import multiprocessing.util
     import os
 
     code = main()
+    # multiprocessing's own exit hook: releases its semaphores (else its resource tracker warns)
+    multiprocessing.util._exit_function()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
