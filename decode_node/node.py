@@ -8,14 +8,15 @@ from decode_node.agent import DecodeAgent
 from decode_node.loop import DecodeLeader, DecodeScheduler
 from engine.config import EngineConfig, PPConfig
 from engine.frontend import NodeFront
-from engine.llm import resolve_device, resolve_dtype
+from engine.llm import resolve_device
 from engine.pp import dist as pp_dist
 from engine.pp.control import ControlChannel, GlooTransport
 from engine.pp.follower import Follower
 from engine.pp.node import PPNode, RankContext, RankRole
-from kv_transfer import KVReceiverEndpoint, NodeLayout, PageGeometry, ReceiverConfig, local_host_id
+from kv_transfer import KVReceiverEndpoint, ReceiverConfig
 from kv_transfer import wire as kv_wire
-from kv_transfer.layout import dtype_name
+from kv_transfer.factory import CPU_BACKENDS
+from kv_transfer.layout import dtype_name, engine_layout
 from kvbridge.v1 import prefill_pb2
 
 RESERVE_TOKENS = 64  # free room kept for decoding when a request's pages are preallocated
@@ -69,26 +70,12 @@ class DecodeNode:
     def __init__(self, config: EngineConfig, pp: PPConfig, host: str = "127.0.0.1", progress: bool = False):
         self.node = PPNode(config, pp, progress=progress, role="decode_node.node:decode_role", role_args={"host": host})
         self.front = NodeFront(self.node)
-        mc = self.node.model.config
         self.device = resolve_device(config.device)
         ranks = tuple(
             kv_wire.rank_from_proto(json_format.ParseDict(self.node.endpoints[r], prefill_pb2.RankEndpoint()))
             for r in range(pp.pp_size)
         )
-        self.layout = NodeLayout(
-            geometry=PageGeometry(
-                config.page_size,
-                mc.num_key_value_heads,
-                mc.head_dim,
-                dtype_name(resolve_dtype(config.dtype, self.device)),
-            ),
-            num_layers=mc.num_hidden_layers,
-            num_pages=config.total_pages,
-            ranks=ranks,
-            model_fingerprint=self.node.model.fingerprint,
-            backends=("shm", "torch", "grpc"),
-            host_id=local_host_id(),
-        )
+        self.layout = engine_layout(config, self.node.model, ranks, CPU_BACKENDS)
 
     def fail(self, rid: str, code: str, error: str) -> None:
         self.node.inbox.put(("fail", rid, code, error))

@@ -23,6 +23,7 @@ ENGINES: dict[str, type[Sender]] = {
 }
 BACKENDS = tuple(ENGINES)  # what a node lists in KVLayout.backends
 CHOICES = ("auto", *BACKENDS)  # what --transfer-backend accepts
+CPU_BACKENDS = ("shm", "torch", "grpc")  # what a node whose pools are in host memory can drive
 
 
 def make_sender(

@@ -113,3 +113,20 @@ def incompatibility(prefill: NodeLayout, decode: NodeLayout) -> str:
         if p != d:
             return f"{what} differs: prefill {p!r}, decode {d!r}"
     return ""
+
+
+def engine_layout(config, model, ranks: tuple[RankInfo, ...], backends: tuple[str, ...]) -> NodeLayout:
+    """A node's layout from its EngineConfig and LoadedModel (engine/), its ranks and the engines it drives."""
+    from engine.llm import resolve_device, resolve_dtype
+
+    mc = model.config
+    dtype = dtype_name(resolve_dtype(config.dtype, resolve_device(config.device)))
+    return NodeLayout(
+        geometry=PageGeometry(config.page_size, mc.num_key_value_heads, mc.head_dim, dtype),
+        num_layers=mc.num_hidden_layers,
+        num_pages=config.total_pages,
+        ranks=ranks,
+        model_fingerprint=model.fingerprint,
+        backends=backends,
+        host_id=local_host_id(),
+    )

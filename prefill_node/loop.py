@@ -127,5 +127,5 @@ class PrefillLeader(Leader):
         self.scheduler.finish(req, "abort")
         self.scheduler.release(req)
         req.finish_reason = reason
-        req.finish_s = time.monotonic()
+        req.finish_s = time.perf_counter()
         super()._retire(req, ABORT, error=error, code="UNAVAILABLE" if reason == "error" else "CANCELLED")

@@ -9,11 +9,12 @@ from engine.pp import dist as pp_dist
 from engine.pp.control import ControlChannel, GlooTransport
 from engine.pp.follower import Follower
 from engine.pp.node import PPNode, RankContext, RankRole
-from kv_transfer.layout import NodeLayout, PageGeometry, RankInfo, dtype_name, local_host_id
+from kv_transfer.factory import CPU_BACKENDS
+from kv_transfer.layout import RankInfo, engine_layout
 from prefill_node.agent import PrefillAgent
 from prefill_node.loop import PrefillLeader
 
-BACKENDS = ("shm", "torch", "grpc")  # the engines a prefill rank can drive here (cuda_ipc needs GPUs)
+BACKENDS = CPU_BACKENDS  # the engines a prefill rank can drive here (cuda_ipc needs GPUs)
 
 
 def prefill_role(ctx: RankContext) -> RankRole:
@@ -47,20 +48,9 @@ class PrefillNode:
             raise ValueError(f"transfer backend must be auto or one of {', '.join(BACKENDS)}, got {backend!r}")
         self.node = PPNode(config, pp, progress=progress, role="prefill_node.node:prefill_role")
         self.front = NodeFront(self.node)
-        mc = self.node.model.config
-        ranges = stage_ranges(mc.num_hidden_layers, pp.pp_size)
-        from engine.llm import resolve_device, resolve_dtype
-
-        dtype = resolve_dtype(config.dtype, resolve_device(config.device))
-        self.layout = NodeLayout(
-            geometry=PageGeometry(config.page_size, mc.num_key_value_heads, mc.head_dim, dtype_name(dtype)),
-            num_layers=mc.num_hidden_layers,
-            num_pages=config.total_pages,
-            ranks=tuple(RankInfo(i, lo, hi) for i, (lo, hi) in enumerate(ranges)),
-            model_fingerprint=self.node.model.fingerprint,
-            backends=BACKENDS if backend == "auto" else (backend,),
-            host_id=local_host_id(),
-        )
+        ranges = stage_ranges(self.node.model.config.num_hidden_layers, pp.pp_size)
+        ranks = tuple(RankInfo(i, lo, hi) for i, (lo, hi) in enumerate(ranges))
+        self.layout = engine_layout(config, self.node.model, ranks, BACKENDS if backend == "auto" else (backend,))
 
     def register(self, room: int, registration: dict) -> None:
         self.node.inbox.put(("register", room, registration))
