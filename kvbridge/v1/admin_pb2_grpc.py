@@ -39,12 +39,104 @@ class AdminStub:
                 request_serializer=kvbridge_dot_v1_dot_admin__pb2.GetStatusRequest.SerializeToString,
                 response_deserializer=kvbridge_dot_v1_dot_admin__pb2.Status.FromString,
                 _registered_method=True)
+        self.ListRequests = channel.unary_unary(
+                '/kvbridge.v1.Admin/ListRequests',
+                request_serializer=kvbridge_dot_v1_dot_admin__pb2.ListRequestsRequest.SerializeToString,
+                response_deserializer=kvbridge_dot_v1_dot_admin__pb2.ListRequestsResponse.FromString,
+                _registered_method=True)
+        self.AbortRequest = channel.unary_unary(
+                '/kvbridge.v1.Admin/AbortRequest',
+                request_serializer=kvbridge_dot_v1_dot_admin__pb2.AbortRequestRequest.SerializeToString,
+                response_deserializer=kvbridge_dot_v1_dot_admin__pb2.AbortRequestResponse.FromString,
+                _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/kvbridge.v1.Admin/Drain',
+                request_serializer=kvbridge_dot_v1_dot_admin__pb2.DrainRequest.SerializeToString,
+                response_deserializer=kvbridge_dot_v1_dot_admin__pb2.DrainResponse.FromString,
+                _registered_method=True)
+        self.Resume = channel.unary_unary(
+                '/kvbridge.v1.Admin/Resume',
+                request_serializer=kvbridge_dot_v1_dot_admin__pb2.ResumeRequest.SerializeToString,
+                response_deserializer=kvbridge_dot_v1_dot_admin__pb2.DrainResponse.FromString,
+                _registered_method=True)
+        self.GetConfig = channel.unary_unary(
+                '/kvbridge.v1.Admin/GetConfig',
+                request_serializer=kvbridge_dot_v1_dot_admin__pb2.GetConfigRequest.SerializeToString,
+                response_deserializer=kvbridge_dot_v1_dot_admin__pb2.Config.FromString,
+                _registered_method=True)
+        self.ListNodes = channel.unary_unary(
+                '/kvbridge.v1.Admin/ListNodes',
+                request_serializer=kvbridge_dot_v1_dot_admin__pb2.ListNodesRequest.SerializeToString,
+                response_deserializer=kvbridge_dot_v1_dot_admin__pb2.ListNodesResponse.FromString,
+                _registered_method=True)
+        self.AddNode = channel.unary_unary(
+                '/kvbridge.v1.Admin/AddNode',
+                request_serializer=kvbridge_dot_v1_dot_admin__pb2.AddNodeRequest.SerializeToString,
+                response_deserializer=kvbridge_dot_v1_dot_admin__pb2.NodeInfo.FromString,
+                _registered_method=True)
+        self.RemoveNode = channel.unary_unary(
+                '/kvbridge.v1.Admin/RemoveNode',
+                request_serializer=kvbridge_dot_v1_dot_admin__pb2.RemoveNodeRequest.SerializeToString,
+                response_deserializer=kvbridge_dot_v1_dot_admin__pb2.NodeInfo.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
     """Missing associated documentation comment in .proto file."""
 
     def GetStatus(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListRequests(self, request, context):
+        """The requests this process holds, oldest first, a page at a time.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AbortRequest(self, request, context):
+        """End one request in whatever phase it is; everything it holds (pages, rooms, upstream calls) is freed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Drain(self, request, context):
+        """Stop admitting (health NOT_SERVING; new requests get UNAVAILABLE), let in-flight ones finish.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Resume(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetConfig(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListNodes(self, request, context):
+        """Router only (nodes answer UNIMPLEMENTED): the fleet it routes to, changed at run time.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AddNode(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RemoveNode(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -57,6 +149,46 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=kvbridge_dot_v1_dot_admin__pb2.GetStatusRequest.FromString,
                     response_serializer=kvbridge_dot_v1_dot_admin__pb2.Status.SerializeToString,
+            ),
+            'ListRequests': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListRequests,
+                    request_deserializer=kvbridge_dot_v1_dot_admin__pb2.ListRequestsRequest.FromString,
+                    response_serializer=kvbridge_dot_v1_dot_admin__pb2.ListRequestsResponse.SerializeToString,
+            ),
+            'AbortRequest': grpc.unary_unary_rpc_method_handler(
+                    servicer.AbortRequest,
+                    request_deserializer=kvbridge_dot_v1_dot_admin__pb2.AbortRequestRequest.FromString,
+                    response_serializer=kvbridge_dot_v1_dot_admin__pb2.AbortRequestResponse.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=kvbridge_dot_v1_dot_admin__pb2.DrainRequest.FromString,
+                    response_serializer=kvbridge_dot_v1_dot_admin__pb2.DrainResponse.SerializeToString,
+            ),
+            'Resume': grpc.unary_unary_rpc_method_handler(
+                    servicer.Resume,
+                    request_deserializer=kvbridge_dot_v1_dot_admin__pb2.ResumeRequest.FromString,
+                    response_serializer=kvbridge_dot_v1_dot_admin__pb2.DrainResponse.SerializeToString,
+            ),
+            'GetConfig': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetConfig,
+                    request_deserializer=kvbridge_dot_v1_dot_admin__pb2.GetConfigRequest.FromString,
+                    response_serializer=kvbridge_dot_v1_dot_admin__pb2.Config.SerializeToString,
+            ),
+            'ListNodes': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListNodes,
+                    request_deserializer=kvbridge_dot_v1_dot_admin__pb2.ListNodesRequest.FromString,
+                    response_serializer=kvbridge_dot_v1_dot_admin__pb2.ListNodesResponse.SerializeToString,
+            ),
+            'AddNode': grpc.unary_unary_rpc_method_handler(
+                    servicer.AddNode,
+                    request_deserializer=kvbridge_dot_v1_dot_admin__pb2.AddNodeRequest.FromString,
+                    response_serializer=kvbridge_dot_v1_dot_admin__pb2.NodeInfo.SerializeToString,
+            ),
+            'RemoveNode': grpc.unary_unary_rpc_method_handler(
+                    servicer.RemoveNode,
+                    request_deserializer=kvbridge_dot_v1_dot_admin__pb2.RemoveNodeRequest.FromString,
+                    response_serializer=kvbridge_dot_v1_dot_admin__pb2.NodeInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -86,6 +218,222 @@ class Admin:
             '/kvbridge.v1.Admin/GetStatus',
             kvbridge_dot_v1_dot_admin__pb2.GetStatusRequest.SerializeToString,
             kvbridge_dot_v1_dot_admin__pb2.Status.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListRequests(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvbridge.v1.Admin/ListRequests',
+            kvbridge_dot_v1_dot_admin__pb2.ListRequestsRequest.SerializeToString,
+            kvbridge_dot_v1_dot_admin__pb2.ListRequestsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AbortRequest(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvbridge.v1.Admin/AbortRequest',
+            kvbridge_dot_v1_dot_admin__pb2.AbortRequestRequest.SerializeToString,
+            kvbridge_dot_v1_dot_admin__pb2.AbortRequestResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvbridge.v1.Admin/Drain',
+            kvbridge_dot_v1_dot_admin__pb2.DrainRequest.SerializeToString,
+            kvbridge_dot_v1_dot_admin__pb2.DrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Resume(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvbridge.v1.Admin/Resume',
+            kvbridge_dot_v1_dot_admin__pb2.ResumeRequest.SerializeToString,
+            kvbridge_dot_v1_dot_admin__pb2.DrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetConfig(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvbridge.v1.Admin/GetConfig',
+            kvbridge_dot_v1_dot_admin__pb2.GetConfigRequest.SerializeToString,
+            kvbridge_dot_v1_dot_admin__pb2.Config.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListNodes(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvbridge.v1.Admin/ListNodes',
+            kvbridge_dot_v1_dot_admin__pb2.ListNodesRequest.SerializeToString,
+            kvbridge_dot_v1_dot_admin__pb2.ListNodesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AddNode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvbridge.v1.Admin/AddNode',
+            kvbridge_dot_v1_dot_admin__pb2.AddNodeRequest.SerializeToString,
+            kvbridge_dot_v1_dot_admin__pb2.NodeInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RemoveNode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvbridge.v1.Admin/RemoveNode',
+            kvbridge_dot_v1_dot_admin__pb2.RemoveNodeRequest.SerializeToString,
+            kvbridge_dot_v1_dot_admin__pb2.NodeInfo.FromString,
             options,
             channel_credentials,
             insecure,

@@ -76,18 +76,20 @@ class KVLayout(_message.Message):
     def __init__(self, model_fingerprint: _Optional[str] = ..., num_layers: _Optional[int] = ..., page_size: _Optional[int] = ..., dtype: _Optional[str] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., num_pages: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankEndpoint, _Mapping]]] = ..., backends: _Optional[_Iterable[str]] = ..., host_id: _Optional[str] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("rid", "room", "backend", "decode_layout", "page_ids")
+    __slots__ = ("rid", "room", "backend", "decode_layout", "page_ids", "decode_addr")
     RID_FIELD_NUMBER: _ClassVar[int]
     ROOM_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     DECODE_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_ADDR_FIELD_NUMBER: _ClassVar[int]
     rid: str
     room: int
     backend: str
     decode_layout: KVLayout
     page_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, rid: _Optional[str] = ..., room: _Optional[int] = ..., backend: _Optional[str] = ..., decode_layout: _Optional[_Union[KVLayout, _Mapping]] = ..., page_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    decode_addr: str
+    def __init__(self, rid: _Optional[str] = ..., room: _Optional[int] = ..., backend: _Optional[str] = ..., decode_layout: _Optional[_Union[KVLayout, _Mapping]] = ..., page_ids: _Optional[_Iterable[int]] = ..., decode_addr: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ()
