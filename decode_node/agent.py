@@ -10,37 +10,63 @@ too). Its receiver reports state changes from its own threads.
 from __future__ import annotations
 
 import logging
+import time
+
+import torch
 
 from consensus import LocalStatus, Stream
+from engine import faults
+from engine.faults import INJECTED
 from engine.pp.agent import KVAgent
 from engine.pp.control import ControlChannel
-from engine.pp.wire import ABORT, ADMIT, FINISH, Decision
+from engine.pp.wire import ABORT, ADMIT, FINISH, RESUME, RETRACT, Decision
 from kv_transfer import KVPoll, KVReceiverEndpoint, Source, StatusChange
+from kvbridge.logs import log_event
+from kvbridge.metrics import failure_reason, rank_metrics
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("kvbridge.transfer")
 
 
 class DecodeAgent(KVAgent):
     def __init__(self, rank: int, receiver: KVReceiverEndpoint | None, chan: ControlChannel):
         self.rank, self.receiver, self.chan = rank, receiver, chan
         self.rooms: dict[str, int] = {}  # rid -> room, while its pages may still be written
+        self.offloaded: dict[str, torch.Tensor] = {}  # retracted rid -> its pages of this rank, in host memory
+        self.expected: dict[str, float] = {}  # rid -> when this rank started expecting its pages
+        self.metrics = rank_metrics()
+        self.faults = faults.current()
+        self.doomed: set[str] = set()  # fault injection: rids whose transfer fails on this rank
+        self.label = str(rank)
 
     def on_decision(self, d: Decision) -> None:
         pd = (d.info or {}).get("room")
         if d.kind == ADMIT and pd is not None:
             info = d.info
-            self.rooms[d.rid] = room = int(info["room"])
+            room = int(info["room"])
             self.chan.set_local(Stream.DECODE_TRANSFERRED, d.rid, LocalStatus.PENDING)
             sources = [Source(*s) for s in info["sources"]]
             try:
                 self.receiver.expect(room, d.rid, info["page_ids"], sources, info["backend"])
+                self.rooms[d.rid] = room  # (only once it is ours: a room in use stays its owner's)
             except ValueError as e:
-                log.warning("rid=%s room=%s rank=%d cannot expect its pages: %s", d.rid, room, self.rank, e)
+                self._log_failure(d.rid, room, str(e))
                 self.chan.set_local(Stream.DECODE_PREALLOCATED, d.rid, LocalStatus.FAILED)
                 return
+            self.expected[d.rid] = time.perf_counter()
+            if self.faults.fail_transfer():
+                self.doomed.add(d.rid)
             self.chan.set_local(Stream.DECODE_PREALLOCATED, d.rid, LocalStatus.READY)
+        elif d.kind == RETRACT:  # before any later step can reuse the pages: copy this rank's layers out
+            self.offloaded[d.rid] = self.receiver.pool.buffer[d.info["pages"]].to("cpu", copy=True)
+        elif d.kind == RESUME:
+            pages, buffer = d.info["pages"], self.receiver.pool.buffer
+            buffer[pages] = self.offloaded.pop(d.rid)[: len(pages)].to(buffer.device)
+            self.chan.set_local(Stream.DECODE_RETRACTED, d.rid, LocalStatus.READY)
         elif d.kind in (FINISH, ABORT) and d.rid in self.rooms:
+            self.offloaded.pop(d.rid, None)
             room = self.rooms.pop(d.rid)
+            self.expected.pop(d.rid, None)
+            self.doomed.discard(d.rid)
             if d.kind == ABORT:
                 self.receiver.fail(room, "aborted by the decode node")
             self.receiver.forget(room)
@@ -48,7 +74,20 @@ class DecodeAgent(KVAgent):
     def on_change(self, change: StatusChange) -> None:
         """The receiver's callback (its threads): a room's state changed on this rank."""
         if change.state == KVPoll.SUCCESS:
-            self.chan.set_local(Stream.DECODE_TRANSFERRED, change.rid, LocalStatus.READY)
+            if change.rid in self.doomed:  # the pages are here, but this rank says they are not
+                self._log_failure(change.rid, change.room, INJECTED)
+                self.metrics.transfer_failures.labels(self.label, "injected").inc()
+                self.chan.set_local(Stream.DECODE_TRANSFERRED, change.rid, LocalStatus.FAILED)
+                return
+            since = self.expected.get(change.rid)
+            if since is not None:
+                self.metrics.transfer_duration.labels(self.label).observe(time.perf_counter() - since)
+            rid = change.rid
+            self.faults.report_done(lambda: self.chan.set_local(Stream.DECODE_TRANSFERRED, rid, LocalStatus.READY))
         elif change.state == KVPoll.FAILED:
-            log.warning("rid=%s room=%s rank=%d transfer failed: %s", change.rid, change.room, self.rank, change.reason)
+            self._log_failure(change.rid, change.room, change.reason)
+            self.metrics.transfer_failures.labels(self.label, failure_reason(change.reason)).inc()
             self.chan.set_local(Stream.DECODE_TRANSFERRED, change.rid, LocalStatus.FAILED)
+
+    def _log_failure(self, rid: str, room: int, reason: str) -> None:
+        log_event(log, "transfer_failed", logging.WARNING, rid=rid, room=room, rank=self.rank, reason=reason)

@@ -13,29 +13,47 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import replace
 
 from consensus import Stream as S
 from consensus import Verdict
 from engine.pp.control import ControlChannel
 from engine.pp.leader import Leader
-from engine.pp.wire import ABORT, ADMIT, FINISH
+from engine.pp.wire import ABORT, ADMIT, FINISH, RESUME, RETRACT
 from engine.request import Request
 from engine.scheduler import Scheduler
 
+TIMEOUT_CHECK_S = 0.1  # how often timeouts are looked for
+_AWAITING_KV = ("prealloc", "transferring")  # phases that still need the prefill node
+QUARANTINE_S = 2.0  # pages of a hand-off that failed rest this long before reuse (late writes land harmlessly)
+
 
 class DecodeScheduler(Scheduler):
-    """Counts the pages of preallocated requests (outside the running list) as held."""
+    """Counts the pages of preallocated requests (outside the running list) as held, and retracts
+    instead of preempting: out of pages, the newest running request's KV goes to host memory
+    (every rank copies its layers out, in decision order) and its pages are freed at once."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.transfer: dict[str, Request] = {}  # preallocated: pages reserved, KV on its way
+        self.resuming: dict[str, Request] = {}  # new pages given, KV being copied back on every rank
+        self.on_retract: Callable[[Request, list[int]], None] = lambda req, pages: None
+        self.quarantined: Callable[[], list[Request]] = list  # the leader's quarantined requests
 
     def reserved(self) -> list[Request]:
-        return list(self.transfer.values())
+        return [*self.transfer.values(), *self.resuming.values(), *self.quarantined()]
+
+    def preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        pages, req.page_table.pages = req.page_table.pages, []
+        self.allocator.free(req.rid, pages)
+        self.on_retract(req, pages)
 
 
 class DecodeLeader(Leader):
+    role = "decode"
+
     def __init__(self, *args, chan: ControlChannel, receiver, reserve_tokens: int = 64, **kwargs):
         super().__init__(*args, **kwargs)
         self.chan = chan
@@ -44,11 +62,23 @@ class DecodeLeader(Leader):
         self.prealloc: deque[Request] = deque()  # waiting for pages
         self.extras: dict[str, dict] = {}  # rid -> its room, prefill layout ranges, backend
         self.registered_at: dict[str, float] = {}  # rid -> when every rank expected its pages
+        self.retracted: deque[Request] = deque()  # KV in host memory, waiting for pages (oldest first)
+        self.admitted_at: dict[str, float] = {}  # rid -> when its pages were reserved (transfer timeout)
+        self.quarantine: dict[str, tuple[float, Request]] = {}  # rid of a failed hand-off -> (free at, it)
+        self._next_check = 0.0
+        self.scheduler.on_retract = self._retract
+        self.scheduler.quarantined = lambda: [req for _, req in self.quarantine.values()]
 
     # ---------------------------------------------------------------- inputs
 
     def _admit_new(self, req: Request, extra: dict) -> None:
-        req.room = int(extra["room"])
+        room = int(extra["room"])
+        if any(r.room == room for r in self.requests.values() if r is not req):
+            req.room, req.finish_reason = room, "error"
+            super()._retire(req, ABORT, error=f"room {room} is in use by another request", code="ALREADY_EXISTS")
+            return
+        req.room = room
+        req.peer = extra.get("peer", "")
         self.extras[req.rid] = extra
         self.prealloc.append(req)
 
@@ -59,19 +89,55 @@ class DecodeLeader(Leader):
         elif op == "fail" and msg[1] in self.requests:
             _, rid, code, error = msg
             self._fail(self.requests[rid], error, code)
+        elif op == "peer_down":  # the prefill node died: requests still waiting for its KV cannot get it
+            waiting = [r for r in self.requests.values() if r.peer == msg[1] and self.phase_of(r) in _AWAITING_KV]
+            for req in waiting:
+                self._fail(req, f"the prefill node {msg[1]} is unreachable", "UNAVAILABLE")
         elif op == "abort" and msg[1] in self.requests:
-            self._fail(self.requests[msg[1]], "aborted", "CANCELLED", reason="abort")
+            why = msg[2] if len(msg) > 2 and msg[2] else "aborted"
+            self._fail(self.requests[msg[1]], why, "CANCELLED", reason="abort")
         elif op == "shutdown":
             for req in list(self.requests.values()):
                 self._fail(req, "the decode node is shutting down", "UNAVAILABLE", reason="abort")
+            for _, req in self.quarantine.values():  # nothing is handed out again: no late write can matter
+                self.scheduler.release(req)
+            self.quarantine.clear()
             self.stopping = True
         elif op != "fail":
             super()._handle(msg)
 
     def status(self, token: int) -> dict:
         st = super().status(token)
-        st["queues"].update(prealloc=len(self.prealloc), transfer=len(self.scheduler.transfer))
+        st["queues"].update(
+            prealloc=len(self.prealloc), transfer=len(self.scheduler.transfer), retracted=len(self.retracted)
+        )
         return st
+
+    def queues(self) -> dict[str, list[str]]:
+        s = self.scheduler
+        return {
+            "prealloc": [r.rid for r in self.prealloc],
+            "transfer": list(s.transfer),
+            "retracted": [r.rid for r in self.retracted],
+            "resuming": list(s.resuming),
+            "waiting": [r.rid for r in s.waiting],
+            "running": [r.rid for r in s.running],
+        }
+
+    def resting_owners(self) -> set[str]:
+        return set(self.quarantine)
+
+    def transfers_in_flight(self) -> int:
+        return len(self.scheduler.transfer)
+
+    def phase_of(self, req: Request) -> str:
+        if req.rid in self.extras:
+            return "prealloc"
+        if req.rid in self.scheduler.transfer:
+            return "transferring"
+        if req in self.retracted or req.rid in self.scheduler.resuming:
+            return "retracted"
+        return "waiting" if req in self.scheduler.waiting else "decoding"
 
     # ---------------------------------------------------------------- queues
 
@@ -86,9 +152,60 @@ class DecodeLeader(Leader):
                 self.outbox.put({"event": "preallocated", "rid": req.rid, "page_ids": list(req.page_table.pages)})
             elif d.verdict == Verdict.READY and d.stream == S.DECODE_TRANSFERRED:
                 self._join(req)
+            elif d.verdict == Verdict.READY and d.stream == S.DECODE_RETRACTED:
+                del self.scheduler.resuming[req.rid]  # every rank has its KV back
+                self.scheduler.running.append(req)
+                self._set_phase(req, "decoding")
             elif d.verdict in (Verdict.FAILED, Verdict.ABORTED):
                 self._fail(req, "the KV transfer failed on a decode rank", "UNAVAILABLE")
+        self._release_quarantined()
+        self._resume()
         self._preallocate()
+        self._expire()
+
+    def _release_quarantined(self) -> None:
+        now = time.perf_counter()
+        for rid, (at, req) in list(self.quarantine.items()):
+            if now >= at:
+                del self.quarantine[rid]
+                self.scheduler.release(req)
+
+    def _expire(self) -> None:
+        """Timeouts, checked at most every TIMEOUT_CHECK_S: no pages in time, or a hand-off that hangs."""
+        now = time.perf_counter()
+        if now < self._next_check:
+            return
+        self._next_check = now + TIMEOUT_CHECK_S
+        config = self.scheduler.config
+        for req in [r for r in self.prealloc if now - r.arrival_s > config.prealloc_timeout_s]:
+            why = f"no KV pages for the request within {config.prealloc_timeout_s:g} s"
+            self._fail(req, why, "RESOURCE_EXHAUSTED", timeout="prealloc")
+        for rid, since in list(self.admitted_at.items()):
+            if now - since > config.transfer_timeout_s:
+                why = f"the KV cache did not arrive within {config.transfer_timeout_s:g} s"
+                self._fail(self.scheduler.transfer[rid], why, "DEADLINE_EXCEEDED", timeout="transfer")
+
+    def _retract(self, req: Request, pages: list[int]) -> None:
+        """The scheduler freed a running request's pages: every rank copies them out first (the
+        decision reaches each rank before any step that could reuse them)."""
+        self._decide(RETRACT, req.rid, info={"pages": pages})
+        self.retracted.append(req)
+        self.metrics.retractions.inc()
+        self._set_phase(req, "retracted", pages=len(pages))
+
+    def _resume(self) -> None:
+        """Retracted requests get pages back before new ones are preallocated (they are older)."""
+        alloc = self.scheduler.allocator
+        while self.retracted:
+            req = self.retracted[0]
+            need = req.page_table.num_pages_needed(req.num_computed)
+            if not alloc.can_allocate(need + 1):  # and room to grow, or it would be retracted again at once
+                return
+            self.retracted.popleft()
+            req.page_table.pages = alloc.allocate(req.rid, need)
+            self.scheduler.resuming[req.rid] = req
+            self._decide(RESUME, req.rid, info={"pages": list(req.page_table.pages)})
+            self._set_phase(req, "resuming")
 
     def _preallocate(self) -> None:
         alloc, ps = self.scheduler.allocator, self.pool.page_size
@@ -96,11 +213,13 @@ class DecodeLeader(Leader):
             req = self.prealloc[0]
             need = req.page_table.num_pages_needed(len(req.prompt_ids))
             reserve = -(-min(self.reserve_tokens, req.params.max_new_tokens) // ps)
+            reserve = min(reserve, alloc.num_pages - need)  # never more than the pool: it would wait for ever
             if not alloc.can_allocate(need + reserve):
                 return
             self.prealloc.popleft()
             req.page_table.pages = alloc.allocate(req.rid, need)
             self.scheduler.transfer[req.rid] = req
+            self.admitted_at[req.rid] = time.perf_counter()
             extra = self.extras.pop(req.rid)
             req.announced = True
             info = {
@@ -111,11 +230,19 @@ class DecodeLeader(Leader):
                 "first_sample_index": 1,  # the prefill node sampled token 0
             }
             self._decide(ADMIT, req.rid, replace(req.params, seed=req.seed), info)
+            self._set_phase(req, "transferring")
 
     def _join(self, req: Request) -> None:
         """The request's KV is here on every rank: it starts decoding after its first token."""
         del self.scheduler.transfer[req.rid]
+        del self.admitted_at[req.rid]
         token, _ = self.receiver.first_token(req.room)
+        vocab = self.stage.config.vocab_size
+        if not 0 <= token < vocab:  # from the network: a broken peer must not crash the model
+            self._fail(
+                req, f"the prefill node sent first token {token}, outside the vocabulary [0, {vocab})", "DATA_LOSS"
+            )
+            return
         req.num_computed = len(req.prompt_ids)
         req.num_sampled = 1
         req.output_ids.append(token)
@@ -123,6 +250,7 @@ class DecodeLeader(Leader):
         kv_seconds = req.first_token_s - self.registered_at.pop(req.rid, req.first_token_s)
         self.outbox.put({"event": "token", "rid": req.rid, "token": token, "index": 0, "kv_seconds": kv_seconds})
         self.scheduler.add_prebuilt(req)
+        self._set_phase(req, "decoding", kv_seconds=round(kv_seconds, 6))
         reason = self.scheduler.stop_reason(req, token)
         if reason:  # the first token already ends it (EOS, max_new_tokens == 1, a stop string)
             req.finish_s = req.first_token_s
@@ -133,15 +261,31 @@ class DecodeLeader(Leader):
 
     # ---------------------------------------------------------------- endings
 
-    def _fail(self, req: Request, error: str, code: str, reason: str = "error") -> None:
+    def _retire(self, req: Request, kind: str, **event) -> None:
+        if req in self.retracted:  # its last token was in flight when it was retracted
+            self.retracted.remove(req)
+        if self.scheduler.resuming.pop(req.rid, None) is not None:
+            self.scheduler.release(req)
+        super()._retire(req, kind, **event)
+
+    def _fail(self, req: Request, error: str, code: str, reason: str = "error", **event) -> None:
         if req in self.prealloc:
             self.prealloc.remove(req)
+        if req in self.retracted:
+            self.retracted.remove(req)
+        self.scheduler.resuming.pop(req.rid, None)
         self.extras.pop(req.rid, None)
-        self.scheduler.transfer.pop(req.rid, None)
+        receiving = self.scheduler.transfer.pop(req.rid, None) is not None
+        self.admitted_at.pop(req.rid, None)
         self.registered_at.pop(req.rid, None)
         self.chan.abort(req.rid)
         self.scheduler.finish(req, "abort")
-        self.scheduler.release(req)
+        if receiving and req.page_table.pages:
+            # a prefill rank may be writing into these pages right now (shared memory, GPU IPC): they
+            # are handed out again only after QUARANTINE_S, once every push that started has landed
+            self.quarantine[req.rid] = (time.perf_counter() + QUARANTINE_S, req)
+        else:
+            self.scheduler.release(req)
         req.finish_reason = reason
         req.finish_s = time.perf_counter()
-        self._retire(req, ABORT, error=error, code=code)
+        self._retire(req, ABORT, error=error, code=code, **event)

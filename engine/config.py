@@ -122,8 +122,21 @@ class EngineConfig:
     max_running_requests: int = 64  # decode batch size cap
     max_context: int = 0  # 0 = the model's max_position_embeddings
     threads: int = 0  # torch intra-op threads on CPU; 0 = torch's default
+    max_pending_requests: int = 1024  # requests a node holds at once (every phase); beyond: RESOURCE_EXHAUSTED
+    bootstrap_timeout_s: float = 30.0  # prefill: a request waiting for its decode node's registration
+    prealloc_timeout_s: float = 60.0  # decode: a request waiting for KV pages
+    transfer_timeout_s: float = 60.0  # KV hand-off: decode from its pages reserved, prefill from the first token
+    fault_inject: str = ""  # tests and drills only: see engine/faults.py ("" = no faults)
 
     def __post_init__(self) -> None:
+        from engine.faults import parse
+
+        parse(self.fault_inject, 0)  # raises on a bad spec, naming the item
+        for name in ("bootstrap_timeout_s", "prealloc_timeout_s", "transfer_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.max_pending_requests < 1:
+            raise ValueError(f"max_pending_requests must be >= 1, got {self.max_pending_requests}")
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.num_pages < 0 or self.kv_cache_tokens < 1:

@@ -46,6 +46,9 @@ class PageAllocator:
             del self._owner[p]
             self._free.append(p)
 
+    def owners(self) -> set[str]:
+        return set(self._owner.values())
+
     def owned_by(self, owner: str) -> list[int]:
         return sorted(p for p, o in self._owner.items() if o == owner)
 

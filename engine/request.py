@@ -53,6 +53,7 @@ class Request:
     finish_s: float | None = None
     seed: int = 0  # the sampling seed: params.seed, or a random one drawn at creation
     num_sampled: int = 0  # tokens sampled for this request so far (where sampling starts: see sampler.py)
+    peer: str = ""  # disaggregated serving: the other node's address (shown by Admin)
 
     def __post_init__(self) -> None:
         self.seed = self.params.seed if self.params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1

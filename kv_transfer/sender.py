@@ -249,7 +249,8 @@ class Sender:
             if room in self.board and not self.board.poll(room).is_terminal:
                 getattr(self, f"_do_{kind}")(r, *job[2:])
         except Exception as e:
-            reason = f"{type(e).__name__}: {e}"
+            # one line: a gRPC error's own str() is a multi-line dump
+            reason = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.RpcError) else f"{type(e).__name__}: {e}"
             if self._fail(room, reason):
                 self._notify(r, 0, reason)
         self.board.flush()

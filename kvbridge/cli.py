@@ -22,6 +22,11 @@ _ENGINE_HELP = {
     "max_running_requests": "decode batch size cap",
     "max_context": "context length cap (0: the model's)",
     "threads": "torch CPU threads (0: torch's default; with PP, the cores split over the local ranks)",
+    "max_pending_requests": "requests a node holds at once, every phase; more are refused (RESOURCE_EXHAUSTED)",
+    "bootstrap_timeout_s": "prefill node: fail a request whose decode node has not registered after this, seconds",
+    "prealloc_timeout_s": "decode node: fail a request that got no KV pages within this, seconds",
+    "transfer_timeout_s": "fail a KV hand-off not done this long after the decode pages were reserved, seconds",
+    "fault_inject": "tests and drills: faults such as transfer_fail=0.05,rank1:step_delay_ms=50 (engine/faults.py)",
     "pp_size": "pipeline-parallel rank processes (each holds a layer range)",
     "async_batch_depth": "microbatches in flight beyond pp_size",
     "enable_dynamic_chunking": "size prompt chunks from a start-up prefill latency profile",
@@ -101,16 +106,26 @@ def build_parser() -> argparse.ArgumentParser:
                 help="KV transfer engine: on a decode node, the one it asks for (auto: the fastest the pair "
                 "supports); on a prefill node, the only one it offers (auto: all it can drive)",
             )  # fmt: skip
+        node.add_argument(
+            "--metrics-port", type=int, default=-1, help="Prometheus /metrics port (0: a free one; default -1: off)"
+        )
+        node.add_argument("--log-level", default="info", help="debug | info | warning | error (default: info)")
+        node.add_argument(
+            "--shutdown-grace-s", type=float, default=30.0,
+            help="on SIGTERM: admit nothing, let requests in flight finish this long, fail the rest (default: 30)",
+        )  # fmt: skip
         node.add_argument("--quiet", action="store_true", help="no progress output")
 
+    from kvbridge.admin_cli import add_admin_parser
     from kvbridge.demo import add_demo_parser
     from router.cli import add_router_parser
 
     add_router_parser(sub)
     add_demo_parser(sub)
+    add_admin_parser(sub)
 
     bench = sub.add_parser("bench", help="run a benchmark from bench/ (prints JSON)")
-    bench.add_argument("name", choices=["engine", "consensus", "pp", "kv_transfer"])
+    bench.add_argument("name", choices=["engine", "consensus", "pp", "kv_transfer", "soak"])
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own flags")
     return parser
 
@@ -200,41 +215,53 @@ def stop_on_signal():
 
 
 def cmd_node(args: argparse.Namespace) -> int:
-    """`kvbridge serve|prefill|decode`: a node with its gRPC server, until SIGINT or SIGTERM."""
-    if not 0 <= args.port < 65536:
-        raise UsageError(f"--port must be in [0, 65535], got {args.port}")
+    """`kvbridge serve|prefill|decode`: a node with its gRPC server, until SIGINT or SIGTERM.
+    The server is bound first (health NOT_SERVING, Admin answering) and serves once the ranks are up."""
+    from kvbridge import logs
+
+    if not args.shutdown_grace_s >= 0:
+        raise UsageError(f"--shutdown-grace-s must be >= 0, got {args.shutdown_grace_s}")
+    for flag, port in (("--port", args.port), ("--metrics-port", args.metrics_port)):
+        if not -1 <= port < 65536 or (flag == "--port" and port < 0):
+            raise UsageError(f"{flag} must be in [0, 65535], got {port}")
+    try:
+        logs.setup(args.log_level)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     config, progress = from_flags(EngineConfig, args), not args.quiet
     try:
         pp = from_flags(PPConfig, args)
+        settings = {"model": config.model, "transfer_backend": getattr(args, "transfer_backend", "")}
+        bind = (args.host, args.port, args.metrics_port, settings)
         if args.command == "serve":
-            from engine.pp.node import PPNode
-            from engine.service import ServingNode
+            from engine.service import ColocatedNode, ServingNode
 
-            node = PPNode(config, pp, progress=progress)
-            make_server = partial(ServingNode, node, args.host, args.port)
+            server = ServingNode(*bind)
+            make_node = partial(ColocatedNode, config, pp, progress)
         elif args.command == "prefill":
             from prefill_node.node import PrefillNode
             from prefill_node.service import PrefillServer
 
-            node = PrefillNode(config, pp, progress=progress, backend=args.transfer_backend)
-            make_server = partial(PrefillServer, node, args.host, args.port)
+            server = PrefillServer(*bind)
+            make_node = partial(PrefillNode, config, pp, progress=progress, backend=args.transfer_backend)
         else:
             from decode_node.node import DecodeNode
             from decode_node.service import DecodeServer
 
-            node = DecodeNode(config, pp, args.host, progress=progress)
-            make_server = partial(DecodeServer, node, args.host, args.port, args.transfer_backend)
-    except (ValueError, FileNotFoundError) as e:
-        raise UsageError(str(e)) from None
-    try:
-        server = make_server()
-    except ValueError as e:  # the port is taken: stop the ranks already started
-        node.shutdown()
+            server = DecodeServer(*bind)
+            make_node = partial(DecodeNode, config, pp, args.host, progress=progress)
+    except (ValueError, FileNotFoundError) as e:  # a bad value, or the port is taken
         raise UsageError(str(e)) from None
     stop = stop_on_signal()
-    print(f"kvbridge {args.command}: listening on {server.address}", file=sys.stderr, flush=True)
+    metrics = f", metrics on {args.host}:{server.metrics_port}" if server.metrics_port >= 0 else ""
+    print(f"kvbridge {args.command}: bound {server.address}{metrics}; loading", file=sys.stderr, flush=True)
+    try:
+        server.load(make_node)
+    except (ValueError, FileNotFoundError) as e:
+        raise UsageError(str(e)) from None
+    print(f"kvbridge {args.command}: listening on {server.address}{metrics}", file=sys.stderr, flush=True)
     stop.wait()
-    server.stop()
+    server.shutdown_gracefully(args.shutdown_grace_s)
     return 0
 
 
@@ -254,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         commands = {"generate": cmd_generate, "serve": cmd_node, "prefill": cmd_node, "decode": cmd_node}
-        commands |= {"bench": cmd_bench, "router": lambda a: a.func(a), "demo": cmd_demo}
+        commands |= {"bench": cmd_bench, "router": lambda a: a.func(a), "demo": cmd_demo, "admin": lambda a: a.func(a)}
         return commands[args.command](args)
     except UsageError as e:
         print(f"kvbridge {args.command}: error: {e}", file=sys.stderr)

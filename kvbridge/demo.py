@@ -37,6 +37,8 @@ def add_demo_parser(sub) -> None:
     demo.add_argument("--max-new-tokens", type=int, default=48)
     demo.add_argument("--transfer-backend", default="auto", choices=["auto", "shm", "torch", "grpc"])
     demo.add_argument("--json", action="store_true", help="one JSON object per answer, then the summary")
+    demo.add_argument("--metrics", action="store_true", help="serve /metrics on every process (free ports, printed)")
+    demo.add_argument("--log-level", default="warning", help="debug | info | warning | error (default: warning)")
 
 
 def ask(port: int, question: str, max_new_tokens: int) -> dict:
@@ -61,42 +63,70 @@ def ask(port: int, question: str, max_new_tokens: int) -> dict:
     return out
 
 
-def run_demo(args: argparse.Namespace) -> int:
+def start_fleet(config: EngineConfig, prefill_pp: int, decode_pp: int, backend: str = "auto", metrics: bool = False):
+    """A prefill node, a decode node and a router over them, on free ports (started in that order;
+    the caller stops them in reverse). metrics: each serves /metrics on a free port too."""
     from decode_node.service import start_decode
     from prefill_node.service import start_prefill
     from router.config import RouterConfig
     from router.server import start_router
+
+    port = 0 if metrics else -1
+    with ThreadPoolExecutor(2) as pool:
+        p = pool.submit(start_prefill, config, PPConfig(pp_size=prefill_pp), metrics_port=port)
+        d = pool.submit(start_decode, config, PPConfig(pp_size=decode_pp), backend=backend, metrics_port=port)
+        prefill, decode = p.result(), d.result()
+    try:
+        router = start_router(
+            RouterConfig(port=0, http_port=0, prefill=(prefill.address,), decode=(decode.address,), metrics_port=port)
+        )
+    except BaseException:
+        decode.stop()
+        prefill.stop()
+        raise
+    return prefill, decode, router
+
+
+def run_traffic(port: int, requests: int, max_new_tokens: int, progress: bool = True) -> list[dict]:
+    """The demo's chat requests, all at once, through the router on `port`; their answers in order."""
+    with Progress("requests", requests, enabled=progress) as bar, ThreadPoolExecutor(requests) as pool:
+        futures = [pool.submit(ask, port, q, max_new_tokens) for q in QUESTIONS[:requests]]
+        answers = []
+        for f in futures:
+            answers.append(f.result())
+            bar.advance()
+    return answers
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    from kvbridge import logs
 
     if not 1 <= args.requests <= len(QUESTIONS):
         print(
             f"kvbridge demo: error: --requests must be in [1, {len(QUESTIONS)}], got {args.requests}", file=sys.stderr
         )
         return 2
-    config = EngineConfig(model=args.model, kv_cache_tokens=8192)
-    started = []
     try:
-        print(
-            f"starting a prefill node (pp {args.prefill_pp}) and a decode node (pp {args.decode_pp}) ...",
-            file=sys.stderr,
-        )
-        with ThreadPoolExecutor(2) as pool:
-            p = pool.submit(start_prefill, config, PPConfig(pp_size=args.prefill_pp))
-            d = pool.submit(start_decode, config, PPConfig(pp_size=args.decode_pp), backend=args.transfer_backend)
-            prefill, decode = p.result(), d.result()
-        started += [prefill, decode]
-        router = start_router(RouterConfig(port=0, http_port=0, prefill=(prefill.address,), decode=(decode.address,)))
-        started.append(router)
+        logs.setup(args.log_level)
+    except ValueError as e:
+        print(f"kvbridge demo: error: {e}", file=sys.stderr)
+        return 2
+    config = EngineConfig(model=args.model, kv_cache_tokens=8192)
+    print(
+        f"starting a prefill node (pp {args.prefill_pp}) and a decode node (pp {args.decode_pp}) ...",
+        file=sys.stderr,
+    )
+    prefill, decode, router = start_fleet(config, args.prefill_pp, args.decode_pp, args.transfer_backend, args.metrics)
+    try:
         print(f"router: grpc 127.0.0.1:{router.port}, http 127.0.0.1:{router.http_port}", file=sys.stderr)
+        if args.metrics:
+            ports = {"router": router.metrics_port, "prefill": prefill.metrics_port, "decode": decode.metrics_port}
+            print("metrics: " + ", ".join(f"{k} 127.0.0.1:{v}/metrics" for k, v in ports.items()), file=sys.stderr)
         t0 = time.perf_counter()
-        answers = []
-        with Progress("requests", args.requests) as bar, ThreadPoolExecutor(args.requests) as pool:
-            futures = [pool.submit(ask, router.port, q, args.max_new_tokens) for q in QUESTIONS[: args.requests]]
-            for f in futures:
-                answers.append(f.result())
-                bar.advance()
+        answers = run_traffic(router.port, args.requests, args.max_new_tokens)
         wall = time.perf_counter() - t0
     finally:
-        for s in reversed(started):
+        for s in (router, decode, prefill):
             s.stop()
     kv_bytes = sum(a.get("kv_bytes", 0) for a in answers)
     # per request: from the decode node's registration to its KV landing on every decode rank; this

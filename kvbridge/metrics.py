@@ -24,9 +24,18 @@ import threading
 from collections.abc import Callable, Iterable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+disable_created_metrics()  # no `_created` series: start times say nothing a dashboard uses
 
 # seconds
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -41,10 +50,25 @@ OUTCOMES = ("stop", "length", "abort", "error")  # label values of kvbridge_requ
 
 
 def outcome_of(finish_reason: str, error: str = "") -> str:
-    """The low-cardinality outcome label of a finished request."""
-    if finish_reason in ("stop", "length"):
+    """The low-cardinality outcome label of a finished request: how it ended, or "error"."""
+    if finish_reason in ("stop", "length", "abort") and not (error and finish_reason != "abort"):
         return finish_reason
-    return "abort" if finish_reason == "abort" and not error else "error"
+    return "error"
+
+
+def failure_reason(reason: str) -> str:
+    """A transfer failure's free-text reason, reduced to a label value."""
+    text = reason.lower()
+    for label, words in (
+        ("aborted", ("abort",)),
+        ("injected", ("injected",)),
+        ("timeout", ("timeout", "timed out", "deadline")),
+        ("peer", ("unavailable", "connect", "closed", "reset", "unreachable")),
+        ("mismatch", ("layout", "disagree", "page", "says", "range", "fit")),
+    ):
+        if any(w in text for w in words):
+            return label
+    return "other"
 
 
 class NodeMetrics:
@@ -54,9 +78,6 @@ class NodeMetrics:
         r = registry
         self.requests = Counter("kvbridge_requests", "Requests that ended, by outcome", ["outcome"], registry=r)
         self.aborts = Counter("kvbridge_aborts", "Requests aborted, by who asked", ["source"], registry=r)
-        self.retractions = Counter(
-            "kvbridge_retractions", "Decoding requests retracted (KV offloaded) under memory pressure", registry=r
-        )
         self.prompt_tokens = Counter("kvbridge_prompt_tokens", "Prompt tokens of requests that ended", registry=r)
         self.generation_tokens = Counter(
             "kvbridge_generation_tokens", "Tokens generated for requests that ended", registry=r
@@ -72,6 +93,9 @@ class NodeMetrics:
             "From the node receiving a request to its end there",
             buckets=E2E_BUCKETS,
             registry=r,
+        )
+        self.invariant_violations = Counter(
+            "kvbridge_invariant_violations", "Broken invariants found by the node's checks (see logs)", registry=r
         )
         self.timeouts = Counter(
             "kvbridge_timeouts", "Requests ended by a timeout, by which one", ["timeout"], registry=r
@@ -113,6 +137,9 @@ class RankMetrics:
         self.decisions = Counter(
             "kvbridge_scheduler_decisions", "Ordered scheduler decisions sent to every rank, by kind", ["kind"], **kw
         )
+        self.retractions = Counter(
+            "kvbridge_retractions", "Decoding requests retracted (KV to host memory) under memory pressure", **kw
+        )
         self.chunk_tokens = Histogram(
             "kvbridge_prefill_chunk_tokens", "Prompt tokens computed per prefill chunk", buckets=CHUNK_BUCKETS, **kw
         )
@@ -124,7 +151,15 @@ class RouterMetrics:
         self.requests = Counter(
             "kvbridge_router_requests", "Client requests that ended, by outcome", ["outcome"], registry=r
         )
-        self.retries = Counter("kvbridge_router_retries", "Requests retried on another node", registry=r)
+        self.retries = Counter(
+            "kvbridge_router_retries", "Requests retried on another node, by reason", ["reason"], registry=r
+        )
+        self.timeouts = Counter(
+            "kvbridge_router_timeouts",
+            "Requests whose upstream calls the router cancelled for its own timeouts",
+            ["timeout"],
+            registry=r,
+        )
         self.ttft = Histogram(
             "kvbridge_time_to_first_token_seconds",
             "From the router receiving a request to the first token reaching the client",

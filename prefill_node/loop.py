@@ -8,7 +8,6 @@ A failure on any rank (consensus FAILED) or an abort ends the request on every r
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import replace
 
@@ -19,12 +18,12 @@ from engine.pp.leader import Leader
 from engine.pp.wire import ABORT, ADMIT, FINISH, ROUTE
 from engine.request import Request
 
-log = logging.getLogger(__name__)
-
-REGISTRATION_TTL_S = 120.0  # a registration whose Prefill call never came is dropped after this
+TIMEOUT_CHECK_S = 0.1  # how often timeouts are looked for
 
 
 class PrefillLeader(Leader):
+    role = "prefill"
+
     def __init__(self, *args, chan: ControlChannel, **kwargs):
         super().__init__(*args, **kwargs)
         self.chan = chan
@@ -35,17 +34,40 @@ class PrefillLeader(Leader):
         self.inflight_kv: dict[str, Request] = {}  # first token sampled, KV pushes not yet agreed done
         # agreed done before rank 0 post-processed the first token (its pushes can land that fast)
         self.transferred_early: set[str] = set()
+        self.inflight_since: dict[str, float] = {}  # rid -> when it entered inflight_kv
+        self._next_check = 0.0
 
     # ---------------------------------------------------------------- inputs
 
     def _admit_new(self, req: Request, extra: dict) -> None:
         req.params = replace(req.params, max_new_tokens=1)  # a prefill node samples the first token only
         room = int(extra["room"])
+        if room in self.rooms:  # the registration for it would route this request's KV to another's pages
+            req.room, req.finish_reason = room, "error"
+            super()._retire(req, ABORT, error=f"room {room} is in use by another request", code="ALREADY_EXISTS")
+            return
         self.bootstrap[req.rid] = req
         self.rooms[room] = req.rid
         req.room = room
         if room in self.registrations:
             self._route(req, self.registrations.pop(room)[1])
+
+    def phase_of(self, req: Request) -> str:
+        if req.rid in self.bootstrap:
+            return "bootstrap"
+        return "transferring" if req.rid in self.inflight_kv else "prefilling"
+
+    def queues(self) -> dict[str, list[str]]:
+        s = self.scheduler
+        return {
+            "bootstrap": list(self.bootstrap),
+            "waiting": [r.rid for r in s.waiting],
+            "running": [r.rid for r in s.running],
+            "inflight": list(self.inflight_kv),
+        }
+
+    def transfers_in_flight(self) -> int:
+        return len(self.inflight_kv)
 
     def _handle(self, msg: tuple) -> None:
         op = msg[0]
@@ -53,13 +75,13 @@ class PrefillLeader(Leader):
             _, room, registration = msg
             rid = self.rooms.get(room)
             if rid is None:
-                self.registrations[room] = (time.monotonic(), registration)
+                self.registrations[room] = (time.perf_counter(), registration)
             else:
                 self._route(self.requests[rid], registration)
         elif op == "consensus":
             pass  # a wake-up: decisions are taken in _tick
         elif op == "abort" and msg[1] in self.requests:
-            self._fail(self.requests[msg[1]], "abort", "aborted")
+            self._fail(self.requests[msg[1]], "abort", msg[2] if len(msg) > 2 and msg[2] else "aborted")
         elif op == "shutdown":
             for req in list(self.requests.values()):
                 self._fail(req, "abort", "the prefill node is shutting down")
@@ -69,6 +91,7 @@ class PrefillLeader(Leader):
 
     def _route(self, req: Request, registration: dict) -> None:
         """Every rank learns where the KV goes (a ROUTE decision) and connects; consensus follows."""
+        req.peer = registration.get("decode_addr", "")
         req.announced = True
         self._decide(ADMIT, req.rid, replace(req.params, seed=req.seed))
         self._decide(ROUTE, req.rid, info=registration)
@@ -89,17 +112,34 @@ class PrefillLeader(Leader):
                 del self.bootstrap[d.rid]
                 self.rooms.pop(req.room, None)
                 self.scheduler.add(req)
+                self._set_phase(req, "prefilling")
             elif d.verdict == Verdict.READY and d.stream == S.PREFILL_TRANSFERRED:
                 if d.rid in self.inflight_kv:
+                    del self.inflight_since[d.rid]
                     self._transferred(self.inflight_kv.pop(d.rid))
                 else:
                     self.transferred_early.add(d.rid)
             elif d.verdict in (Verdict.FAILED, Verdict.ABORTED):
                 self._fail(req, "error", "the KV transfer failed on a prefill rank")
-        now = time.monotonic()
-        for room, (t, _) in list(self.registrations.items()):
-            if now - t > REGISTRATION_TTL_S:
+        self._expire()
+
+    def _expire(self) -> None:
+        """Timeouts, checked at most every TIMEOUT_CHECK_S: no registration, or a hand-off that hangs."""
+        now = time.perf_counter()
+        if now < self._next_check:
+            return
+        self._next_check = now + TIMEOUT_CHECK_S
+        config = self.scheduler.config
+        for room, (t, _) in list(self.registrations.items()):  # a registration whose Prefill call never came
+            if now - t > config.bootstrap_timeout_s:
                 del self.registrations[room]
+        for req in [r for r in self.bootstrap.values() if now - r.arrival_s > config.bootstrap_timeout_s]:
+            why = f"the decode node did not register room {req.room} within {config.bootstrap_timeout_s:g} s"
+            self._fail(req, "error", why, code="DEADLINE_EXCEEDED", timeout="bootstrap")
+        for rid, since in list(self.inflight_since.items()):
+            if now - since > config.transfer_timeout_s:
+                why = f"the KV transfer did not finish within {config.transfer_timeout_s:g} s of the first token"
+                self._fail(self.inflight_kv[rid], "error", why, code="DEADLINE_EXCEEDED", timeout="transfer")
 
     # ---------------------------------------------------------------- endings
 
@@ -110,22 +150,33 @@ class PrefillLeader(Leader):
                 self._transferred(req)
             else:
                 self.inflight_kv[req.rid] = req  # its first token is out; its pages wait for the pushes
+                self.inflight_since[req.rid] = time.perf_counter()
+                self._set_phase(req, "transferring")
             return
         super()._retire(req, kind, **event)
 
     def _transferred(self, req: Request) -> None:
         """Every rank's pushes landed: the pages are free again and the request is done here."""
+        pages = len(req.page_table.pages)
         self.scheduler.release(req)
-        super()._retire(req, FINISH)
+        super()._retire(req, FINISH, kv_bytes=pages * self._page_bytes_all_layers())
 
-    def _fail(self, req: Request, reason: str, error: str) -> None:
+    def _page_bytes_all_layers(self) -> int:
+        """Bytes of one KV page over every layer of the model (all ranks together)."""
+        pool = self.pool
+        per_layer = pool.buffer[0].numel() * pool.buffer.element_size() // (pool.layer_end - pool.layer_start)
+        return per_layer * self.stage.config.num_hidden_layers
+
+    def _fail(self, req: Request, reason: str, error: str, code: str = "", **event) -> None:
         self.bootstrap.pop(req.rid, None)
         self.rooms.pop(req.room, None)
         self.inflight_kv.pop(req.rid, None)
+        self.inflight_since.pop(req.rid, None)
         self.transferred_early.discard(req.rid)
         self.chan.abort(req.rid)
         self.scheduler.finish(req, "abort")
         self.scheduler.release(req)
         req.finish_reason = reason
         req.finish_s = time.perf_counter()
-        super()._retire(req, ABORT, error=error, code="UNAVAILABLE" if reason == "error" else "CANCELLED")
+        code = code or ("UNAVAILABLE" if reason == "error" else "CANCELLED")
+        super()._retire(req, ABORT, error=error, code=code, **event)

@@ -6,21 +6,23 @@ from __future__ import annotations
 import grpc
 
 from engine.config import EngineConfig, PPConfig
-from engine.service import AdminService
+from engine.frontend import Overloaded
+from engine.server import NodeServer
 from kv_transfer.layout import incompatibility
 from kvbridge import convert, rpc
-from kvbridge.v1 import admin_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from kvbridge.v1 import prefill_pb2, prefill_pb2_grpc
 from prefill_node.node import PrefillNode
 
 SERVICES = ("kvbridge.v1.Prefill", "kvbridge.v1.Bootstrap", "kvbridge.v1.Admin")
 
 
 class PrefillService(prefill_pb2_grpc.PrefillServicer):
-    def __init__(self, node: PrefillNode):
-        self.node = node
+    def __init__(self, server: NodeServer):
+        self.server = server
 
     def Prefill(self, request, context):
-        front = self.node.front
+        self.server.admit(context)
+        front = self.server.node.front
         if not request.rid or not request.room:
             context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, f"rid and room are required, got {request.rid!r} {request.room}"
@@ -31,6 +33,8 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
             deltas = front.submit(ids, params, request.rid, {"room": request.room})
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except Overloaded as e:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         rpc.abort_on_cancel(context, lambda: front.abort(request.rid))  # client gone: free the request's pages
         first = []
         for d in deltas:
@@ -45,13 +49,23 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
 
 
 class BootstrapService(prefill_pb2_grpc.BootstrapServicer):
-    def __init__(self, node: PrefillNode):
-        self.node = node
+    """Served while draining too: the rooms of requests in flight still get registered."""
+
+    def __init__(self, server: NodeServer):
+        self.server = server
+
+    @property
+    def node(self) -> PrefillNode:
+        return self.server.node
 
     def GetLayout(self, request, context):
+        if self.node is None:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the prefill node is still loading")
         return convert.layout_to_proto(self.node.layout)
 
     def Register(self, request, context):
+        if self.node is None:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the prefill node is still loading")
         try:
             decode = convert.layout_from_proto(request.decode_layout)
         except ValueError as e:
@@ -75,29 +89,32 @@ class BootstrapService(prefill_pb2_grpc.BootstrapServicer):
             "backend": request.backend,
             "page_ids": list(request.page_ids),
             "decode": convert.layout_to_dict(decode),
+            "decode_addr": request.decode_addr,
         }
         self.node.register(request.room, registration)
         return prefill_pb2.RegisterResponse()
 
 
-class PrefillServer:
-    def __init__(self, node: PrefillNode, host: str, port: int):
-        self.node = node
-        services = [
-            (prefill_pb2_grpc.add_PrefillServicer_to_server, PrefillService(node)),
-            (prefill_pb2_grpc.add_BootstrapServicer_to_server, BootstrapService(node)),
-            (admin_pb2_grpc.add_AdminServicer_to_server, AdminService(node.front, "prefill")),
-        ]
-        self.server, self.port, self.health = rpc.make_server(host, port, services, SERVICES)
-        self.address = f"{host}:{self.port}"
-        self.server.start()
+class PrefillServer(NodeServer):
+    role = "prefill"
+    SERVICES = SERVICES
 
-    def stop(self, grace_s: float = 2.0):
-        self.server.stop(grace_s).wait()
-        return self.node.shutdown()
+    def servicers(self):
+        return [
+            (prefill_pb2_grpc.add_PrefillServicer_to_server, PrefillService(self)),
+            (prefill_pb2_grpc.add_BootstrapServicer_to_server, BootstrapService(self)),
+            *super().servicers(),
+        ]
 
 
 def start_prefill(
-    config: EngineConfig, pp: PPConfig, host: str = "127.0.0.1", port: int = 0, backend: str = "auto"
+    config: EngineConfig,
+    pp: PPConfig,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    backend: str = "auto",
+    metrics_port: int = -1,
+    progress: bool = False,
 ) -> PrefillServer:
-    return PrefillServer(PrefillNode(config, pp, backend=backend), host, port)
+    server = PrefillServer(host, port, metrics_port, {"model": config.model, "transfer_backend": backend})
+    return server.load(lambda: PrefillNode(config, pp, progress=progress, backend=backend))

@@ -3,12 +3,21 @@
 Clients speak gRPC `kvbridge.v1.Generation` or OpenAI-compatible HTTP to it; it picks nodes
 (healthy, least outstanding requests) and forwards each request, either to one colocated node
 or, disaggregated, to a decode node (streaming) and a prefill node at once, paired by a room.
+A request whose node fails before its first token reached the client is retried on other nodes
+(bounded attempts, backoff); the router's own timeouts end attempts without a first token and
+streams gone quiet. When a node dies, the requests on it are retried or failed within 1 s if its
+process died (its sockets close: kill -9, a crash), and within first_token_timeout_s /
+idle_stream_timeout_s if its host went silent (dispatch.py says why).
 
     config.py       RouterConfig: flags and their defaults
-    pool.py         the nodes: health watching, outstanding-request accounting, selection
+    pool.py         the nodes: health watching, outstanding-request accounting, selection, add/remove
     checks.py       validation of a GenerateRequest at the door
-    dispatch.py     one request's upstream calls: colocated or paired P+D, retries, cancellation
-    service.py      gRPC Generation and Admin servicers
+    dispatch.py     one request's upstream calls: colocated or paired P+D, retries, timeouts,
+                    cancellation; the requests in flight, draining, a log line per phase; how soon
+                    the requests on a dead node end
+    watchdog.py     one thread for the timeouts of every request in flight
+    metrics.py      the router's Prometheus registry: latencies, outcomes, retries, timeouts, node gauges
+    service.py      gRPC Generation and Admin servicers (status, requests, abort, drain, config, fleet)
     openai_api.py   OpenAI JSON <-> GenerateRequest / GenerateResponse
     http.py         the HTTP server (standard library), SSE streaming
     server.py       start_router(config) -> Router

@@ -8,25 +8,39 @@ import sys
 import threading
 from dataclasses import fields
 
+from kvbridge.logs import LEVELS
 from router.config import RouterConfig
 
 _HELP = {
-    "host": "address both servers bind",
+    "host": "address every server binds (gRPC, HTTP, metrics)",
     "port": "gRPC port: Generation, Admin, health, reflection (0: a free one, printed when ready)",
     "http_port": "OpenAI-compatible HTTP port (0: a free one, printed when ready)",
     "colocated": "nodes serving Generation themselves (kvbridge serve), HOST:PORT[,HOST:PORT..]",
-    "prefill": "prefill nodes, HOST:PORT[,HOST:PORT..] (with --decode)",
-    "decode": "decode nodes, HOST:PORT[,HOST:PORT..] (with --prefill)",
+    "prefill": "prefill nodes, HOST:PORT[,HOST:PORT..]; disaggregated requests need a prefill and a decode node",
+    "decode": "decode nodes, HOST:PORT[,HOST:PORT..]; disaggregated requests need a prefill and a decode node",
     "request_timeout_s": "deadline of each upstream Generate / Prefill call, seconds",
+    "max_attempts": "tries of a request in all: one that a node fails before any token reached the client "
+    "(UNAVAILABLE, RESOURCE_EXHAUSTED, a node timeout, no first token in time) is tried again on other nodes",
+    "retry_backoff_s": "pause before the first retry, doubling for each next one (at most 1 s), seconds",
+    "first_token_timeout_s": "cancel an attempt that got no first token within this and retry it elsewhere "
+    "(the last attempt fails with DEADLINE_EXCEEDED), seconds; 0: off",
+    "idle_stream_timeout_s": "fail a stream (DEADLINE_EXCEEDED) whose node sent nothing for this long after the "
+    "first token, seconds; 0: off",
     "health_retry_s": "pause before re-checking a node whose health check failed, seconds",
     "startup_wait_s": "wait at most this long at start for every node's first health report, seconds",
     "grpc_workers": "gRPC handler threads: client streams served at once",
+    "metrics_port": "Prometheus /metrics port (-1: off; 0: a free one, printed when ready)",
 }
 
 
 def add_router_parser(subparsers) -> argparse.ArgumentParser:
     """The `router` subcommand. Values are parsed by run_router, so that a bad one is one line."""
-    parser = subparsers.add_parser("router", help="the front door: gRPC and OpenAI-compatible HTTP over the nodes")
+    parser = subparsers.add_parser(
+        "router",
+        help="the front door: gRPC and OpenAI-compatible HTTP over the nodes",
+        description="Any fleet may be given, none included: nodes can be added and removed at run time "
+        "(Admin.AddNode / RemoveNode); the router is NOT_SERVING while no request could be routed.",
+    )
     for f in fields(RouterConfig):
         default = ",".join(f.default) if isinstance(f.default, tuple) else f.default
         shown = f" (default: {default})" if default != "" else ""
@@ -34,6 +48,7 @@ def add_router_parser(subparsers) -> argparse.ArgumentParser:
         parser.add_argument(
             "--" + f.name.replace("_", "-"), default=str(default), metavar=metavar, help=_HELP[f.name] + shown
         )
+    parser.add_argument("--log-level", default="info", choices=LEVELS, help="log level (default: info)")
     parser.set_defaults(func=run_router)
     return parser
 
@@ -65,9 +80,11 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
 
 def run_router(args: argparse.Namespace) -> int:
     """Serve until SIGINT or SIGTERM. Bad flag values: one line on stderr, exit status 2."""
+    from kvbridge.logs import setup as setup_logs
     from router.server import start_router
 
     try:
+        setup_logs(args.log_level)
         config = config_from_args(args)
         router = start_router(config)
     except ValueError as e:
@@ -76,11 +93,10 @@ def run_router(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    print(
-        f"kvbridge router: grpc on {config.host}:{router.port}, http on {config.host}:{router.http_port}",
-        file=sys.stderr,
-        flush=True,
-    )
+    ready = f"kvbridge router: grpc on {config.host}:{router.port}, http on {config.host}:{router.http_port}"
+    if router.metrics_port >= 0:
+        ready += f", metrics on {config.host}:{router.metrics_port}"
+    print(ready, file=sys.stderr, flush=True)
     stop.wait()
     router.stop()
     return 0

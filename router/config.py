@@ -3,45 +3,54 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import combinations
+
+from kvbridge.rpc import shown
 
 
 def parse_address(addr: str, flag: str = "address") -> tuple[str, int]:
     """host:port (IPv6 as [::1]:port) -> (host, port); ValueError naming the bad value."""
     host, sep, port = addr.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"{flag}: expected HOST:PORT with a port in [1, 65535], got {addr!r}")
+        raise ValueError(f"{flag}: expected HOST:PORT with a port in [1, 65535], got {shown(addr)}")
     if host.startswith("[") != host.endswith("]") or ("[" not in host and ":" in host):
-        raise ValueError(f"{flag}: bad host in {addr!r} (write IPv6 as [::1]:PORT)")
+        raise ValueError(f"{flag}: bad host in {shown(addr)} (write IPv6 as [::1]:PORT)")
     return host, int(port)
 
 
 @dataclass(frozen=True)
 class RouterConfig:
-    host: str = "127.0.0.1"  # address both servers bind
+    host: str = "127.0.0.1"  # address every server binds (gRPC, HTTP, metrics)
     port: int = 50050  # gRPC port (Generation, Admin, health, reflection); 0 = a free one
     http_port: int = 8000  # OpenAI-compatible HTTP port; 0 = a free one
     colocated: tuple[str, ...] = ()  # host:port of nodes that serve Generation themselves
     prefill: tuple[str, ...] = ()  # host:port of prefill nodes (Prefill service)
     decode: tuple[str, ...] = ()  # host:port of decode nodes (Generation with a PrefillRoute)
     request_timeout_s: float = 300.0  # deadline of each upstream Generate / Prefill call, seconds
+    max_attempts: int = 3  # node pairs a request is tried on before its failure reaches the client
+    retry_backoff_s: float = 0.05  # pause before the first retry, doubling for each next one (capped)
+    first_token_timeout_s: float = 60.0  # an attempt without a first token this long is cancelled; 0 = off
+    idle_stream_timeout_s: float = 30.0  # a stream without a response this long after its first fails; 0 = off
     health_retry_s: float = 1.0  # pause before re-watching the health of a node that failed, seconds
     startup_wait_s: float = 5.0  # start_router waits this long at most for every node's first health report
     grpc_workers: int = 64  # handler threads of the gRPC server: concurrent client streams served
+    metrics_port: int = -1  # Prometheus /metrics port; -1 = off, 0 = a free one
 
     def __post_init__(self) -> None:
         for name in ("port", "http_port"):
             value = getattr(self, name)
             if not 0 <= value < 65536:
                 raise ValueError(f"{name} must be in [0, 65535], got {value}")
-        if self.port == self.http_port != 0:
-            raise ValueError(f"port and http_port are both {self.port}")
+        if not -1 <= self.metrics_port < 65536:
+            raise ValueError(f"metrics_port must be -1 (off) or in [0, 65535], got {self.metrics_port}")
+        for a, b in combinations(("port", "http_port", "metrics_port"), 2):
+            if getattr(self, a) == getattr(self, b) > 0:
+                raise ValueError(f"{a} and {b} are both {getattr(self, a)}")
+        # Any fleet is allowed, none included: nodes can be added at run time (Admin.AddNode), and
+        # the router's health stays NOT_SERVING while no request could be routed.
         for flag, addrs in (("colocated", self.colocated), ("prefill", self.prefill), ("decode", self.decode)):
             for addr in addrs:
                 parse_address(addr, flag)
-        if bool(self.prefill) != bool(self.decode):
-            raise ValueError("prefill and decode nodes come together: give both or neither")
-        if not (self.colocated or self.prefill):
-            raise ValueError("no backends: give colocated nodes, or prefill and decode nodes")
         seen: set[tuple[str, str]] = set()
         for node in self.nodes:
             if node in seen:
@@ -50,6 +59,11 @@ class RouterConfig:
         for name in ("request_timeout_s", "health_retry_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("retry_backoff_s", "first_token_timeout_s", "idle_stream_timeout_s"):
+            if not 0 <= getattr(self, name) < float("inf"):  # NaN fails too
+                raise ValueError(f"{name} must be >= 0 and finite, got {getattr(self, name)}")
+        if self.max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
         if not self.startup_wait_s >= 0:
             raise ValueError(f"startup_wait_s must be >= 0, got {self.startup_wait_s}")
         if self.grpc_workers < 1:

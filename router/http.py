@@ -5,7 +5,7 @@ per connection, HTTP/1.1 keep-alive; streams use chunked transfer encoding).
     GET  /v1/models, /v1/models/{id}, /health
 
 A client that goes away (its socket reaches EOF, or a write fails) cancels the upstream calls,
-so the nodes abort the request.
+so the nodes abort the request. While the router drains, new requests and /health get 503.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import json
 import logging
 import select
 import socket
+import sys
 import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -23,7 +24,7 @@ from urllib.parse import unquote, urlsplit
 import grpc
 
 from kvbridge import __version__
-from router.dispatch import Dispatcher, RouteError
+from router.dispatch import DRAINING, Dispatcher, RouteError
 from router.openai_api import BadRequest, Reply, error_body, parse_request
 
 MAX_BODY_BYTES = 16 << 20
@@ -36,7 +37,7 @@ log = logging.getLogger("kvbridge.router")
 class HTTPFront:
     def __init__(self, host: str, port: int, dispatcher: Dispatcher):
         handler = type("Handler", (_Handler,), {"dispatcher": dispatcher})
-        server_cls = type("Server", (ThreadingHTTPServer,), {"daemon_threads": True})
+        server_cls = type("Server", (ThreadingHTTPServer,), {"daemon_threads": True, "handle_error": _handle_error})
         if ":" in host:
             server_cls.address_family = socket.AF_INET6
         try:
@@ -55,6 +56,15 @@ class HTTPFront:
         self._thread.join(timeout=5)
 
 
+def _handle_error(server, request, client_address) -> None:
+    """A connection that failed outside a request's own handling: a client that hung up is normal
+    (no traceback on stderr); anything else is logged once, as one line."""
+    exc = sys.exc_info()[1]
+    if isinstance(exc, (*_GONE, TimeoutError)):
+        return
+    log.warning("http connection from %s failed: %s: %s", client_address[0], type(exc).__name__, exc)
+
+
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server_version = f"kvbridge-router/{__version__}"
@@ -69,15 +79,45 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, format, *args) -> None:
         pass  # no access log on stderr
 
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        """http.server's own errors (a malformed request line, a header too long) in the OpenAI
+        error format, as JSON, like every other answer."""
+        body = json.dumps(
+            {"error": {"message": message or explain or "bad request", "type": "invalid_request_error",
+                       "param": None, "code": str(code)}}
+        ).encode()  # fmt: skip
+        self.close_connection = True
+        self.request_version = self.protocol_version  # a garbled request line still gets a status line
+        try:
+            self.send_response(code, message)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.send_header("Connection", "close")
+            self.end_headers()
+            if self.command != "HEAD" and code >= 200 and code not in (204, 304):
+                self.wfile.write(body)
+        except _GONE:
+            pass
+
+    def _not_allowed(self) -> None:
+        self.close_connection = True
+        message = f"method {self.command} is not allowed here (use GET or POST)"
+        error = {"message": message, "type": "invalid_request_error", "param": None, "code": "method_not_allowed"}
+        self._send_json(405, {"error": error})
+
+    do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _not_allowed
+
     # ------------------------------------------------------------------ routes
 
     def do_GET(self) -> None:
         path = unquote(urlsplit(self.path).path)
         if path == "/health":
-            if self.dispatcher.can_route():
-                self._send_json(200, {"status": "ok"})
-            else:
+            if self.dispatcher.draining:
+                self._send_error(grpc.StatusCode.UNAVAILABLE, DRAINING)
+            elif not self.dispatcher.can_route():
                 self._send_error(grpc.StatusCode.UNAVAILABLE, "no healthy node can serve requests")
+            else:
+                self._send_json(200, {"status": "ok"})
         elif path == "/v1/models":
             self._send_json(200, {"object": "list", "data": [self._model_card(m) for m in self._models()]})
         elif path.startswith("/v1/models/"):

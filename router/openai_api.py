@@ -71,6 +71,16 @@ def _show(value) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
+def _text(v: str, name: str, param: str | None = None) -> str:
+    """A string bound for a protobuf field: it must be encodable as UTF-8 (JSON can carry lone surrogates)."""
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = f"unpaired surrogate {v[e.start]!r} at index {e.start}"
+        raise BadRequest(f"{name} is not valid Unicode: {bad}", param or name) from None
+    return v
+
+
 def _int(body: dict, name: str, low: int, high: int) -> int | None:
     v = body.get(name)
     if v is None:
@@ -107,7 +117,7 @@ def _prompt(body: dict) -> common_pb2.Prompt:
     if isinstance(v, str):
         if not v:
             raise BadRequest("prompt is empty", "prompt")
-        return common_pb2.Prompt(text=v)
+        return common_pb2.Prompt(text=_text(v, "prompt"))
     ids = _token_ids(v, "prompt")
     if ids is None:
         raise BadRequest(f"prompt must be a non-empty string or token-id list (one prompt), got {_show(v)}", "prompt")
@@ -119,11 +129,11 @@ def _content(m: dict, i: int) -> str:
     if c is None:
         return ""
     if isinstance(c, str):
-        return c
+        return _text(c, f"messages[{i}].content", "messages")
     if isinstance(c, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in c):
         texts = [p.get("text") for p in c]
         if all(isinstance(t, str) for t in texts):
-            return "".join(texts)
+            return _text("".join(texts), f"messages[{i}].content", "messages")
     raise BadRequest(f"messages[{i}].content must be a string or a list of text parts, got {_show(c)}", "messages")
 
 
@@ -153,7 +163,7 @@ def _stop(body: dict) -> list[str]:
         raise BadRequest(f"stop must be a non-empty string or a list of them, got {_show(v)}", "stop")
     if len(stops) > MAX_STOP_STRINGS:
         raise BadRequest(f"stop has {len(stops)} strings; at most {MAX_STOP_STRINGS}", "stop")
-    return stops
+    return [_text(s, "stop") for s in stops]
 
 
 def _unsupported(body: dict, chat: bool) -> None:

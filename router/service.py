@@ -1,17 +1,29 @@
-"""The router's gRPC services: Generation (forwarded through the dispatcher) and Admin."""
+"""The router's gRPC services: Generation (checked, then forwarded through the dispatcher) and
+Admin (status, the requests in flight, abort, drain and resume, config, and the fleet)."""
 
 from __future__ import annotations
 
+import json
+import logging
 import time
+from collections.abc import Callable
+from dataclasses import asdict
 
 import grpc
 
-from kvbridge import __version__
+from kvbridge import __version__, rpc
+from kvbridge.logs import log_event
 from kvbridge.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
 from router.checks import check_generate
-from router.dispatch import Dispatcher, RouteError
+from router.config import RouterConfig
+from router.dispatch import OPERATOR_ABORTED, PHASES, Dispatcher, Routed, RouteError
+from router.pool import Node
 
 SERVICES = ("kvbridge.v1.Generation", "kvbridge.v1.Admin")
+DEFAULT_PAGE = 100  # ListRequests page_size 0
+MAX_PAGE = 1000
+DRAIN_POLL_S = 0.5  # a Drain that waits checks this often whether its caller is still there
+log = logging.getLogger("kvbridge.router")
 
 
 class GenerationService(generation_pb2_grpc.GenerationServicer):
@@ -41,17 +53,125 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
 
 
 class AdminService(admin_pb2_grpc.AdminServicer):
-    def __init__(self, dispatcher: Dispatcher):
-        self.dispatcher = dispatcher
+    def __init__(self, dispatcher: Dispatcher, config: RouterConfig, on_drain: Callable[[], None]):
+        """on_drain: called after draining starts or ends (the router sets its health)."""
+        self.dispatcher, self.pool, self.config = dispatcher, dispatcher.pool, config
+        self.on_drain = on_drain
         self.started = time.monotonic()
 
     def GetStatus(self, request, context):
-        models = self.dispatcher.pool.models()
+        d, model, in_flight = self.dispatcher, self.pool.agreed_model(), self.dispatcher.num_in_flight()
         return admin_pb2.Status(
             role="router",
-            model_fingerprint=models[0].fingerprint if len(models) == 1 else "",
-            queues=self.dispatcher.pool.outstanding(),
-            requests_served=self.dispatcher.requests_served,
+            model=model.model if model else "",
+            model_fingerprint=model.fingerprint if model else "",
+            queues={"routed": in_flight, **self.pool.outstanding()},
+            requests_served=d.requests_served,
+            requests_in_flight=in_flight,
+            draining=d.draining,
+            serving=d.accepting(),
             version=__version__,
             uptime_s=time.monotonic() - self.started,
+            nodes=[node_info(n) for n in self.pool.nodes],
         )
+
+    def ListRequests(self, request, context):
+        size = request.page_size or DEFAULT_PAGE
+        if size > MAX_PAGE:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"page_size must be at most {MAX_PAGE}, got {size}")
+        if request.phase and request.phase not in PHASES:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"phase must be one of {', '.join(PHASES)} (or empty), got {rpc.shown(request.phase)}",
+            )
+        start = rpc.page_offset(request.page_token)
+        if start is None:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"page_token {rpc.shown(request.page_token)} is not one we issued"
+            )
+        matching = [r for r in self.dispatcher.in_flight() if not request.phase or r.phase == request.phase]
+        return admin_pb2.ListRequestsResponse(
+            requests=[request_info(r) for r in matching[start : start + size]],
+            next_page_token=str(start + size) if start + size < len(matching) else "",
+            total=len(matching),
+        )
+
+    def AbortRequest(self, request, context):
+        if not request.rid:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "rid is required")
+        routed = self.dispatcher.find(request.rid)
+        if routed is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"no request {rpc.shown(request.rid)} in flight at the router")
+        phase = routed.phase
+        routed.cancel(OPERATOR_ABORTED)
+        log_event(log, "abort", rid=routed.rid, room=routed.room, phase=phase, source="admin")
+        return admin_pb2.AbortRequestResponse(rid=routed.rid, phase=phase)
+
+    def Drain(self, request, context):
+        if not request.wait_s >= 0:  # NaN too
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"wait_s must be >= 0, got {request.wait_s}")
+        d = self.dispatcher
+        d.set_draining(True)
+        self.on_drain()
+        log_event(log, "drain", wait_s=request.wait_s, requests_in_flight=d.num_in_flight())
+        deadline = time.monotonic() + request.wait_s
+        left = d.num_in_flight()
+        while left and context.is_active() and (wait := deadline - time.monotonic()) > 0:
+            left = d.wait_idle(min(wait, DRAIN_POLL_S))
+        return admin_pb2.DrainResponse(draining=d.draining, requests_in_flight=left, empty=d.draining and left == 0)
+
+    def Resume(self, request, context):
+        d = self.dispatcher
+        d.set_draining(False)
+        self.on_drain()
+        log_event(log, "resume", requests_in_flight=d.num_in_flight())
+        return admin_pb2.DrainResponse(draining=False, requests_in_flight=d.num_in_flight(), empty=False)
+
+    def GetConfig(self, request, context):
+        settings = asdict(self.config) | {"nodes": [{"role": n.role, "address": n.address} for n in self.pool.nodes]}
+        return admin_pb2.Config(role="router", version=__version__, json=json.dumps(settings, sort_keys=True))
+
+    def ListNodes(self, request, context):
+        return admin_pb2.ListNodesResponse(nodes=[node_info(n) for n in self.pool.nodes])
+
+    def AddNode(self, request, context):
+        try:
+            node = self.pool.add(request.role, request.address)
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        log_event(log, "node_added", role=node.role, address=node.address)
+        return node_info(node)
+
+    def RemoveNode(self, request, context):
+        try:
+            node = self.pool.remove(request.address, request.role)
+        except KeyError as e:
+            context.abort(grpc.StatusCode.NOT_FOUND, e.args[0])
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        log_event(log, "node_removed", role=node.role, address=node.address, outstanding=node.outstanding)
+        return node_info(node)
+
+
+def node_info(n: Node) -> admin_pb2.NodeInfo:
+    return admin_pb2.NodeInfo(
+        role=n.role,
+        address=n.address,
+        healthy=n.healthy,
+        reported=n.reported,
+        outstanding=n.outstanding,
+        routed=n.routed,
+        model=n.model.model if n.model is not None else "",
+    )
+
+
+def request_info(r: Routed) -> admin_pb2.RequestInfo:
+    return admin_pb2.RequestInfo(
+        rid=r.rid,
+        room=r.room,
+        phase=r.phase,
+        age_s=r.age_s(),
+        peer=r.peer,
+        prompt_tokens=r.prompt_tokens,
+        output_tokens=r.output_tokens,
+    )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 
@@ -29,3 +30,20 @@ def make_llm(model, num_stages: int = 1, **overrides) -> LLM:
 def make_prompts(n: int, vocab: int, seed: int = 0, min_len: int = 3, max_len: int = 90) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab) for _ in range(rng.randint(min_len, max_len))] for _ in range(n)]
+
+
+@pytest.fixture(autouse=True)
+def node_invariants():
+    """After every test: each node still running is idle within 15 s and passes its invariant
+    checks (engine/server.py NodeServer.check_invariants)."""
+    yield
+    from engine.server import LIVE
+
+    for server in list(LIVE):
+        if server.dead:
+            continue
+        deadline = time.monotonic() + 15
+        while (held := server.node.front.status()["requests_in_flight"]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert held == 0, f"{server.role} node {server.address} still holds {held} requests after the test"
+        assert server.check_invariants() == [], f"{server.role} node {server.address}"

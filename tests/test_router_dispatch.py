@@ -1,5 +1,6 @@
 """The router against in-test nodes that follow the contract: pairing of prefill and decode
-halves, failure propagation both ways, retries, health, deadlines, cancellation, status."""
+halves, failure propagation both ways, retries, health, deadlines, cancellation, status, requests
+listed and aborted through Admin."""
 
 from __future__ import annotations
 
@@ -47,6 +48,7 @@ class FakeGeneration(generation_pb2_grpc.GenerationServicer):
     def Generate(self, request, context):
         node = self.node
         node.requests.append(request)
+        node.arrived.append(time.monotonic())
 
         def ended() -> None:
             if request.rid not in node.completed:
@@ -74,6 +76,10 @@ class FakeGeneration(generation_pb2_grpc.GenerationServicer):
                 return
             if node.fail is not None and i == node.fail_after:
                 context.abort(node.fail, f"{node.address} fails as told after {i} tokens")
+            if i == node.stall_after:  # hang (until cancelled)
+                while context.is_active():
+                    time.sleep(0.01)
+                return
             time.sleep(node.token_s)
             yield generation_pb2.GenerateResponse(rid=request.rid, token_ids=[100 + i], text=f"t{i} ")
         node.completed.append(request.rid)
@@ -100,11 +106,14 @@ class FakePrefill(prefill_pb2_grpc.PrefillServicer):
             if not context.is_active():
                 node.cancelled.append(request.rid)
                 return prefill_pb2.PrefillResponse()
-        if node.fail is not None:
+        if node.fail is not None and node.fail_late_s is None:
             context.abort(node.fail, f"{node.address} fails as told")
         with node.rooms.cond:
             node.rooms.prefilled[request.room] = node.address
             node.rooms.cond.notify_all()
+        if node.fail is not None:  # the KV went out; the call fails while the pushes would settle
+            time.sleep(node.fail_late_s)
+            context.abort(node.fail, f"{node.address} fails late as told")
         return prefill_pb2.PrefillResponse(rid=request.rid, prompt_tokens=3, first_token=100)
 
 
@@ -113,10 +122,13 @@ class FakeNode:
         self.role, self.rooms = role, rooms
         self.tokens, self.token_s, self.first_s = tokens, token_s, first_s  # tokens per request, seconds
         self.requests: list = []  # every request received, in order
+        self.arrived: list[float] = []  # time.monotonic() of each Generate's arrival
         self.cancelled: list[str] = []  # rids whose call ended before its last message (cancel, deadline, abort)
         self.completed: list[str] = []  # rids whose stream was produced to the end
         self.fail: grpc.StatusCode | None = None  # abort every request with this code
         self.fail_after = 0  # ... after this many tokens
+        self.fail_late_s: float | None = None  # prefill: fail only this long after the room was prefilled
+        self.stall_after: int | None = None  # stream this many tokens, then send nothing until cancelled
         self.hold: threading.Event | None = None  # prefill: block until set or cancelled
         if role == "prefill":
             services = [(prefill_pb2_grpc.add_PrefillServicer_to_server, FakePrefill(self))]
@@ -261,7 +273,7 @@ def test_least_outstanding_node_gets_the_next_request(fleet):
         admin_pb2.GetStatusRequest(), timeout=5
     )
     assert status.role == "router"
-    assert status.queues == {f"colocated/{busy.address}": 1, f"colocated/{idle.address}": 0}
+    assert status.queues == {"routed": 1, f"colocated/{busy.address}": 1, f"colocated/{idle.address}": 0}
     long_call.cancel()
 
 
@@ -433,3 +445,41 @@ def test_failure_mid_stream_ends_the_sse_stream_with_an_error_event(fleet):
     assert error["code"] == "unavailable" and "after 2 tokens" in error["message"]
     assert events[3:] == ["[DONE]"]
     assert sum(len(n.requests) for n in nodes["colocated"]) == 1
+
+
+def router_admin(router) -> admin_pb2_grpc.AdminStub:
+    return admin_pb2_grpc.AdminStub(rpc.make_channel(f"127.0.0.1:{router.port}"))
+
+
+def test_a_request_held_in_prefill_is_listed_with_its_pair_and_an_abort_cancels_both_halves(fleet):
+    router, nodes = fleet(prefill=1, decode=1)
+    [p], [d] = nodes["prefill"], nodes["decode"]
+    p.hold = threading.Event()  # never set: the request stays in prefill until aborted
+    call = router_stub(router).Generate(make_request(), timeout=30)
+    assert wait_until(lambda: p.requests and d.requests)
+    [preq] = p.requests
+    [info] = router_admin(router).ListRequests(admin_pb2.ListRequestsRequest(), timeout=5).requests
+    assert (info.rid, info.room, info.phase, info.peer, info.prompt_tokens, info.output_tokens) == (
+        preq.rid, preq.room, "prefill+decode", f"{p.address} -> {d.address}", 3, 0
+    )  # fmt: skip
+    aborted = router_admin(router).AbortRequest(admin_pb2.AbortRequestRequest(rid=preq.rid), timeout=5)
+    assert (aborted.rid, aborted.phase) == (preq.rid, "prefill+decode")
+    with pytest.raises(grpc.RpcError) as err:
+        list(call)
+    assert err.value.code() == grpc.StatusCode.CANCELLED and "an operator aborted" in err.value.details()
+    assert wait_until(lambda: preq.rid in p.cancelled and preq.rid in d.cancelled)
+    assert wait_until(lambda: set(router.pool.outstanding().values()) == {0})
+
+
+def test_an_http_request_aborted_by_an_operator_gets_499_saying_so(fleet):
+    router, nodes = fleet(colocated=1, first_s=60.0)
+    result = []
+    thread = threading.Thread(target=lambda: result.append(http(router, "POST", "/v1/completions", {"prompt": [1]})))
+    thread.start()
+    assert wait_until(lambda: nodes["colocated"][0].requests)
+    [info] = router_admin(router).ListRequests(admin_pb2.ListRequestsRequest(), timeout=5).requests
+    router_admin(router).AbortRequest(admin_pb2.AbortRequestRequest(rid=info.rid), timeout=5)
+    thread.join(timeout=10)
+    message = "an operator aborted the request (Admin.AbortRequest on the router)"
+    error = {"message": message, "type": "server_error", "param": None, "code": "cancelled"}
+    assert result == [(499, {"error": error})]

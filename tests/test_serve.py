@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 
 import grpc
@@ -124,7 +128,7 @@ def test_health_and_reflection_are_served(stubs):
     assert {"kvbridge.v1.Generation", "kvbridge.v1.Admin", "grpc.health.v1.Health"} <= names
 
 
-def test_serve_command_prints_its_port_and_stops_on_sigterm():
+def test_serve_command_is_not_serving_while_loading_then_serves_and_stops_on_sigterm():
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvbridge", "serve", "--model", "tiny-random", "--port", "0", "--quiet"],
         stderr=subprocess.PIPE,
@@ -132,11 +136,99 @@ def test_serve_command_prints_its_port_and_stops_on_sigterm():
     )
     try:
         line = proc.stderr.readline()
-        assert line.startswith("kvbridge serve: listening on 127.0.0.1:"), line
-        port = int(line.rsplit(":", 1)[1])
-        gen = generation_pb2_grpc.GenerationStub(rpc.make_channel(f"127.0.0.1:{port}"))
+        assert line.startswith("kvbridge serve: bound 127.0.0.1:") and line.endswith("; loading\n"), line
+        port = int(line.split("bound 127.0.0.1:")[1].split(";")[0])
+        channel = rpc.make_channel(f"127.0.0.1:{port}")
+        health = health_pb2_grpc.HealthStub(channel)
+        check = health_pb2.HealthCheckRequest(service="kvbridge.v1.Generation")
+        # the ranks take seconds to spawn and import torch: the server answers before they are up
+        assert health.Check(check, timeout=5).status == health_pb2.HealthCheckResponse.NOT_SERVING
+        while not (line := proc.stderr.readline()).startswith("kvbridge serve: listening on "):
+            assert line, "the node exited before it was ready"  # (log lines come in between)
+        assert line == f"kvbridge serve: listening on 127.0.0.1:{port}\n"
+        assert health.Check(check, timeout=5).status == health_pb2.HealthCheckResponse.SERVING
+        gen = generation_pb2_grpc.GenerationStub(channel)
         assert len(generate(gen, [1, 2, 3], max_new_tokens=3, ignore_eos=True)[0]) == 3
         proc.terminate()
         assert proc.wait(timeout=30) == 0
     finally:
         proc.kill()
+
+
+def test_sigterm_drains_finishes_requests_in_flight_frees_shared_memory_and_exits_0(tmp_path):
+    from prefill_node.service import start_prefill
+    from tests.pd import TINY as PD_TINY
+    from tests.pd import pd_generate, token_prompt
+
+    prefill = start_prefill(PD_TINY, PPConfig())
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvbridge", "decode", "--model", "tiny-random", "--page-size", "4", "--pp-size", "2",
+         "--transfer-backend", "shm", "--fault-inject", "step_delay_ms=60", "--quiet", "--log-level", "info"],
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        while not (line := proc.stderr.readline()).startswith("kvbridge decode: listening on "):
+            assert line, "the decode node exited before it was ready"
+        addr = line.split("listening on ")[1].strip()
+        stub = admin_pb2_grpc.AdminStub(rpc.make_channel(addr))
+        ranks = json.loads(stub.GetConfig(admin_pb2.GetConfigRequest(), timeout=10).json)["rank_pids"]
+        assert len(segments_of(ranks)) == 2  # its ranks' pools
+        result = {}
+        call = threading.Thread(
+            target=lambda: result.update(r=pd_generate(prefill.address, addr, token_prompt([1, 2, 3, 4, 5]), 30))
+        )
+        call.start()
+        deadline = time.monotonic() + 30
+        while not [
+            r for r in stub.ListRequests(admin_pb2.ListRequestsRequest(), timeout=5).requests if r.phase == "decoding"
+        ]:
+            assert time.monotonic() < deadline, "the request never started decoding"
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGTERM)  # 30 tokens at 60 ms a step: still decoding
+        time.sleep(0.3)
+        tokens, _, error = pd_generate(prefill.address, addr, token_prompt([6, 7]), 4)
+        assert error.code() == grpc.StatusCode.UNAVAILABLE and error.details() == "the decode node is draining"
+        call.join(60)
+        tokens, _, prefill_result = result["r"]
+        assert len(tokens) == 30 and not isinstance(prefill_result, grpc.RpcError)
+        assert proc.wait(timeout=30) == 0, proc.stderr.read()
+        assert segments_of(ranks) == [], proc.stderr.read()  # every segment unlinked
+    finally:
+        proc.kill()
+        prefill.stop()
+
+
+def test_ranks_of_a_killed_front_exit_and_free_their_shared_memory():
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvbridge", "decode", "--model", "tiny-random", "--pp-size", "2",
+         "--transfer-backend", "shm", "--quiet", "--log-level", "warning"],
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        while not (line := proc.stderr.readline()).startswith("kvbridge decode: listening on "):
+            assert line, "the decode node exited before it was ready"
+        addr = line.split("listening on ")[1].strip()
+        ranks = json.loads(
+            admin_pb2_grpc.AdminStub(rpc.make_channel(addr)).GetConfig(admin_pb2.GetConfigRequest(), timeout=10).json
+        )["rank_pids"]
+        assert len(ranks) == 2 and len(segments_of(ranks)) == 2
+        proc.kill()  # -9: the front cannot stop its ranks
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 15
+        while any(os.path.exists(f"/proc/{pid}") and _alive(pid) for pid in ranks):
+            assert time.monotonic() < deadline, "orphaned rank processes"
+            time.sleep(0.1)
+        assert segments_of(ranks) == []
+    finally:
+        proc.kill()
+
+
+def segments_of(pids: list[int]) -> list[str]:
+    """The /dev/shm segments of these rank processes (KV pools are named kvbridge-PID-...)."""
+    return sorted(n for n in os.listdir("/dev/shm") if any(n.startswith(f"kvbridge-{pid}-") for pid in pids))
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie waiting for its reaper is not)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"

@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 
 from consensus import Decision, LocalStatus, RankState, RingDriver, Stream, make_role
+from engine.pp.dist import Sends
+from kvbridge.metrics import rank_metrics
 
 
 class GlooTransport:
@@ -26,22 +28,17 @@ class GlooTransport:
         self.group = group
         self.next, self.prev = (rank + 1) % pp_size, (rank - 1) % pp_size
         self.poll_s = poll_s  # sleep between completion checks when recv has a timeout
-        self._sending: list[tuple[dist.Work, torch.Tensor]] = []  # kept alive until sent
+        self._sends = Sends(group)
         self._len = torch.empty(1, dtype=torch.int64)
         self._pending: dist.Work | None = None  # a posted receive of the next length
 
     def send(self, payload: bytes) -> None:
-        self._sending = [(w, t) for w, t in self._sending if not w.is_completed()]
-        tensors = [torch.tensor([len(payload)], dtype=torch.int64)]
+        self._sends.send(torch.tensor([len(payload)], dtype=torch.int64), self.next)
         if payload:  # an empty payload (the ring's close sentinel) is its length alone
-            tensors.append(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
-        for t in tensors:
-            self._sending.append((dist.isend(t, self.next, group=self.group), t))
+            self._sends.send(torch.frombuffer(bytearray(payload), dtype=torch.uint8), self.next)
 
     def flush(self) -> None:
-        for work, _ in self._sending:
-            work.wait()
-        self._sending.clear()
+        self._sends.flush()
 
     def recv(self, timeout: float | None) -> bytes | None:
         if self._pending is None:
@@ -133,9 +130,21 @@ class ControlChannel:
         self.thread.join(timeout_s)
 
     def _run(self) -> None:
+        metrics = rank_metrics()
+        started: dict[int, float] = {}  # rank 0: round id -> when it was sent round the ring
         try:
             while not (self._stop and self.state.rank == 0):
                 result = self.driver.step(timeout=None)
+                if self.state.rank == 0:
+                    now = time.perf_counter()
+                    if result.started is not None:
+                        started[result.started] = now
+                    if result.finished is not None and result.finished in started:
+                        metrics.rounds.inc()
+                        metrics.round_duration.observe(now - started.pop(result.finished))
+                    for d in result.decisions:
+                        stream = d.stream.name.lower() if d.stream is not None else "all"
+                        metrics.verdicts.labels(stream, d.verdict.name.lower()).inc()
                 if result.decisions:
                     if self.collect:
                         with self.lock:

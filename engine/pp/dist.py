@@ -7,6 +7,7 @@ receives block. Byte payloads are length-prefixed.
 from __future__ import annotations
 
 import socket
+from collections import deque
 from datetime import timedelta
 
 import torch
@@ -27,16 +28,40 @@ def init(rank: int, world: int, init_addr: str, timeout_s: float) -> tuple:
     return dist.new_group(backend="gloo"), dist.new_group(backend="gloo")
 
 
+MAX_UNWAITED = 256  # sends kept before the oldest is waited for (see Sends)
+
+
+class Sends:
+    """Async sends in order, each tensor kept alive until its send is waited for.
+
+    A gloo send reports completion only once wait() is called on it, so polling is_completed()
+    never shrinks the list: it would grow with every message (and every scan get slower). The
+    receiver takes messages in order, so waiting for the oldest of MAX_UNWAITED sends returns at
+    once unless the peer is that far behind, which a pipeline's bounded microbatches rule out."""
+
+    def __init__(self, group):
+        self.group = group
+        self._works: deque[tuple[dist.Work, torch.Tensor]] = deque()
+
+    def send(self, tensor: torch.Tensor, dst: int) -> None:
+        self._works.append((dist.isend(tensor, dst, group=self.group), tensor))
+        while len(self._works) > MAX_UNWAITED:
+            self._works.popleft()[0].wait()
+
+    def flush(self) -> None:
+        while self._works:
+            self._works.popleft()[0].wait()
+
+
 class Link:
     """One rank's channel to its pipeline neighbours on one process group."""
 
     def __init__(self, group):
         self.group = group
-        self._sending: list[tuple[dist.Work, torch.Tensor]] = []  # tensors kept alive until sent
+        self._sends = Sends(group)
 
     def _isend(self, tensor: torch.Tensor, dst: int) -> None:
-        self._sending = [(w, t) for w, t in self._sending if not w.is_completed()]
-        self._sending.append((dist.isend(tensor, dst, group=self.group), tensor))
+        self._sends.send(tensor, dst)
 
     def send_bytes(self, payload: bytes, dst: int) -> None:
         self._isend(torch.tensor([len(payload)], dtype=torch.int64), dst)
@@ -58,6 +83,4 @@ class Link:
         return out
 
     def flush(self) -> None:
-        for work, _ in self._sending:
-            work.wait()
-        self._sending.clear()
+        self._sends.flush()

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import torch
 
+from engine import faults
 from engine.batch import AttentionMetadata
 from engine.kv_pool import KVPool
 from engine.model import ModelStage
 from engine.pp.agent import KVAgent
 from engine.pp.dist import Link
-from engine.pp.wire import ADMIT, ROUTE, SHUTDOWN, STEP, Decision, DecisionLog, Message
+from engine.pp.wire import ADMIT, ENDS, SHUTDOWN, STEP, Decision, DecisionLog, Message
 from engine.request import Request
 from engine.sampler import sample
 
@@ -44,6 +45,7 @@ class Follower:
                     (b.num_tokens, self.stage.config.hidden_size), self.stage.dtype, self.prev
                 )
                 out = self.stage.forward(meta, hidden, self.pool)
+                faults.current().after_step()
                 self.agent.after_forward(b)
                 self.emit(raw, msg, meta, out)
             elif not self.is_last:
@@ -58,7 +60,7 @@ class Follower:
             if d.kind == ADMIT:
                 self.live[d.rid] = req = Request(d.rid, [], d.params, None)
                 req.num_sampled = (d.info or {}).get("first_sample_index", 0)
-            elif d.kind != ROUTE:
+            elif d.kind in ENDS:
                 del self.live[d.rid]
             self.agent.on_decision(d)
 

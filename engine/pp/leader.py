@@ -9,6 +9,7 @@ them while later microbatches compute.
 
 from __future__ import annotations
 
+import logging
 import math
 import queue
 import time
@@ -17,6 +18,7 @@ from dataclasses import replace
 
 import torch
 
+from engine import faults
 from engine.batch import AttentionMetadata
 from engine.kv_pool import KVPool
 from engine.model import ModelStage
@@ -27,9 +29,15 @@ from engine.pp.wire import ABORT, ADMIT, CONTROL, FINISH, SHUTDOWN, STEP, Decisi
 from engine.request import Request, SamplingParams
 from engine.sampler import sample
 from engine.scheduler import ScheduledStep, Scheduler
+from kvbridge.logs import log_event
+from kvbridge.metrics import rank_metrics
+
+log = logging.getLogger("kvbridge.node")
 
 
 class Leader:
+    role = "colocated"  # in logs and request listings
+
     def __init__(
         self,
         stage: ModelStage,
@@ -53,6 +61,9 @@ class Leader:
         self._unsent: list[Decision] = []  # made but not yet sent down the pipeline
         self.stopping = False
         self.served = 0  # requests retired (any outcome) since start
+        self.phases: dict[str, str] = {}  # rid -> the phase last logged
+        self.metrics = rank_metrics()
+        self.faults = faults.current()
         # the role, bound once: a pipeline of one rank samples here instead of on rank P-1
         if pp_size == 1:
             self._sampled: deque[list[int]] = deque()
@@ -87,14 +98,20 @@ class Leader:
         return max(1, math.ceil(len(self.scheduler.running) / self.pp_size))
 
     def _launch(self, step: ScheduledStep) -> None:
-        for req in step.requests:
+        for req, q_len in zip(step.requests, step.batch.q_lens):
             if not req.announced:
                 req.announced = True
                 self._decide(ADMIT, req.rid, replace(req.params, seed=req.seed))
+            if req.num_computed <= len(req.prompt_ids):  # (num_computed already counts this step)
+                self.metrics.chunk_tokens.observe(q_len)
+                self._set_phase(req, "prefilling")
+            else:
+                self._set_phase(req, "decoding")
         self._send(Message(STEP, self._take_unsent(), step.batch))
         meta = AttentionMetadata.build(step.batch, self.pool.page_size, self.stage.device)
         ids = torch.tensor(step.batch.input_ids, dtype=torch.long, device=self.stage.device)
         hidden = self.stage.forward(meta, ids, self.pool)
+        self.faults.after_step()
         self.agent.after_forward(step.batch)
         self._send_hidden(step, hidden)
         self.inflight.append(step)
@@ -150,16 +167,31 @@ class Leader:
         if op == "add":
             _, rid, prompt_ids, params, extra = msg
             req = Request(rid, list(prompt_ids), SamplingParams(**params), PageTable(self.pool.page_size))
+            req.peer = extra.get("peer", "")
             self.requests[rid] = req
             self._admit_new(req, extra)
+            if rid in self.requests:  # (a role may refuse it at once)
+                self._set_phase(req, self.phase_of(req))
         elif op == "abort":
             req = self.requests.get(msg[1])
             if req is not None:
                 self.scheduler.finish(req, "abort")
                 req.finish_s = time.perf_counter()
-                self._retire(req, ABORT)
+                self._retire(req, ABORT, **_abort_error(msg))
         elif op == "status":
             self.outbox.put(self.status(msg[1]))
+        elif op == "requests":
+            self.outbox.put({"event": "requests", "rid": "", "token": msg[1], "requests": self.list_requests()})
+        elif op == "check":
+            self.outbox.put(
+                {
+                    "event": "check",
+                    "rid": "",
+                    "token": msg[1],
+                    "problems": self.check_invariants(),
+                    "log": self.log.count,
+                }
+            )
         elif op == "shutdown":
             self.stopping = True
             for req in list(self.requests.values()):
@@ -187,7 +219,71 @@ class Leader:
                 "inflight_microbatches": len(self.inflight),
             },
             "served": self.served,
+            "requests_in_flight": len(self.requests),
+            "transfers_in_flight": self.transfers_in_flight(),
         }
+
+    def transfers_in_flight(self) -> int:
+        return 0
+
+    def queues(self) -> dict[str, list[str]]:
+        """Every queue a live request can be in, by name: each live request is in exactly one."""
+        s = self.scheduler
+        return {"waiting": [r.rid for r in s.waiting], "running": [r.rid for r in s.running], "held": list(s.held)}
+
+    def check_invariants(self) -> list[str]:
+        """What is wrong with rank 0's state ([] when nothing): pages owned = pages of live requests,
+        every live request in exactly one queue, nothing queued that is not live."""
+        problems = []
+        try:
+            self.scheduler.check_invariants()
+        except AssertionError as e:
+            problems.append(f"pages: {e}")
+        where: dict[str, list[str]] = {}
+        for name, rids in self.queues().items():
+            for rid in rids:
+                where.setdefault(rid, []).append(name)
+        for rid in self.requests:
+            if len(where.get(rid, ())) != 1:
+                problems.append(f"request {rid} is in {len(where.get(rid, ()))} queues: {where.get(rid, [])}")
+        problems += [
+            f"{rid} is queued ({names}) but not live" for rid, names in where.items() if rid not in self.requests
+        ]
+        stray = self.scheduler.allocator.owners() - self.requests.keys() - self.resting_owners()
+        problems += [f"pages owned by {owner!r}, which is not a live request" for owner in sorted(stray)]
+        return problems
+
+    def resting_owners(self) -> set[str]:
+        """Rids that are over but whose pages are still held on purpose (a role's quarantine)."""
+        return set()
+
+    def phase_of(self, req: Request) -> str:
+        """Where the request is now, as operators see it (Admin.ListRequests, logs)."""
+        if req.output_ids and not req.has_prompt_left:
+            return "decoding"
+        return "prefilling" if req.num_computed else "waiting"
+
+    def list_requests(self) -> list[dict]:
+        now = time.perf_counter()
+        return [
+            {
+                "rid": req.rid,
+                "room": req.room or 0,
+                "phase": self.phase_of(req),
+                "age_s": now - req.arrival_s,
+                "kv_pages": len(req.page_table.pages),
+                "peer": req.peer,
+                "prompt_tokens": len(req.prompt_ids),
+                "output_tokens": len(req.output_ids),
+            }
+            for req in self.requests.values()
+        ]
+
+    def _set_phase(self, req: Request, phase: str, **fields) -> None:
+        """Log the request's move to `phase` (once per change)."""
+        if self.phases.get(req.rid) != phase:
+            self.phases[req.rid] = phase
+            log_event(log, "phase", role=self.role, rid=req.rid, room=req.room or 0, phase=phase, **fields)
 
     def _retire(self, req: Request, kind: str, **event) -> None:
         """The request is over here: tell every rank (if they know it) and the front."""
@@ -195,12 +291,18 @@ class Leader:
         self.served += 1
         if req.announced:
             self._decide(kind, req.rid)
+        self.phases.pop(req.rid, None)
+        fields = {"reason": req.finish_reason, "output_tokens": len(req.output_ids)}
+        if event.get("error"):
+            fields |= {"code": event.get("code", ""), "error": event["error"]}
+        log_event(log, "phase", role=self.role, rid=req.rid, room=req.room or 0, phase="finished", **fields)
         self.outbox.put(_finish_event(req, **event))
 
     def _decide(self, kind: str, rid: str, params: SamplingParams | None = None, info: dict | None = None) -> None:
         d = Decision(self.log.count, kind, rid, params, info)
         self.log.append(d)
         self._unsent.append(d)
+        self.metrics.decisions.labels(kind).inc()
         self.agent.on_decision(d)
 
     def _take_unsent(self) -> tuple[Decision, ...]:
@@ -223,6 +325,12 @@ def _finish_event(req: Request, **extra) -> dict:
         "prompt_tokens": len(req.prompt_ids),
         **extra,
     }
+
+
+def _abort_error(msg: tuple) -> dict:
+    """An abort with a reason (("abort", rid, why), e.g. an operator's) ends with that error and
+    CANCELLED; a client's abort (("abort", rid)) has nobody left to tell."""
+    return {"error": msg[2], "code": "CANCELLED"} if len(msg) > 2 and msg[2] else {}
 
 
 def _drop(msg: Message) -> None:

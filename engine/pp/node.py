@@ -11,10 +11,14 @@ each host starts its own share of the ranks; the host with rank 0 is the front.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import itertools
 import os
 import queue
+import signal
+import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -22,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.multiprocessing as mp
 
+from engine import faults
 from engine.config import EngineConfig, PPConfig
 from engine.kv_pool import KVPool
 from engine.llm import Completion, resolve_device, resolve_dtype
@@ -32,6 +37,8 @@ from engine.progress import Progress
 from engine.request import SamplingParams
 from engine.scheduler import Scheduler
 from engine.weights import LoadedModel, load_model
+from kvbridge import logs
+from kvbridge.metrics import RankFiles, init_rank_metrics
 
 
 @dataclass(frozen=True)
@@ -62,6 +69,9 @@ class PPNode:
         self.max_context = min(config.max_context or mc.max_position_embeddings, mc.max_position_embeddings)
         ctx = mp.get_context("spawn")
         self.inbox, self.outbox, self.reports = ctx.Queue(), ctx.Queue(), ctx.Queue()
+        self.rank_files = RankFiles()  # the ranks' Prometheus series, read by the front's registry
+        # each local rank's decision log position, published by the rank (invariant checks compare them)
+        self.positions = {rank: ctx.RawValue("q", 0) for rank in pp.local_ranks}
         addr = pp.dist_init_addr or f"127.0.0.1:{pp_dist.free_port()}"
         threads = config.threads or max(1, (os.cpu_count() or 1) // pp.ranks_per_node)
         self.procs = [
@@ -79,6 +89,8 @@ class PPNode:
                     self.outbox,
                     self.reports,
                     role_args or {},
+                    self.rank_files.path,
+                    self.positions[rank],
                 ),
                 name=f"kvbridge-pp{rank}",
                 daemon=True,
@@ -89,7 +101,11 @@ class PPNode:
             p.start()
         self._ids = itertools.count()
         self._pending: dict[str, dict] = {}  # rid -> collected events
-        self._wait_ready(progress, timeout_s)
+        try:
+            self._wait_ready(progress, timeout_s)
+        except BaseException:
+            self.kill()
+            raise
 
     def _wait_ready(self, progress: bool, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -126,8 +142,21 @@ class PPNode:
         self.inbox.put(("add", rid, list(prompt_ids), asdict(params), extra or {}))
         return rid
 
-    def abort(self, rid: str) -> None:
-        self.inbox.put(("abort", rid))
+    def forget(self, rid: str) -> None:
+        """Stop tracking a finished request (callers that read the events themselves, like NodeFront)."""
+        self._pending.pop(rid, None)
+
+    def abort(self, rid: str, reason: str = "") -> None:
+        """End the request on every rank; a `reason` is the error it ends with (a client's abort has none)."""
+        self.inbox.put(("abort", rid, reason))
+
+    def log_positions(self) -> dict[int, int]:
+        """Decisions each local rank has applied (rank 0: made)."""
+        return {rank: v.value for rank, v in self.positions.items()}
+
+    def dead_ranks(self) -> list[int]:
+        """Local ranks whose process has exited (a node with one is broken for good)."""
+        return [rank for rank, p in zip(self.pp.local_ranks, self.procs) if not p.is_alive()]
 
     def poll(self, timeout: float | None = None) -> list[dict]:
         """Events that arrived (token / finish), waiting up to `timeout` for the first."""
@@ -210,6 +239,7 @@ class PPNode:
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
+        self.rank_files.close()
 
 
 @dataclass
@@ -267,9 +297,20 @@ def colocated_role(ctx: RankContext) -> RankRole:
     return RankRole(Follower(ctx.rank, ctx.pp.pp_size, ctx.stage, pool, link))
 
 
-def rank_main(rank, role, config, pp, addr, threads, timeout_s, inbox, outbox, reports, role_args) -> None:
+def rank_main(
+    rank, role, config, pp, addr, threads, timeout_s, inbox, outbox, reports, role_args, metrics_dir, position
+) -> None:
     """Entry point of a rank process. `role`: "module:function" building its RankRole."""
+    # the front decides when ranks stop (Ctrl-C or SIGTERM to the process group must not kill
+    # them before they free their shared memory); if the front itself dies, they stop on their own
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    closers: list[Callable[[], None]] = []
+    _exit_with_parent(rank, closers)
+    init_rank_metrics(metrics_dir)  # before any series is made
+    logs.setup()  # the front's level, inherited through the environment
     config, pp = EngineConfig(**config), PPConfig(**pp)
+    faults.init(config.fault_inject, rank)
     torch.set_num_threads(threads)
     try:
         model = load_model(config.model, progress=False)
@@ -285,6 +326,8 @@ def rank_main(rank, role, config, pp, addr, threads, timeout_s, inbox, outbox, r
     except Exception as e:
         reports.put({"rank": rank, "error": f"{type(e).__name__}: {e}"})
         return
+    built.loop.log.position = position
+    closers.append(built.close)
     reports.put({"rank": rank, "ready": True, "endpoint": built.endpoint})
     try:
         log = built.loop.run()
@@ -305,3 +348,30 @@ def rank_main(rank, role, config, pp, addr, threads, timeout_s, inbox, outbox, r
         raise
     finally:
         built.close()
+
+
+def _exit_with_parent(rank: int, closers: list[Callable[[], None]]) -> None:
+    """A thread that ends this rank when the front process is gone (killed with -9, say): it frees
+    what the role holds (shared memory segments) and exits, instead of lingering as an orphan."""
+    from multiprocessing import parent_process
+    from multiprocessing.connection import wait
+
+    parent = parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        wait([parent.sentinel])
+        print(f"kvbridge rank {rank}: the front process is gone; exiting", file=sys.stderr, flush=True)
+
+        def close_all() -> None:
+            for close in closers:
+                with contextlib.suppress(Exception):
+                    close()
+
+        done = threading.Thread(target=close_all, daemon=True)
+        done.start()
+        done.join(5)  # bounded: a peer rank may be gone too
+        os._exit(1)
+
+    threading.Thread(target=watch, name="kvbridge-parent-watch", daemon=True).start()

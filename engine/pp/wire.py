@@ -16,6 +16,9 @@ from engine.batch import ForwardBatch
 from engine.request import SamplingParams
 
 ADMIT, ROUTE, FINISH, ABORT = "admit", "route", "finish", "abort"
+RETRACT, RESUME = "retract", "resume"  # decode: a request's KV to host memory and back (info: its pages)
+KINDS = (ADMIT, ROUTE, FINISH, ABORT, RETRACT, RESUME)
+ENDS = (FINISH, ABORT)  # the request is gone after these
 STEP, CONTROL, SHUTDOWN = "step", "control", "shutdown"
 
 
@@ -23,6 +26,7 @@ STEP, CONTROL, SHUTDOWN = "step", "control", "shutdown"
 class Decision:
     seq: int  # position in the node's decision log, from 0, contiguous
     kind: str  # ADMIT (the request exists; carries its sampling params) | ROUTE (where its KV goes) | FINISH | ABORT
+    # | RETRACT / RESUME
     rid: str
     params: SamplingParams | None = None  # ADMIT only: the last rank samples with it
     info: dict | None = None  # role-specific, JSON-safe (e.g. a disaggregated request's room and pages)
@@ -39,11 +43,14 @@ class DecisionLog:
         self.count = 0  # decisions applied; the next one must have seq == count
         self.recent: deque[tuple[int, str, str]] = deque(maxlen=keep)  # (seq, kind, rid), oldest first
         self._digest = hashlib.blake2b(digest_size=16)
+        self.position = None  # a shared-memory int the rank publishes its count in, for the front's checks
 
     def append(self, d: Decision) -> None:
         if d.seq != self.count:
             raise AssertionError(f"decision {d.seq} arrived, expected {self.count}")
         self.count += 1
+        if self.position is not None:
+            self.position.value = self.count
         self.recent.append(d.key())
         self._digest.update(f"{d.seq}:{d.kind}:{d.rid};".encode())
 
@@ -81,7 +88,7 @@ class Message:
                 Decision(int(seq), kind, str(rid), _params(params), info)
                 for seq, kind, rid, params, info in raw["decisions"]
             )
-            if any(d.kind not in (ADMIT, ROUTE, FINISH, ABORT) for d in decisions) or raw["kind"] not in (
+            if any(d.kind not in KINDS for d in decisions) or raw["kind"] not in (
                 STEP,
                 CONTROL,
                 SHUTDOWN,

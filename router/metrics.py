@@ -1,0 +1,89 @@
+"""The router's Prometheus series, in a registry of its own (tests run several routers in one
+process). The series are defined in kvbridge.metrics.RouterMetrics; here they are observed:
+
+    kvbridge_router_requests_total{outcome}         client requests that ended: stop | length | abort | error
+    kvbridge_router_retries_total{reason}           attempts moved to another node pair before any token reached
+                                                    the client, by the failure's status code (unavailable,
+                                                    resource_exhausted, deadline_exceeded)
+    kvbridge_router_timeouts_total{timeout}         the router's own timeouts: first_token | idle_stream
+    kvbridge_time_to_first_token_seconds            router received the request -> first token handed to the client
+    kvbridge_inter_token_latency_seconds            gaps between consecutive token-bearing responses to a client
+    kvbridge_request_duration_seconds               router received the request -> its end, any outcome
+
+and read from the pool when scraped (NodeCollector):
+
+    kvbridge_router_node_up{role,address}                    1 while the node's last health report was SERVING
+    kvbridge_router_node_outstanding_requests{role,address}  requests routed to the node and not finished
+    kvbridge_router_requests_in_flight                       client requests held by the router now
+    kvbridge_router_draining                                 1 while the router is draining
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from kvbridge.metrics import OUTCOMES, RouterMetrics
+from router.pool import NodePool
+
+RETRY_REASONS = ("unavailable", "resource_exhausted", "deadline_exceeded")  # the retried status codes, lowercased
+TIMEOUTS = ("first_token", "idle_stream")
+
+
+class Recorder:
+    """One router's registry; the dispatcher calls these hooks as its requests move on."""
+
+    def __init__(self, pool: NodePool, draining: Callable[[], bool], in_flight: Callable[[], int]):
+        self.registry = CollectorRegistry()
+        self.series = RouterMetrics(self.registry)
+        for outcome in OUTCOMES:  # every outcome is exported from the start, at 0
+            self.series.requests.labels(outcome)
+        self.retries, self.timeouts = self.series.retries, self.series.timeouts
+        for reason in RETRY_REASONS:
+            self.retries.labels(reason)
+        for timeout in TIMEOUTS:
+            self.timeouts.labels(timeout)
+        self.registry.register(NodeCollector(pool, draining, in_flight))
+
+    def first_token(self, seconds: float) -> None:
+        self.series.ttft.observe(seconds)
+
+    def token_gap(self, seconds: float) -> None:
+        self.series.itl.observe(seconds)
+
+    def retry(self, reason: str) -> None:
+        self.retries.labels(reason).inc()
+
+    def timed_out(self, timeout: str) -> None:
+        self.timeouts.labels(timeout).inc()
+
+    def ended(self, outcome: str, seconds: float) -> None:
+        self.series.requests.labels(outcome).inc()
+        self.series.e2e.observe(seconds)
+
+
+class NodeCollector(Collector):
+    """Gauges read when scraped: each node's health and load, the router's requests and draining."""
+
+    def __init__(self, pool: NodePool, draining: Callable[[], bool], in_flight: Callable[[], int]):
+        self.pool, self.draining, self.in_flight = pool, draining, in_flight
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        labels = ["role", "address"]
+        up = GaugeMetricFamily(
+            "kvbridge_router_node_up", "1 while the node's last health report was SERVING", labels=labels
+        )
+        outstanding = GaugeMetricFamily(
+            "kvbridge_router_node_outstanding_requests", "Requests routed to the node and not finished", labels=labels
+        )
+        for node in self.pool.nodes:
+            up.add_metric([node.role, node.address], 1 if node.healthy else 0)
+            outstanding.add_metric([node.role, node.address], node.outstanding)
+        in_flight = GaugeMetricFamily("kvbridge_router_requests_in_flight", "Client requests held by the router")
+        in_flight.add_metric([], self.in_flight())
+        draining = GaugeMetricFamily("kvbridge_router_draining", "1 while the router is draining (admits nothing new)")
+        draining.add_metric([], 1 if self.draining() else 0)
+        return [up, outstanding, in_flight, draining]
