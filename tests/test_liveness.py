@@ -67,18 +67,23 @@ def test_decode_fails_requests_waiting_for_a_dead_prefill_node_and_frees_their_p
             for i in range(3)
         ]
         p_stub = prefill_pb2_grpc.PrefillStub(rpc.make_channel(p_addr))
+        prefills = []  # (kept: a dropped future cancels its call)
         for i in range(3):  # what the router does beside: the prefill half of each request
-            p_stub.Prefill.future(
+            prefills.append(p_stub.Prefill.future(
                 prefill_pb2.PrefillRequest(rid=f"r{i}", room=1000 + i, prompt=token_prompt(list(range(1, 41))),
                                            sampling=sampling),
                 timeout=60,
-            )  # fmt: skip
+            ))  # fmt: skip
         admin = admin_pb2_grpc.AdminStub(rpc.make_channel(decode.address))
         deadline = time.monotonic() + 30
         while sum(r.phase == "transferring" for r in admin.ListRequests(admin_pb2.ListRequestsRequest()).requests) < 3:
             assert time.monotonic() < deadline, "the requests never reached the transfer phase"
             time.sleep(0.02)
         assert admin.GetStatus(admin_pb2.GetStatusRequest()).ranks[0].kv_pages_used > 0
+        p_admin = admin_pb2_grpc.AdminStub(rpc.make_channel(p_addr))
+        while sum(r.phase != "bootstrap" for r in p_admin.ListRequests(admin_pb2.ListRequestsRequest()).requests) < 3:
+            assert time.monotonic() < deadline, "the prefill node never started the requests"
+            time.sleep(0.02)  # all three registered (no registration call in flight when it dies)
         victim.kill()
         t0 = time.monotonic()
         for call in calls:
@@ -87,6 +92,7 @@ def test_decode_fails_requests_waiting_for_a_dead_prefill_node_and_frees_their_p
             assert e.value.code() == grpc.StatusCode.UNAVAILABLE
             assert e.value.details() == f"the prefill node {p_addr} is unreachable"
         assert time.monotonic() - t0 < 3.0
+        assert all(f.exception().code() == grpc.StatusCode.UNAVAILABLE for f in prefills)  # P is gone
         st = wait_idle(decode.address)
         assert [r.kv_pages_used for r in st.ranks] == [0, 0] and st.requests_in_flight == 0
 
