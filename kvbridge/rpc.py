@@ -1,17 +1,28 @@
 """Every gRPC server and channel of kvbridge is made here, so that TLS and token
 authentication (planned) land in one place. Servers get health checking and reflection.
 
-    server, port, health = make_server("127.0.0.1", 0, [(add_GenerationServicer_to_server, servicer)],
-                                       ["kvbridge.v1.Generation"])
-    server.start()
-    channel = make_channel(f"127.0.0.1:{port}")
+The request plane (node fronts, the router) serves on asyncio: an `AioServer` runs a
+`grpc.aio` server on its own event loop thread, so a stream costs a coroutine, never a
+worker thread, and Admin, Bootstrap and health answer however many streams are open.
+
+    server = AioServer("127.0.0.1", 0, [(add_GenerationServicer_to_server, servicer)],
+                       ["kvbridge.v1.Generation"])     # bound and started; server.port
+    server.health.set("", SERVING)                     # from any thread
+    server.loop.run(coro)                              # run a coroutine on its loop, from another thread
+    server.stop(grace_s=2.0)
+
+`make_server` is the threaded server, kept for the KV plane (the grpc transfer engine on
+decode ranks: a few long streams per rank) and for tests' fake peers. Clients: `make_channel`
+(blocking) and `make_aio_channel` (inside an event loop).
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import queue
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent import futures
 
 import grpc
@@ -84,6 +95,174 @@ class Health:
             done.set()
 
 
+SERVER_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.so_reuseport", 0),
+    # let peers' keepalive pings through (see make_channel): a silent dead host is found in seconds
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+    ("grpc.http2.max_ping_strikes", 0),
+]
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    # a peer whose host vanished (no reset) is declared dead within ~15 s: a ping every 10 s, also
+    # while no call is sending data (health watches), answered within 5 s
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    # a node restarted on the same address is seen again within seconds, not minutes
+    ("grpc.initial_reconnect_backoff_ms", 500),
+    ("grpc.max_reconnect_backoff_ms", 5_000),
+]
+
+
+class EventLoop:
+    """An asyncio event loop running on a thread of its own: where a process's request plane
+    lives. Other threads hand it work with `run` (wait for a coroutine's result) or `call`
+    (schedule a plain function); code already on the loop awaits directly."""
+
+    def __init__(self, name: str = "kvbridge-loop"):
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
+        self._thread.start()
+
+    def _main(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    @property
+    def on_loop(self) -> bool:
+        """The caller runs on this loop's thread (where blocking on the loop would deadlock)."""
+        return threading.current_thread() is self._thread
+
+    def run(self, coro: Awaitable, timeout: float | None = None):
+        """Run `coro` on the loop and wait for its result (from another thread only)."""
+        assert not self.on_loop, "EventLoop.run called on its own thread: await instead"
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise TimeoutError(f"no answer within {timeout} s") from None
+
+    def call(self, fn: Callable, *args) -> None:
+        """Run `fn(*args)` on the loop soon (from any thread); a closed loop drops it."""
+        if self.on_loop:
+            fn(*args)
+            return
+        try:
+            self.loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop is closed: the process is stopping
+            pass
+
+    def stop(self) -> None:
+        if self.loop.is_closed():
+            return
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=10)
+        if not self._thread.is_alive():
+            self.loop.close()
+
+
+class AioHealth:
+    """An AioServer's grpc.health.v1 statuses. `set` may be called from any thread: the change is
+    applied on the loop, in call order; callers off the loop wait for it (at most `wait_s`)."""
+
+    def __init__(self, servicer, loop: EventLoop):
+        self.servicer, self.loop = servicer, loop
+        self._tail: asyncio.Future | None = None  # the last change scheduled: each waits for the one before
+
+    def set(self, service: str, status, wait_s: float = 1.0) -> None:
+        self._apply(lambda: self.servicer.set(service, status), wait_s)
+
+    def enter_graceful_shutdown(self, wait_s: float = 1.0) -> None:
+        """Every service NOT_SERVING for good."""
+        self._apply(self.servicer.enter_graceful_shutdown, wait_s)
+
+    def close(self) -> None:
+        pass
+
+    def _apply(self, change: Callable[[], Awaitable], wait_s: float) -> None:
+        done = threading.Event()
+
+        def schedule() -> None:
+            before = self._tail
+
+            async def apply() -> None:
+                if before is not None:
+                    await asyncio.shield(before)
+                await change()
+                done.set()
+
+            self._tail = asyncio.ensure_future(apply())
+
+        if self.loop.on_loop:
+            schedule()
+        else:
+            self.loop.call(schedule)
+            done.wait(wait_s)
+
+
+class AioServer:
+    """A grpc.aio server bound to host:port (0 = a free port) and started, on its own event loop
+    (or on `loop`, shared with other servers of the process). `port` is the bound port; `health`
+    starts SERVING for "" and every named service (NOT_SERVING with serving=False). ValueError
+    when the address cannot be bound."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        services: Sequence[tuple[Callable, object]],
+        service_names: Sequence[str],
+        serving: bool = True,
+        loop: EventLoop | None = None,
+        name: str = "kvbridge-grpc",
+    ):
+        self._own_loop = loop is None
+        self.loop = loop or EventLoop(name)
+        try:
+            self.server, self.port, servicer = self.loop.run(self._start(host, port, services, service_names, serving))
+        except BaseException:
+            if self._own_loop:
+                self.loop.stop()
+            raise
+        self.health = AioHealth(servicer, self.loop)
+
+    async def _start(self, host, port, services, service_names, serving):
+        server = grpc.aio.server(options=SERVER_OPTIONS)
+        for add, servicer in services:
+            add(servicer, server)
+        health_servicer = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        initial = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", *service_names):
+            await health_servicer.set(name, initial)
+        reflection.enable_server_reflection((*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        try:
+            bound = server.add_insecure_port(f"{host}:{port}")
+        except RuntimeError:
+            bound = 0
+        if bound == 0:
+            raise ValueError(f"cannot bind {host}:{port}")
+        await server.start()
+        return server, bound, health_servicer
+
+    def stop(self, grace_s: float | None = 2.0) -> None:
+        """Stop serving: calls in flight get `grace_s` to finish, then are cancelled."""
+        if self.loop.loop.is_closed():
+            return
+        try:
+            self.loop.run(self.server.stop(grace_s), timeout=(grace_s or 0) + 10)
+        except (TimeoutError, RuntimeError):
+            pass
+        if self._own_loop:
+            self.loop.stop()
+
+
 def make_server(
     host: str,
     port: int,
@@ -96,15 +275,7 @@ def make_server(
     its health (every named service and "" start SERVING, or NOT_SERVING with serving=False)."""
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="kvbridge-grpc"),
-        options=[
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.so_reuseport", 0),
-            # let peers' keepalive pings through (see make_channel): a silent dead host is found in seconds
-            ("grpc.keepalive_permit_without_calls", 1),
-            ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
-            ("grpc.http2.max_ping_strikes", 0),
-        ],
+        options=SERVER_OPTIONS,
     )
     for add, servicer in services:
         add(servicer, server)
@@ -124,22 +295,12 @@ def make_server(
 
 
 def make_channel(addr: str) -> grpc.Channel:
-    return grpc.insecure_channel(
-        addr,
-        options=[
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            # a peer whose host vanished (no reset) is declared dead within ~15 s: a ping every 10 s, also
-            # while no call is sending data (health watches), answered within 5 s
-            ("grpc.keepalive_time_ms", 10_000),
-            ("grpc.keepalive_timeout_ms", 5_000),
-            ("grpc.keepalive_permit_without_calls", 1),
-            ("grpc.http2.max_pings_without_data", 0),
-            # a node restarted on the same address is seen again within seconds, not minutes
-            ("grpc.initial_reconnect_backoff_ms", 500),
-            ("grpc.max_reconnect_backoff_ms", 5_000),
-        ],
-    )
+    return grpc.insecure_channel(addr, options=CHANNEL_OPTIONS)
+
+
+def make_aio_channel(addr: str) -> grpc.aio.Channel:
+    """A channel for coroutines (call it on the event loop that will use it)."""
+    return grpc.aio.insecure_channel(addr, options=CHANNEL_OPTIONS)
 
 
 def shown(value: object, limit: int = 80) -> str:
