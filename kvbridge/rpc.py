@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import queue
 import threading
 from collections.abc import Awaitable, Callable, Sequence
@@ -153,10 +154,8 @@ class EventLoop:
         if self.on_loop:
             fn(*args)
             return
-        try:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: the process is stopping
             self.loop.call_soon_threadsafe(fn, *args)
-        except RuntimeError:  # the loop is closed: the process is stopping
-            pass
 
     def stop(self) -> None:
         if self.loop.is_closed():
@@ -255,10 +254,8 @@ class AioServer:
         """Stop serving: calls in flight get `grace_s` to finish, then are cancelled."""
         if self.loop.loop.is_closed():
             return
-        try:
+        with contextlib.suppress(TimeoutError, RuntimeError):
             self.loop.run(self.server.stop(grace_s), timeout=(grace_s or 0) + 10)
-        except (TimeoutError, RuntimeError):
-            pass
         if self._own_loop:
             self.loop.stop()
 
