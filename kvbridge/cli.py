@@ -125,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_admin_parser(sub)
 
     bench = sub.add_parser("bench", help="run a benchmark from bench/ (prints JSON)")
-    bench.add_argument("name", choices=["engine", "consensus", "pp", "kv_transfer", "soak"])
+    bench.add_argument("name", choices=["engine", "consensus", "pp", "kv_transfer", "soak", "serve"])
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own flags")
     return parser
 
