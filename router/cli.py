@@ -28,8 +28,14 @@ _HELP = {
     "first token, seconds; 0: off",
     "health_retry_s": "pause before re-checking a node whose health check failed, seconds",
     "startup_wait_s": "wait at most this long at start for every node's first health report, seconds",
-    "grpc_workers": "gRPC handler threads: client streams served at once",
     "metrics_port": "Prometheus /metrics port (-1: off; 0: a free one, printed when ready)",
+    "max_concurrent_requests": "HTTP requests handled at once; one more is answered 503 with Retry-After at once",
+    "max_body_bytes": "the largest HTTP request body, bytes; a larger one is answered 413 (chunked bodies too)",
+    "http_header_timeout_s": "close an HTTP connection whose request headers are not in this long after it opened or "
+    "after its last response, seconds",
+    "http_body_timeout_s": "answer 408 to an HTTP request whose body is not in this long after its headers, seconds",
+    "http_keep_alive_s": "close an HTTP connection idle this long after a response (at most --http-header-timeout-s), "
+    "seconds",
 }
 
 

@@ -33,8 +33,12 @@ class RouterConfig:
     idle_stream_timeout_s: float = 30.0  # a stream without a response this long after its first fails; 0 = off
     health_retry_s: float = 1.0  # pause before re-watching the health of a node that failed, seconds
     startup_wait_s: float = 5.0  # start_router waits this long at most for every node's first health report
-    grpc_workers: int = 64  # handler threads of the gRPC server: concurrent client streams served
     metrics_port: int = -1  # Prometheus /metrics port; -1 = off, 0 = a free one
+    max_concurrent_requests: int = 4096  # HTTP requests handled at once; one more is answered 503 at once
+    max_body_bytes: int = 16 << 20  # the largest HTTP request body; a larger one is answered 413
+    http_header_timeout_s: float = 10.0  # a request's headers must be in this long after connect / the last response
+    http_body_timeout_s: float = 30.0  # a request body must be in this long after its headers, else 408
+    http_keep_alive_s: float = 5.0  # an HTTP connection idle this long after a response is closed
 
     def __post_init__(self) -> None:
         for name in ("port", "http_port"):
@@ -66,8 +70,17 @@ class RouterConfig:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
         if not self.startup_wait_s >= 0:
             raise ValueError(f"startup_wait_s must be >= 0, got {self.startup_wait_s}")
-        if self.grpc_workers < 1:
-            raise ValueError(f"grpc_workers must be >= 1, got {self.grpc_workers}")
+        for name in ("max_concurrent_requests", "max_body_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("http_header_timeout_s", "http_body_timeout_s", "http_keep_alive_s"):
+            if not 0 < getattr(self, name) < float("inf"):
+                raise ValueError(f"{name} must be > 0 and finite, got {getattr(self, name)}")
+        if self.http_keep_alive_s > self.http_header_timeout_s:  # the header timeout would cut it short
+            raise ValueError(
+                f"http_keep_alive_s ({self.http_keep_alive_s}) must not exceed http_header_timeout_s "
+                f"({self.http_header_timeout_s}): a connection's next headers are due that long after its last response"
+            )
 
     @property
     def nodes(self) -> list[tuple[str, str]]:

@@ -1,12 +1,14 @@
-"""One client request's upstream calls.
+"""One client request's upstream calls, on the router's event loop (a request is a coroutine
+chain, never a thread; nothing here blocks).
 
 Colocated: the least loaded healthy colocated node streams the whole request.
 Disaggregated: a decode node D and a prefill node P are picked independently; the router makes a
 random 63-bit room, then at once opens D.Generate (a stream, with PrefillRoute{room, P's address})
-and P.Prefill{rid, room, prompt, sampling} (a future). D's responses go to the client. If P fails
-before D's first response, D's stream is cancelled and the client gets P's status; later, D holds
-the whole KV already, so P's failure does not touch the stream (P's call outlives D's first token:
-it returns once P's pushes settle). If D fails, P is cancelled. A decode node competes with the
+and P.Prefill{rid, room, prompt, sampling} (a task beside D's stream). D's responses go to the
+client. If P fails before D's first response, D's stream is cancelled and the client gets P's
+status; later, D holds the whole KV already, so P's failure does not touch the stream (P's call
+outlives D's first token: it returns once P's pushes settle, and the dispatcher holds its task
+until then). If D fails, P is cancelled. A decode node competes with the
 colocated nodes for each request (least outstanding wins), and is eligible only while some prefill
 node is.
 
@@ -24,12 +26,12 @@ failure's status and message (RESOURCE_EXHAUSTED stays RESOURCE_EXHAUSTED: clien
 Once a response reached the client nothing is retried (tokens would repeat): a failure ends the
 stream with the upstream status. Retries are counted in kvbridge_router_retries_total{reason}.
 
-Timeouts, watched by one thread for every request (router/watchdog.py): an attempt with no first
-token within first_token_timeout_s of its start is cancelled (retried as above, else the client
-gets DEADLINE_EXCEEDED); after the first token, a node that sends nothing for idle_stream_timeout_s
-ends the request (DEADLINE_EXCEEDED "no token for N s"). Only time spent waiting for the node
-counts, not time spent handing responses to a slow client. Both are counted in
-kvbridge_router_timeouts_total{timeout}.
+Timeouts: each wait for the node's next response runs under an asyncio timeout, so an attempt
+with no first token within first_token_timeout_s of its start is cancelled (retried as above, else
+the client gets DEADLINE_EXCEEDED); after the first token, a node that sends nothing for
+idle_stream_timeout_s ends the request (DEADLINE_EXCEEDED "no token for N s"). Only time spent
+waiting for the node counts, not time spent handing responses to a slow client. Both are counted
+in kvbridge_router_timeouts_total{timeout}.
 
 Liveness: how soon the requests on a node that dies end (retried, or failed if a token was sent).
 - The node's process dies (crash, kill -9) on a host that stays up: the kernel closes its sockets,
@@ -41,22 +43,26 @@ Liveness: how soon the requests on a node that dies end (retried, or failed if a
   timeouts above: no request waits on a silent node longer than first_token_timeout_s per attempt
   (before its first token) or idle_stream_timeout_s (after).
 
-Cancelling a Routed (client gone, or an operator's Admin.AbortRequest) cancels every upstream call
-it has open; the nodes then abort the request, and the client is told CANCELLED with who cancelled
-it. The dispatcher holds every request in flight by rid, from its first step to its end, for
-Admin.ListRequests / AbortRequest and Drain (while draining, a new request ends at once with
-UNAVAILABLE). Each phase change is one log line (`event=phase` with phase routed, first_token,
-timeout, retry, finished or failed) and feeds the router's metrics (router/metrics.py).
+Cancelling a Routed (client gone: its consumer closed it or the consumer's task was cancelled; or
+an operator's Admin.AbortRequest) cancels every upstream call it has open; the nodes then abort
+the request, and the client is told CANCELLED with who cancelled it. A request that has ended is
+not cancelled any more (its P call may still be settling, and is left to). The dispatcher holds
+every request in flight by rid, from its first step to its end, for Admin.ListRequests /
+AbortRequest and Drain (while draining, a new request ends at once with UNAVAILABLE). Each phase
+change is one log line (`event=phase` with phase routed, first_token, timeout, retry, finished or
+failed) and feeds the router's metrics (router/metrics.py).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import secrets
 import threading
 import time
 import uuid
-from collections.abc import Collection, Iterator
+from collections.abc import AsyncIterator, Collection, Coroutine
 
 import grpc
 
@@ -66,12 +72,12 @@ from kvbridge.v1 import generation_pb2, generation_pb2_grpc, prefill_pb2, prefil
 from router.config import RouterConfig
 from router.metrics import Recorder
 from router.pool import Node, NodePool
-from router.watchdog import Watchdog
 
 GENERATION_ROLES = ("colocated", "decode")
 PHASES = ("routing", "colocated", "prefill+decode")  # a Routed's phase: no node yet, then how it is served
 RETRIED_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED)
 RETRY_BACKOFF_CAP_S = 1.0  # the longest pause between two attempts
+CLOSE_WAIT_S = 5.0  # aclose() waits this long at most for the prefill calls still settling
 CLIENT_CANCELLED = "the client cancelled the request"
 OPERATOR_ABORTED = "an operator aborted the request (Admin.AbortRequest on the router)"
 ROUTER_STOPPING = "the router is stopping"
@@ -96,12 +102,22 @@ class _Retry(Exception):
 
 
 class _TimedOut(Exception):
-    """The watchdog cancelled the attempt (Routed._timed_out says which timeout)."""
+    """The wait for the node's next response ran past the timeout that applied (`kind`)."""
+
+    def __init__(self, kind: str):
+        super().__init__(kind)
+        self.kind = kind  # "first_token" | "idle_stream"
+
+
+class _Interrupted(Exception):
+    """The upstream call was cancelled by this router (cancel(), or D's stream for P's failure)
+    while the attempt waited on it."""
 
 
 class Dispatcher:
     """Routes requests over the pool and keeps every request in flight, by rid, from its first
-    step to its end (any outcome); while draining it admits none."""
+    step to its end (any outcome); while draining it admits none. Routing, cancelling and waiting
+    happen on the router's event loop; the counts and listings may be read from any thread."""
 
     def __init__(self, pool: NodePool, config: RouterConfig):
         self.pool = pool
@@ -110,10 +126,11 @@ class Dispatcher:
         self.draining = False  # new requests are refused with UNAVAILABLE; those in flight finish
         self.started_at = time.time()  # wall clock, for `created` fields
         self.metrics = Recorder(pool, lambda: self.draining, self.num_in_flight)
-        self.watchdog = Watchdog()  # the timeouts of every request in flight
         self._routed: dict[str, Routed] = {}  # rid -> the request in flight
-        self._lock = threading.Lock()
-        self._ended_one = threading.Condition(self._lock)
+        self._lock = threading.Lock()  # guards _routed (read by the metrics scrape's thread)
+        self._idle = asyncio.Event()  # set while nothing is in flight (wait_idle)
+        self._idle.set()
+        self._settling: set[asyncio.Task] = set()  # Prefill calls outliving their request (held: tasks are weakly kept)
 
     def can_route(self, exclude: Collection[Node] = ()) -> bool:
         """Some request could be served now (by nodes not in `exclude`): a healthy colocated node,
@@ -127,8 +144,8 @@ class Dispatcher:
         return not self.draining and self.can_route()
 
     def route(self, request: generation_pb2.GenerateRequest, timeout_s: float | None = None) -> Routed:
-        """Start routing a (checked) request; iterate the result for its responses. The deadline of
-        every upstream call is now + min(timeout_s, request_timeout_s)."""
+        """Start routing a (checked) request; iterate the result (`async for`) for its responses.
+        The deadline of every upstream call is now + min(timeout_s, request_timeout_s)."""
         req = generation_pb2.GenerateRequest()
         req.CopyFrom(request)
         req.rid = req.rid or uuid.uuid4().hex
@@ -136,8 +153,12 @@ class Dispatcher:
         budget = limit if timeout_s is None else min(timeout_s, limit)
         return Routed(self, req, time.monotonic() + budget)
 
-    def close(self) -> None:
-        self.watchdog.stop()
+    async def aclose(self) -> None:
+        """Cancel the Prefill calls still settling after their requests ended."""
+        for task in list(self._settling):
+            task.cancel()
+        if self._settling:
+            await asyncio.wait(list(self._settling), timeout=CLOSE_WAIT_S)
 
     # ------------------------------------------------------------------ requests in flight
 
@@ -155,14 +176,14 @@ class Dispatcher:
             return self._routed.get(rid)
 
     def set_draining(self, draining: bool) -> None:
-        with self._lock:
-            self.draining = draining
+        self.draining = draining
 
-    def wait_idle(self, timeout: float) -> int:
-        """Block until no request is in flight, at most `timeout` seconds; returns how many are left."""
-        with self._lock:
-            self._ended_one.wait_for(lambda: not self._routed, timeout)
-            return len(self._routed)
+    async def wait_idle(self, timeout: float) -> int:
+        """Wait until no request is in flight, at most `timeout` seconds; returns how many are left."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout):
+                await self._idle.wait()
+        return self.num_in_flight()
 
     def cancel_all(self, why: str) -> None:
         for routed in self.in_flight():
@@ -175,19 +196,31 @@ class Dispatcher:
             if routed.rid in self._routed:
                 raise RouteError(grpc.StatusCode.ALREADY_EXISTS, f"a request with rid {routed.rid!r} is in flight")
             self._routed[routed.rid] = routed
+        self._idle.clear()
 
     def _ended(self, routed: Routed, outcome: str) -> None:
         with self._lock:
             if self._routed.get(routed.rid) is routed:
                 del self._routed[routed.rid]
             self.requests_served += 1
-            self._ended_one.notify_all()
+            idle = not self._routed
+        if idle:
+            self._idle.set()
         self.metrics.ended(outcome, time.monotonic() - routed.received)
+
+    def _settle(self, coro: Coroutine) -> asyncio.Task:
+        """Run a Prefill call as a task the dispatcher holds until it ends (it may outlive its request)."""
+        task = asyncio.ensure_future(coro)
+        self._settling.add(task)
+        task.add_done_callback(self._settling.discard)
+        return task
 
 
 class Routed:
-    """A routed request: iterate GenerateResponses (RouteError on failure); cancel() from any thread.
-    Its phase, room, peer and token counts are read by Admin.ListRequests while it runs."""
+    """A routed request: `async for` its GenerateResponses (RouteError on failure). A consumer that
+    stops early closes it (`aclose`, or contextlib.aclosing), which cancels upstream like cancel().
+    cancel() runs on the router's loop. Its phase, room, peer and token counts are read by
+    Admin.ListRequests while it runs."""
 
     def __init__(self, dispatcher: Dispatcher, request: generation_pb2.GenerateRequest, deadline: float):
         self.dispatcher, self.pool, self.config = dispatcher, dispatcher.pool, dispatcher.config
@@ -203,63 +236,69 @@ class Routed:
         self.output_tokens = 0  # token ids handed to the client so far
         self.sent = 0  # responses handed to the client so far
         self.finish_reason = ""  # of the last response, once it came
-        self.cancelled = threading.Event()
+        self.cancelled = asyncio.Event()
         self.why = ""  # the reason of the first cancel(): what the client is told
         self._last_token_at: float | None = None  # time.monotonic() of the last token-bearing response
-        self._calls: list[grpc.Future] = []  # the current attempt's upstream calls, cancelled by cancel()
-        self._waiting_since: float | None = None  # since when the attempt waits for its node's next response
-        self._timed_out = ""  # the timeout that cancelled the current attempt: "first_token" | "idle_stream"
-        self._poll_s = 0.0  # the watchdog looks at least this often (the shorter timeout)
+        self._calls: list[grpc.aio.Call] = []  # the current attempt's upstream calls, cancelled by cancel()
         self._last_error: RouteError | None = None  # the failure of the last attempt
-        self._ended = False
-        self._lock = threading.Lock()
+        self._ended = False  # the request is over: cancel() does nothing any more
+        self._responses: AsyncIterator[generation_pb2.GenerateResponse] | None = None
 
-    def __iter__(self) -> Iterator[generation_pb2.GenerateResponse]:
+    def __aiter__(self) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        if self._responses is None:
+            self._responses = self._run()
+        return self._responses
+
+    async def aclose(self) -> None:
+        if self._responses is not None:
+            await self._responses.aclose()
+
+    def cancel(self, why: str = CLIENT_CANCELLED) -> None:
+        """End the request: every upstream call it has open is cancelled (the nodes abort it) and
+        the client is told CANCELLED with `why`; the first reason given is the one kept."""
+        if self._ended:
+            return
+        if not self.cancelled.is_set():
+            self.why = why
+            self.cancelled.set()
+        for call in self._calls:
+            call.cancel()
+
+    def age_s(self) -> float:
+        return time.monotonic() - self.received
+
+    async def _run(self) -> AsyncIterator[generation_pb2.GenerateResponse]:
         outcome = "error"
         try:
             self.dispatcher._admit(self)
-            self._start_watching()
             excluded: list[Node] = []
             while True:
                 try:
-                    yield from self._attempt(excluded)
+                    async with contextlib.aclosing(self._attempt(excluded)) as responses:
+                        async for resp in responses:
+                            yield resp
                     break
                 except _Retry as retry:
                     excluded += retry.nodes
-                    self._pause_before_retry(retry, excluded)
+                    await self._pause_before_retry(retry, excluded)
             outcome = outcome_of(self.finish_reason)
             self._log("finished", outcome=outcome, tokens=self.output_tokens, seconds=self.age_s())
         except RouteError as e:
             outcome = "abort" if e.code == grpc.StatusCode.CANCELLED and self.cancelled.is_set() else "error"
             self._log("failed", outcome=outcome, code=e.code.name, message=e.message, seconds=self.age_s())
             raise
-        except GeneratorExit:  # the consumer stopped reading: the client is gone
+        except (GeneratorExit, asyncio.CancelledError):  # the consumer stopped reading, or its task was cancelled
             self.cancel()  # (a no-op if it was cancelled already; the first reason stays)
             outcome = "abort"
             self._log("failed", outcome=outcome, code="CANCELLED", message=self.why, seconds=self.age_s())
             raise
         finally:
-            with self._lock:
-                self._ended = True  # the watchdog drops it
+            self._ended = True
             self.dispatcher._ended(self, outcome)
-
-    def cancel(self, why: str = CLIENT_CANCELLED) -> None:
-        """End the request: every upstream call it has open is cancelled (the nodes abort it) and
-        the client is told CANCELLED with `why`; the first reason given is the one kept."""
-        with self._lock:
-            if not self.cancelled.is_set():
-                self.why = why
-                self.cancelled.set()
-            calls = list(self._calls)
-        for call in calls:
-            call.cancel()
-
-    def age_s(self) -> float:
-        return time.monotonic() - self.received
 
     # ------------------------------------------------------------------ attempts
 
-    def _attempt(self, excluded: list[Node]) -> Iterator[generation_pb2.GenerateResponse]:
+    async def _attempt(self, excluded: list[Node]) -> AsyncIterator[generation_pb2.GenerateResponse]:
         self.phase, self.room, self.peer = "routing", 0, ""
         if self.cancelled.is_set():
             raise RouteError(grpc.StatusCode.CANCELLED, self.why)
@@ -268,28 +307,30 @@ class Routed:
         node = self.pool.acquire(roles, excluded)
         if node is None:
             raise self._none_left()
-        with self._lock:
-            self.attempts += 1
-            self._calls, self._timed_out = [], ""
+        self.attempts += 1
+        self._calls = []
         request = generation_pb2.GenerateRequest()
         request.CopyFrom(self.request)
         if self.attempts > 1:  # the nodes of an earlier attempt may still hold the rid for a moment
             request.rid = f"{self.rid}:retry{self.attempts - 1}"
         if node.role == "colocated":
-            self.peer, self.phase = node.address, "colocated"  # the phase last: ListRequests reads them unlocked
+            self.peer, self.phase = node.address, "colocated"
             self._log("routed", colocated=node.address)
-            yield from self._colocated(node, request, timeout)
-            return
-        prefill = self.pool.acquire(("prefill",), excluded)
-        if prefill is None:  # the last prefill node turned unhealthy just now
-            self.pool.release(node)
-            raise self._none_left()
-        self.room, self.peer = secrets.randbits(63), f"{prefill.address} -> {node.address}"
-        self.phase = "prefill+decode"
-        self._log("routed", prefill=prefill.address, decode=node.address)
-        yield from self._disaggregated(prefill, node, request, timeout)
+            served = self._colocated(node, request, timeout)
+        else:
+            prefill = self.pool.acquire(("prefill",), excluded)
+            if prefill is None:  # the last prefill node turned unhealthy just now
+                self.pool.release(node)
+                raise self._none_left()
+            self.room, self.peer = secrets.randbits(63), f"{prefill.address} -> {node.address}"
+            self.phase = "prefill+decode"
+            self._log("routed", prefill=prefill.address, decode=node.address)
+            served = self._disaggregated(prefill, node, request, timeout)
+        async with contextlib.aclosing(served) as responses:
+            async for resp in responses:
+                yield resp
 
-    def _pause_before_retry(self, retry: _Retry, excluded: list[Node]) -> None:
+    async def _pause_before_retry(self, retry: _Retry, excluded: list[Node]) -> None:
         """Wait the backoff before the next attempt; raise the failure when there is to be none."""
         self._last_error = retry.error
         if self.attempts >= self.config.max_attempts or not self.dispatcher.can_route(excluded):
@@ -299,7 +340,10 @@ class Routed:
         code = retry.error.code
         self.dispatcher.metrics.retry(code.name.lower())
         self._log("retry", code=code.name, reason=retry.error.message, attempt=self.attempts + 1)
-        if self.cancelled.wait(pause):
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(pause):
+                await self.cancelled.wait()
+        if self.cancelled.is_set():
             raise RouteError(grpc.StatusCode.CANCELLED, self.why)
 
     def _none_left(self) -> RouteError:
@@ -312,29 +356,30 @@ class Routed:
             raise RouteError(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed")
         return left
 
-    def _open(self, call):
+    def _open(self, call: grpc.aio.Call) -> grpc.aio.Call:
         """Register an upstream call so that cancel() reaches it (at once, if cancel came first)."""
-        with self._lock:
-            self._calls.append(call)
+        self._calls.append(call)
         if self.cancelled.is_set():
             call.cancel()
         return call
 
-    def _colocated(
+    async def _colocated(
         self, node: Node, request: generation_pb2.GenerateRequest, timeout: float
-    ) -> Iterator[generation_pb2.GenerateResponse]:
+    ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         """The node's stream, passed through. The caller acquired `node`; it is released here."""
-        done = False
         try:
             stream = self._open(generation_pb2_grpc.GenerationStub(node.channel).Generate(request, timeout=timeout))
+            done = False
             try:
-                for resp in self._responses(stream):
+                while (resp := await self._next(stream)) is not None:
                     self._deliver(resp)
                     yield resp
                 done = True
-            except _TimedOut:
-                raise self._timeout_error([node]) from None
-            except grpc.RpcError as e:
+            except _TimedOut as e:
+                raise self._timeout_error(e.kind, [node]) from None
+            except _Interrupted:
+                raise self._interrupted() from None
+            except grpc.aio.AioRpcError as e:
                 raise self._upstream_error(e, [node]) from None
             finally:
                 if not done:  # an error, or the consumer closed this generator: no-op on a finished call
@@ -342,87 +387,92 @@ class Routed:
         finally:
             self.pool.release(node)
 
-    def _disaggregated(
+    async def _disaggregated(
         self, p: Node, d: Node, request: generation_pb2.GenerateRequest, timeout: float
-    ) -> Iterator[generation_pb2.GenerateResponse]:
-        """D's stream, passed through, with P's Prefill running beside it. The caller acquired both;
-        D is released when its stream ends, P when its Prefill call returns."""
+    ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        """D's stream, passed through, with P's Prefill running beside it as a task. The caller
+        acquired both; D is released when its stream ends, P when its Prefill call returns."""
         dreq = generation_pb2.GenerateRequest()
         dreq.CopyFrom(request)
         dreq.prefill.room, dreq.prefill.prefill_addr = self.room, p.address
         preq = prefill_pb2.PrefillRequest(
             rid=request.rid, room=self.room, prompt=request.prompt, sampling=request.sampling
         )
-        answered = threading.Event()  # D sent its first response: it holds the whole KV
-        prefilled = threading.Event()  # P's Prefill call returned
-        p_failed: list[grpc.RpcError] = []  # P's error, recorded before D's stream is cancelled for it
+        answered = False  # D sent its first response: it holds the whole KV
+        prefilled = False  # P's Prefill call returned
+        p_failed: grpc.aio.AioRpcError | None = None  # P's error, recorded before D's stream is cancelled for it
+        calls: list[grpc.aio.Call] = []
+        settling = False  # P's task holds P (and releases it when its call ends)
         done = False
         try:
             stream = self._open(generation_pb2_grpc.GenerationStub(d.channel).Generate(dreq, timeout=timeout))
-            try:
-                p_call = self._open(prefill_pb2_grpc.PrefillStub(p.channel).Prefill.future(preq, timeout=timeout))
-            except BaseException:
-                stream.cancel()
-                self.pool.release(p)
-                raise
+            calls.append(stream)
+            p_call = self._open(prefill_pb2_grpc.PrefillStub(p.channel).Prefill(preq, timeout=timeout))
+            calls.append(p_call)
 
-            def prefill_done(f: grpc.Future) -> None:
-                self.pool.release(p)
-                if f.cancelled():
-                    return
-                if f.exception() is None:
-                    prefilled.set()
-                elif not answered.is_set():  # (once D answered, P's failure cannot touch the stream)
-                    p_failed.append(f.exception())
-                    stream.cancel()
+            async def prefill() -> None:
+                nonlocal prefilled, p_failed
+                try:
+                    await p_call
+                    prefilled = True
+                except grpc.aio.AioRpcError as e:
+                    if not answered:  # (once D answered, P's failure cannot touch the stream)
+                        p_failed = e
+                        stream.cancel()
+                except asyncio.CancelledError:
+                    pass  # cancelled here: the attempt failed, or the router is stopping
 
-            p_call.add_done_callback(prefill_done)
+            task = self.dispatcher._settle(prefill())
+            task.add_done_callback(lambda _: self.pool.release(p))  # (runs even if cancelled before it started)
+            settling = True
             try:
-                for resp in self._responses(stream):
-                    answered.set()
+                while (resp := await self._next(stream)) is not None:
+                    answered = True
                     self._deliver(resp)
                     yield resp
                 done = True  # P may still be finishing (its pushes settle after D has the KV): let it
-            except _TimedOut:
-                raise self._timeout_error([d] if prefilled.is_set() else [p]) from None
-            except grpc.RpcError as e:
-                if p_failed:  # P's own timeouts wait on D (its registration, its pages taking the KV): D's fault
-                    waited_on_d = p_failed[0].code() == grpc.StatusCode.DEADLINE_EXCEEDED
-                    raise self._upstream_error(p_failed[0], [d] if waited_on_d else [p]) from None
+            except _TimedOut as e:
+                raise self._timeout_error(e.kind, [d] if prefilled else [p]) from None
+            except (_Interrupted, grpc.aio.AioRpcError) as e:
+                if p_failed is not None:  # P's own timeouts wait on D (its registration, its pages taking the KV)
+                    waited_on_d = p_failed.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                    raise self._upstream_error(p_failed, [d] if waited_on_d else [p]) from None
+                if isinstance(e, _Interrupted):
+                    raise self._interrupted() from None
                 raise self._upstream_error(e, [d]) from None
-            finally:
-                if not done:
-                    stream.cancel()
-                    p_call.cancel()
         finally:
+            if not done:  # an error, or the consumer closed this generator
+                for call in calls:
+                    call.cancel()
+            if not settling:
+                self.pool.release(p)
             self.pool.release(d)
 
-    def _responses(self, stream) -> Iterator[generation_pb2.GenerateResponse]:
-        """The upstream stream, each wait for its next response watched by the watchdog. Raises
-        _TimedOut when a timeout cancelled the attempt (a response that raced it is dropped: the
-        attempt fails as a whole)."""
-        while True:
-            with self._lock:
-                self._waiting_since = time.monotonic()
-            try:
-                resp = next(stream, None)
-            except grpc.RpcError:
-                if self._stop_waiting():
-                    raise _TimedOut() from None
+    async def _next(self, stream: grpc.aio.UnaryStreamCall) -> generation_pb2.GenerateResponse | None:
+        """The node's next response (None: the stream ended), waited for at most the timeout that
+        applies now: first_token_timeout_s before any response reached the client, else
+        idle_stream_timeout_s (0: none). A timeout cancels the call and raises _TimedOut."""
+        first = self.sent == 0
+        limit = self.config.first_token_timeout_s if first else self.config.idle_stream_timeout_s
+        since = time.monotonic()
+        try:
+            async with asyncio.timeout(limit or None):
+                resp = await stream.read()  # (a cancelled read cancels the call)
+        except TimeoutError:
+            kind = "first_token" if first else "idle_stream"
+            self.dispatcher.metrics.timed_out(kind)
+            self._log("timeout", timeout=kind, seconds=time.monotonic() - since)
+            raise _TimedOut(kind) from None
+        except asyncio.CancelledError:
+            if asyncio.current_task().cancelling():  # our own task is being cancelled: let it
                 raise
-            if self._stop_waiting():
-                raise _TimedOut()
-            if resp is None:
-                return
-            yield resp
+            raise _Interrupted() from None  # grpc.aio reads a locally cancelled call as CancelledError
+        return None if resp is grpc.aio.EOF else resp
 
-    def _stop_waiting(self) -> str:
-        """The wait for a response is over; returns the timeout that fired during it ("" if none)."""
-        with self._lock:
-            self._waiting_since = None
-            return self._timed_out
+    def _interrupted(self) -> RouteError:
+        return RouteError(grpc.StatusCode.CANCELLED, self.why or "the upstream call was cancelled")
 
-    def _upstream_error(self, e: grpc.RpcError, nodes: list[Node]) -> Exception:
+    def _upstream_error(self, e: grpc.aio.AioRpcError, nodes: list[Node]) -> Exception:
         """What a failed upstream call means for the client: a RouteError, or a _Retry when nothing
         reached the client yet and another node may succeed."""
         code, details = e.code(), e.details() or ""
@@ -435,45 +485,15 @@ class Routed:
             return _Retry(nodes, error)
         return error
 
-    def _timeout_error(self, nodes: list[Node]) -> Exception:
+    def _timeout_error(self, kind: str, nodes: list[Node]) -> Exception:
         if self.cancelled.is_set():
             return RouteError(grpc.StatusCode.CANCELLED, self.why)
         where = ", ".join(n.key for n in nodes)
-        if self._timed_out == "first_token":
+        if kind == "first_token":
             message = f"no first token within {self.config.first_token_timeout_s:g} s (from {where})"
             return _Retry(nodes, RouteError(grpc.StatusCode.DEADLINE_EXCEEDED, message))
         message = f"no token for {self.config.idle_stream_timeout_s:g} s (from {where})"
         return RouteError(grpc.StatusCode.DEADLINE_EXCEEDED, message)
-
-    # ------------------------------------------------------------------ timeouts
-
-    def _start_watching(self) -> None:
-        limits = [t for t in (self.config.first_token_timeout_s, self.config.idle_stream_timeout_s) if t > 0]
-        if limits:
-            self._poll_s = min(limits)
-            self.dispatcher.watchdog.schedule(time.monotonic() + self._poll_s, self._check_timeouts)
-
-    def _check_timeouts(self, now: float) -> float | None:
-        """The watchdog's look: cancel the attempt if it has waited too long for its node. Returns
-        when to look again (None: the request ended)."""
-        with self._lock:
-            if self._ended:
-                return None
-            first = self.sent == 0
-            limit = self.config.first_token_timeout_s if first else self.config.idle_stream_timeout_s
-            since = self._waiting_since
-            if since is None or not limit:  # not waiting for the node (or not watched now): look again later
-                return now + self._poll_s
-            if now < since + limit:
-                return since + limit
-            kind = self._timed_out = "first_token" if first else "idle_stream"
-            self._waiting_since = None
-            calls = list(self._calls)
-        self.dispatcher.metrics.timed_out(kind)
-        self._log("timeout", timeout=kind, seconds=now - since)
-        for call in calls:
-            call.cancel()
-        return now + self._poll_s
 
     # ------------------------------------------------------------------ accounting
 

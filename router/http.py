@@ -1,243 +1,219 @@
-"""The OpenAI-compatible HTTP front, on the standard library's ThreadingHTTPServer (one thread
-per connection, HTTP/1.1 keep-alive; streams use chunked transfer encoding).
+"""The OpenAI-compatible HTTP front: a Starlette app served by uvicorn (its h11 protocol) as a task
+on the router's event loop, so a connection or a request costs a coroutine, never a thread.
+HTTP/1.1 keep-alive; streams are server-sent events in chunked transfer encoding.
 
     POST /v1/completions, /v1/chat/completions   JSON, or server-sent events with "stream": true
     GET  /v1/models, /v1/models/{id}, /health
 
-A client that goes away (its socket reaches EOF, or a write fails) cancels the upstream calls,
-so the nodes abort the request. While the router drains, new requests and /health get 503.
+Every answer other than a success is JSON in the OpenAI error format (openai_api.error_body), also
+those the server makes itself: a malformed request (400, or h11's hint: 431 headers too large, 501
+transfer coding), an unknown route (404), another method (405). Limits, each answered at once:
+
+- max_concurrent_requests requests are handled at once; one more gets 503 with Retry-After.
+- A body over max_body_bytes gets 413, counted as it arrives (a chunked body without
+  Content-Length is cut off at the limit too); one not in within http_body_timeout_s of its
+  headers gets 408. Both close the connection (the rest of the body is never read).
+- A connection whose request headers are not in within http_header_timeout_s of its opening or of
+  its previous response is closed (uvicorn has no such timeout: _H11Protocol adds it), so a client
+  trickling bytes holds nothing for long; headers over MAX_HEADER_BYTES are refused.
+- A connection idle for http_keep_alive_s after a response is closed.
+
+A client that goes away while its request runs (its connection closed, or a write to it failed:
+uvicorn then reports http.disconnect) cancels the request upstream, so the nodes abort it; a task
+watches for that beside each request. While the router drains, new requests and /health get 503.
+An X-Request-Id from the client (1..128 visible ASCII characters) is echoed on the answer; the
+request's rid is still the router's own. Header names go out in canonical case (Content-Type).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
-import select
+import re
 import socket
 import sys
-import threading
-from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from itertools import chain
-from urllib.parse import unquote, urlsplit
+from collections.abc import AsyncIterator
 
 import grpc
+import h11
+import uvicorn
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
+from starlette.routing import Route
+from starlette.types import Message, Receive, Scope, Send
+from uvicorn.protocols.http.h11_impl import STATUS_PHRASES, H11Protocol
 
 from kvbridge import __version__
-from router.dispatch import DRAINING, Dispatcher, RouteError
+from kvbridge.v1 import generation_pb2
+from router.config import RouterConfig
+from router.dispatch import DRAINING, Dispatcher, Routed, RouteError
 from router.openai_api import BadRequest, Reply, error_body, parse_request
 
-MAX_BODY_BYTES = 16 << 20
-IDLE_TIMEOUT_S = 120.0  # a connection that sends nothing for this long is closed
-DISCONNECT_POLL_S = 0.2  # how often a waiting request checks whether its client is still there
-_GONE = (BrokenPipeError, ConnectionResetError, ConnectionAbortedError)
+MAX_HEADER_BYTES = 64 << 10  # request line and headers (h11's limit on an incomplete event)
+RETRY_AFTER_S = 1  # what a 503 for the concurrency limit tells the client to wait
+STOP_WAIT_S = 5.0  # stop() waits this long at most for requests to end (they are cancelled upstream first)
+_REQUEST_ID = re.compile(rb"[!-~]{1,128}")  # an X-Request-Id that is echoed
+_HEADERS_TOO_LARGE = error_body(grpc.StatusCode.INVALID_ARGUMENT, f"request headers over {MAX_HEADER_BYTES} bytes")[1]
+SERVER = f"kvbridge-router/{__version__}".encode()
 log = logging.getLogger("kvbridge.router")
 
 
 class HTTPFront:
-    def __init__(self, host: str, port: int, dispatcher: Dispatcher):
-        handler = type("Handler", (_Handler,), {"dispatcher": dispatcher})
-        server_cls = type("Server", (ThreadingHTTPServer,), {"daemon_threads": True, "handle_error": _handle_error})
-        if ":" in host:
-            server_cls.address_family = socket.AF_INET6
+    """The HTTP server of one router: bound at construction (ValueError naming the address when
+    it cannot be), served from start() on, on the loop that runs start()."""
+
+    def __init__(self, config: RouterConfig, dispatcher: Dispatcher):
+        self.config, self.dispatcher = config, dispatcher
+        self.requests_in_flight = 0  # requests being handled now (on the loop only)
+        app = Starlette(
+            routes=[
+                Route("/v1/completions", self._completions, methods=["POST"]),
+                Route("/v1/chat/completions", self._chat_completions, methods=["POST"]),
+                Route("/v1/models", self._models, methods=["GET"]),
+                Route("/v1/models/{model:path}", self._model, methods=["GET"]),
+                Route("/health", self._health, methods=["GET"]),
+            ],
+            exception_handlers={HTTPException: _route_error, Exception: _internal_error},
+        )
+        app.router.redirect_slashes = False  # /v1/completions/ is not a route (a redirect would not be JSON)
+        self.app = app
+        self.sock = _bind(config.host, config.http_port)
+        self.port = self.sock.getsockname()[1]
+        protocol = type("H11Protocol", (_H11Protocol,), {"header_timeout_s": config.http_header_timeout_s})
+        self.server = uvicorn.Server(
+            uvicorn.Config(
+                self,
+                http=protocol,
+                ws="none",
+                lifespan="off",
+                interface="asgi3",
+                log_config=None,
+                log_level=logging.ERROR,  # uvicorn's own lines: only its errors (our app logs its own)
+                access_log=False,
+                proxy_headers=False,
+                server_header=False,  # ours, in canonical case
+                timeout_keep_alive=config.http_keep_alive_s,
+                timeout_graceful_shutdown=STOP_WAIT_S,
+                h11_max_incomplete_event_size=MAX_HEADER_BYTES,
+            )
+        )
+        self._serving: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        """Serve (on the running loop) until stop()."""
+        self._serving = asyncio.ensure_future(self.server.serve(sockets=[self.sock]))
+        while not self.server.started:
+            if self._serving.done():  # startup failed
+                self._serving.result()
+                raise RuntimeError("the HTTP server stopped while starting")
+            await asyncio.sleep(0.01)
+
+    def stop_accepting(self, grace_s: float) -> None:
+        """Take no new connections (nor requests on idle ones); those in flight get `grace_s` and
+        STOP_WAIT_S more to end before stop() cancels them."""
+        self.server.config.timeout_graceful_shutdown = grace_s + STOP_WAIT_S
+        self.server.should_exit = True
+
+    async def stop(self) -> None:
+        """Stop serving: close idle connections, wait for the requests in flight (cancel them
+        upstream first), then close everything."""
+        self.server.should_exit = True
+        if self._serving is not None:
+            await self._serving
+        else:
+            self.sock.close()
+
+    # ------------------------------------------------------------------ ASGI
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":  # lifespan is off and websockets are not served
+            return
+        out = _Outgoing(scope, send)
+        if _header_bytes(scope) > MAX_HEADER_BYTES:  # (h11 counts only headers that arrive in pieces)
+            await _json(431, _HEADERS_TOO_LARGE, {"Connection": "close"})(scope, receive, out)
+            return
+        if self.requests_in_flight >= self.config.max_concurrent_requests:
+            message = f"the router is handling {self.requests_in_flight} requests, its limit; retry later"
+            status, body = error_body(grpc.StatusCode.UNAVAILABLE, message)
+            await _json(status, body, {"Retry-After": str(RETRY_AFTER_S)})(scope, receive, out)
+            return
+        self.requests_in_flight += 1
         try:
-            self.server = server_cls((host.strip("[]"), port), handler)
-        except OSError as e:
-            raise ValueError(f"cannot bind {host}:{port} for HTTP: {e.strerror or e}") from None
-        self.port = self.server.server_address[1]
-        self._thread = threading.Thread(target=self.server.serve_forever, name="kvbridge-http", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-        self._thread.join(timeout=5)
-
-
-def _handle_error(server, request, client_address) -> None:
-    """A connection that failed outside a request's own handling: a client that hung up is normal
-    (no traceback on stderr); anything else is logged once, as one line."""
-    exc = sys.exc_info()[1]
-    if isinstance(exc, (*_GONE, TimeoutError)):
-        return
-    log.warning("http connection from %s failed: %s: %s", client_address[0], type(exc).__name__, exc)
-
-
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    server_version = f"kvbridge-router/{__version__}"
-    timeout = IDLE_TIMEOUT_S
-    dispatcher: Dispatcher  # set on the subclass made by HTTPFront
-    _answered = False  # a status line went out for the current request
-
-    def send_response(self, code: int, message: str | None = None) -> None:
-        self._answered = True
-        super().send_response(code, message)
-
-    def log_message(self, format, *args) -> None:
-        pass  # no access log on stderr
-
-    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
-        """http.server's own errors (a malformed request line, a header too long) in the OpenAI
-        error format, as JSON, like every other answer."""
-        body = json.dumps(
-            {"error": {"message": message or explain or "bad request", "type": "invalid_request_error",
-                       "param": None, "code": str(code)}}
-        ).encode()  # fmt: skip
-        self.close_connection = True
-        self.request_version = self.protocol_version  # a garbled request line still gets a status line
-        try:
-            self.send_response(code, message)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.send_header("Connection", "close")
-            self.end_headers()
-            if self.command != "HEAD" and code >= 200 and code not in (204, 304):
-                self.wfile.write(body)
-        except _GONE:
-            pass
-
-    def _not_allowed(self) -> None:
-        self.close_connection = True
-        message = f"method {self.command} is not allowed here (use GET or POST)"
-        error = {"message": message, "type": "invalid_request_error", "param": None, "code": "method_not_allowed"}
-        self._send_json(405, {"error": error})
-
-    do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _not_allowed
+            await self.app(scope, receive, out)
+        except Exception:  # a bug (Starlette answered 500 through _internal_error if nothing went out yet)
+            log.exception("HTTP %s %s failed", scope["method"], scope["path"])
+        finally:
+            self.requests_in_flight -= 1
 
     # ------------------------------------------------------------------ routes
 
-    def do_GET(self) -> None:
-        path = unquote(urlsplit(self.path).path)
-        if path == "/health":
-            if self.dispatcher.draining:
-                self._send_error(grpc.StatusCode.UNAVAILABLE, DRAINING)
-            elif not self.dispatcher.can_route():
-                self._send_error(grpc.StatusCode.UNAVAILABLE, "no healthy node can serve requests")
-            else:
-                self._send_json(200, {"status": "ok"})
-        elif path == "/v1/models":
-            self._send_json(200, {"object": "list", "data": [self._model_card(m) for m in self._models()]})
-        elif path.startswith("/v1/models/"):
-            name = path.removeprefix("/v1/models/")
-            card = next((self._model_card(m) for m in self._models() if m.model == name), None)
-            if card is None:
-                self._send_error(grpc.StatusCode.NOT_FOUND, f"model {name!r} is not served here", "model")
-            else:
-                self._send_json(200, card)
-        else:
-            self._send_error(grpc.StatusCode.NOT_FOUND, f"no route GET {path}")
+    async def _completions(self, request: Request) -> Response | _Answer:
+        return await self._generate(request, chat=False)
 
-    def do_POST(self) -> None:
-        self._answered = False
-        path = unquote(urlsplit(self.path).path)
-        if path not in ("/v1/completions", "/v1/chat/completions"):
-            self.close_connection = True  # the body is left unread
-            self._send_error(grpc.StatusCode.NOT_FOUND, f"no route POST {path}")
-            return
-        try:
-            raw = self._read_body()
-            if raw is None:
-                return
-            try:
-                req = parse_request(raw, chat=path == "/v1/chat/completions")
-            except BadRequest as e:
-                self._send_error(grpc.StatusCode.INVALID_ARGUMENT, str(e), e.param)
-                return
-            served = [m.model for m in self._models()]
-            if req.model and served and req.model not in served:
-                self._send_error(grpc.StatusCode.NOT_FOUND, f"model {req.model!r} is not served here", "model")
-                return
-            self._generate(req.model or (served[0] if served else ""), req)
-        except _GONE:
-            self.close_connection = True
-        except TimeoutError:
-            self.close_connection = True
-            self._send_error(grpc.StatusCode.DEADLINE_EXCEEDED, "timed out reading the request body")
-        except Exception as e:  # a bug: answer 500 if nothing went out yet; the server keeps serving
-            log.exception("POST %s failed", path)
-            self.close_connection = True
-            if not self._answered:
-                self._send_error(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}")
+    async def _chat_completions(self, request: Request) -> Response | _Answer:
+        return await self._generate(request, chat=True)
+
+    async def _models(self, request: Request) -> Response:
+        return _json(200, {"object": "list", "data": [self._model_card(m) for m in self.dispatcher.pool.models()]})
+
+    async def _model(self, request: Request) -> Response:
+        name = request.path_params["model"]
+        card = next((self._model_card(m) for m in self.dispatcher.pool.models() if m.model == name), None)
+        if card is None:
+            return _error(grpc.StatusCode.NOT_FOUND, f"model {name!r} is not served here", "model")
+        return _json(200, card)
+
+    async def _health(self, request: Request) -> Response:
+        if self.dispatcher.draining:
+            return _error(grpc.StatusCode.UNAVAILABLE, DRAINING)
+        if not self.dispatcher.can_route():
+            return _error(grpc.StatusCode.UNAVAILABLE, "no healthy node can serve requests")
+        return _json(200, {"status": "ok"})
 
     # ------------------------------------------------------------------ generation
 
-    def _generate(self, model: str, req) -> None:
+    async def _generate(self, request: Request, chat: bool) -> Response | _Answer:
+        try:
+            raw = await self._read_body(request)
+        except ClientDisconnect:
+            return _gone
+        if isinstance(raw, Response):
+            return raw
+        try:
+            req = parse_request(raw, chat=chat)
+        except BadRequest as e:
+            return _error(grpc.StatusCode.INVALID_ARGUMENT, str(e), e.param)
+        served = [m.model for m in self.dispatcher.pool.models()]
+        if req.model and served and req.model not in served:
+            return _error(grpc.StatusCode.NOT_FOUND, f"model {req.model!r} is not served here", "model")
         routed = self.dispatcher.route(req.request)
-        reply = Reply(req, routed.rid, model)
-        responses = iter(routed)
-        stop_watching = self._watch_disconnect(routed.cancel)
+        return _Answer(routed, Reply(req, routed.rid, req.model or (served[0] if served else "")), req.stream)
+
+    async def _read_body(self, request: Request) -> bytes | Response:
+        """The request body, or the error answer: 413 over the limit, 408 too slow."""
+        limit = self.config.max_body_bytes
+        too_large = error_body(grpc.StatusCode.INVALID_ARGUMENT, f"body over {limit} bytes")[1]
+        length = request.headers.get("content-length")  # (h11 checked that it is a number)
+        if length is not None and int(length) > limit:
+            return _json(413, too_large, {"Connection": "close"})
+        parts, size = [], 0
         try:
-            try:
-                first = next(responses, None)
-            except RouteError as e:
-                self._send_error(e.code, e.message)
-                return
-            stream = chain([first] if first is not None else [], responses)
-            if req.stream:
-                self._stream(reply, stream)
-            else:
-                try:
-                    for resp in stream:
-                        reply.add(resp)
-                except RouteError as e:
-                    self._send_error(e.code, e.message)
-                    return
-                self._send_json(200, reply.final())
-        except _GONE:
-            routed.cancel()
-            self.close_connection = True
-        finally:
-            stop_watching()
-            responses.close()  # cancels whatever is still open upstream
+            async with asyncio.timeout(self.config.http_body_timeout_s):
+                async for part in request.stream():
+                    size += len(part)
+                    if size > limit:
+                        return _json(413, too_large, {"Connection": "close"})
+                    parts.append(part)
+        except TimeoutError:
+            message = f"the request body did not arrive within {self.config.http_body_timeout_s:g} s"
+            return _json(408, error_body(grpc.StatusCode.DEADLINE_EXCEEDED, message)[1], {"Connection": "close"})
+        return b"".join(parts)
 
-    def _stream(self, reply: Reply, responses) -> None:
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.send_header("Cache-Control", "no-cache")
-        self.send_header("Transfer-Encoding", "chunked")
-        self.end_headers()
-        try:
-            for resp in responses:
-                if (chunk := reply.add(resp)) is not None:
-                    self._event(chunk)
-            if (chunk := reply.usage_chunk()) is not None:
-                self._event(chunk)
-        except RouteError as e:
-            self._event(error_body(e.code, e.message)[1])
-        self._write_chunk(b"data: [DONE]\n\n")
-        self._write_chunk(b"")
-
-    def _watch_disconnect(self, on_gone: Callable[[], None]) -> Callable[[], None]:
-        """Poll the socket while the request runs: EOF or a reset means the client left. Returns
-        the function that stops watching."""
-        sock, done = self.connection, threading.Event()
-
-        def watch() -> None:
-            while not done.is_set():
-                try:
-                    readable, _, _ = select.select([sock], [], [], DISCONNECT_POLL_S)
-                    if readable:
-                        if sock.recv(1, socket.MSG_PEEK) == b"":
-                            on_gone()
-                        return  # EOF, or the client sent more (a pipelined request): stop either way
-                except (OSError, ValueError):  # reset, or the socket was closed under us
-                    if not done.is_set():
-                        on_gone()
-                    return
-
-        thread = threading.Thread(target=watch, name="kvbridge-http-watch", daemon=True)
-        thread.start()
-        return done.set
-
-    # ------------------------------------------------------------------ plumbing
-
-    def _models(self):
-        return self.dispatcher.pool.models()
-
-    def _model_card(self, m) -> dict:
+    def _model_card(self, m: generation_pb2.ModelInfo) -> dict:
         return {
             "id": m.model,
             "object": "model",
@@ -246,57 +222,188 @@ class _Handler(BaseHTTPRequestHandler):
             "max_model_len": m.max_context,
         }
 
-    def _read_body(self) -> bytes | None:
-        """The request body, or None after answering with an error."""
-        if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
-            return self._read_chunked()
-        length = self.headers.get("Content-Length")
-        if length is None or not length.strip().isdigit():
-            self.close_connection = True
-            self._send_error(grpc.StatusCode.INVALID_ARGUMENT, f"Content-Length must be a number, got {length!r}")
-            return None
-        if int(length) > MAX_BODY_BYTES:
-            self.close_connection = True
-            self._send_json(413, error_body(grpc.StatusCode.INVALID_ARGUMENT, f"body over {MAX_BODY_BYTES} bytes")[1])
-            return None
-        return self.rfile.read(int(length))
 
-    def _read_chunked(self) -> bytes | None:
-        parts, total = [], 0
-        while True:
-            size_line = self.rfile.readline(64).split(b";")[0].strip()
-            try:
-                size = int(size_line, 16)
-            except ValueError:
-                size = -1
-            total += max(size, 0)
-            if size < 0 or total > MAX_BODY_BYTES:
-                self.close_connection = True
-                self._send_error(grpc.StatusCode.INVALID_ARGUMENT, "bad chunked body (bad size or too large)")
-                return None
-            if size == 0:
-                while self.rfile.readline(1024).strip():  # trailers
-                    pass
-                return b"".join(parts)
-            parts.append(self.rfile.read(size))
-            self.rfile.readline(8)  # the chunk's CRLF
+class _Answer:
+    """The answer to a routed request, as an ASGI response: one JSON body once the request ended,
+    or an event per response as it comes ("stream": true). The status waits for the first
+    response, so a request that fails before any gets its own status; one that fails later ends
+    its stream with an error event. A task watches the client meanwhile: gone, the request is
+    cancelled upstream."""
 
-    def _send_json(self, status: int, obj: dict) -> None:
-        data = json.dumps(obj).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        if self.close_connection:
-            self.send_header("Connection", "close")
-        self.end_headers()
-        self.wfile.write(data)
+    def __init__(self, routed: Routed, reply: Reply, stream: bool):
+        self.routed, self.reply, self.stream = routed, reply, stream
 
-    def _send_error(self, code: grpc.StatusCode, message: str, param: str | None = None) -> None:
-        status, body = error_body(code, message, param)
-        self._send_json(status, body)
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        watcher = asyncio.ensure_future(self._watch(receive))
+        try:
+            async with contextlib.aclosing(self.routed):
+                respond = self._events if self.stream else self._whole
+                await respond(aiter(self.routed), scope, receive, send)
+        finally:
+            watcher.cancel()
 
-    def _event(self, obj: dict) -> None:
-        self._write_chunk(b"data: " + json.dumps(obj).encode() + b"\n\n")
+    async def _watch(self, receive: Receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass  # (a body part after the body: none comes)
+        self.routed.cancel()  # a no-op once the request ended (the answer went out)
 
-    def _write_chunk(self, data: bytes) -> None:
-        self.wfile.write(b"%X\r\n%s\r\n" % (len(data), data))
+    async def _whole(self, responses: AsyncIterator, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async for resp in responses:
+                self.reply.add(resp)
+        except RouteError as e:
+            await _error(e.code, e.message)(scope, receive, send)
+            return
+        await _json(200, self.reply.final())(scope, receive, send)
+
+    async def _events(self, responses: AsyncIterator, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            first = await anext(responses, None)
+        except RouteError as e:
+            await _error(e.code, e.message)(scope, receive, send)
+            return
+        headers = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        try:
+            if first is not None:
+                await self._event(send, self.reply.add(first))
+            async for resp in responses:
+                await self._event(send, self.reply.add(resp))
+            await self._event(send, self.reply.usage_chunk())
+        except RouteError as e:
+            await self._event(send, error_body(e.code, e.message)[1])
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+
+    @staticmethod
+    async def _event(send: Send, obj: dict | None) -> None:
+        if obj is not None:
+            await send({"type": "http.response.body", "body": b"data: " + json.dumps(obj).encode() + b"\n\n",
+                        "more_body": True})  # fmt: skip
+
+
+class _Outgoing:
+    """The ASGI send of one request: header names in canonical case, the Server header, and the
+    client's X-Request-Id echoed."""
+
+    def __init__(self, scope: Scope, send: Send):
+        self.send = send
+        given = next((v for k, v in scope["headers"] if k == b"x-request-id"), None)
+        self.extra = [(b"Server", SERVER)]
+        if given is not None and _REQUEST_ID.fullmatch(given):
+            self.extra.append((b"X-Request-Id", given))
+
+    async def __call__(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            headers = [(_canonical(k), v) for k, v in message.get("headers", ())]
+            message = {**message, "headers": headers + self.extra}
+        await self.send(message)
+
+
+class _H11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with a header timeout, and its own answers to malformed requests
+    in the OpenAI error format."""
+
+    header_timeout_s: float  # set on the subclass HTTPFront makes
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._header_timer: asyncio.TimerHandle | None = None
+        self._await_headers()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+        super().connection_lost(exc)
+
+    def on_response_complete(self) -> None:
+        self._await_headers()  # before the next request can start (a pipelined one starts in there)
+        super().on_response_complete()
+
+    def _await_headers(self) -> None:
+        """Close the connection unless a request's headers are in within header_timeout_s. uvicorn
+        makes a new cycle per request, so an unchanged cycle means none came."""
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+        waiting_in = self.cycle
+        self._header_timer = self.loop.call_later(self.header_timeout_s, self._headers_late, waiting_in)
+
+    def _headers_late(self, waiting_in: object) -> None:
+        self._header_timer = None
+        if self.cycle is waiting_in and not self.transport.is_closing():
+            self.transport.close()
+
+    def send_400_response(self, msg: str) -> None:
+        # called inside uvicorn's `except h11.RemoteProtocolError`, so the error is at hand
+        error = sys.exc_info()[1]
+        if self.conn.our_state not in (h11.IDLE, h11.SEND_RESPONSE):  # an answer is under way: just close
+            self.transport.close()
+            return
+        status = getattr(error, "error_status_hint", 400)
+        if status == 431:  # h11's "Receive buffer too long": headers still coming past the cap
+            body = json.dumps(_HEADERS_TOO_LARGE)
+        else:
+            body = json.dumps(error_body(grpc.StatusCode.INVALID_ARGUMENT, f"malformed HTTP request: {error}")[1])
+        headers = [
+            (b"Content-Type", b"application/json"),
+            (b"Content-Length", str(len(body)).encode()),
+            (b"Connection", b"close"),
+            (b"Server", SERVER),
+        ]
+        for event in (
+            h11.Response(status_code=status, headers=headers, reason=STATUS_PHRASES[status]),
+            h11.Data(data=body.encode()),
+            h11.EndOfMessage(),
+        ):
+            self.transport.write(self.conn.send(event))
+        self.transport.close()
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host.strip("[]"), port))
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot bind {host}:{port} for HTTP: {e.strerror or e}") from None
+    sock.setblocking(False)
+    return sock
+
+
+def _header_bytes(scope: Scope) -> int:
+    """The size of the request line and headers, about as they came."""
+    return len(scope["raw_path"]) + len(scope["query_string"]) + sum(len(k) + len(v) + 4 for k, v in scope["headers"])
+
+
+def _canonical(name: bytes) -> bytes:
+    return b"-".join(part.capitalize() for part in name.split(b"-"))
+
+
+def _json(status: int, obj: dict, headers: dict[str, str] | None = None) -> Response:
+    return Response(json.dumps(obj), status_code=status, headers=headers, media_type="application/json")
+
+
+def _error(code: grpc.StatusCode, message: str, param: str | None = None) -> Response:
+    return _json(*error_body(code, message, param))
+
+
+async def _gone(scope: Scope, receive: Receive, send: Send) -> None:
+    """The answer to a client that left while sending its body: none."""
+
+
+async def _route_error(request: Request, exc: HTTPException) -> Response:
+    method, path = request.method, request.scope["path"]
+    if exc.status_code == 405:
+        allowed = ", ".join(sorted((exc.headers or {}).get("Allow", "").split(", ")))
+        message = f"method {method} is not allowed on {path} (use {allowed})"
+        error = {"message": message, "type": "invalid_request_error", "param": None, "code": "method_not_allowed"}
+        return _json(405, {"error": error}, exc.headers)
+    if exc.status_code == 404:
+        return _error(grpc.StatusCode.NOT_FOUND, f"no route {method} {path}")
+    return _json(exc.status_code, error_body(grpc.StatusCode.INVALID_ARGUMENT, exc.detail)[1])
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    return _error(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")

@@ -1,20 +1,25 @@
 """The router's view of its nodes: health, outstanding requests, and which node gets the next one.
 
-Each node has a watcher thread holding a `grpc.health.v1.Health/Watch` stream on the service its
-role needs (Generation for colocated and decode nodes, Prefill for prefill nodes). A node is
-eligible while its last report was SERVING; NOT_SERVING, SERVICE_UNKNOWN or an unreachable node
-make it ineligible until a later report says SERVING. Among eligible nodes the one with the fewest
-outstanding requests (counted here, by the router) wins; ties go round-robin, so equal nodes
-share the traffic.
+Each node's health is watched by a task on the router's event loop, holding a
+`grpc.health.v1.Health/Watch` stream (an aio channel) on the service its role needs (Generation
+for colocated and decode nodes, Prefill for prefill nodes). A node is eligible while its last
+report was SERVING; NOT_SERVING, SERVICE_UNKNOWN or an unreachable node make it ineligible until a
+later report says SERVING. Among eligible nodes the one with the fewest outstanding requests
+(counted here, by the router) wins; ties go round-robin, so equal nodes share the traffic.
 
 The fleet can change at run time: `add` watches a new node at once, `remove` takes one out of
 selection at once. A node's channel is closed only when nothing can use it any more: it was
 removed (or the pool closed), its watcher has ended, and every request routed to it was released.
-(Starting an RPC on a closed channel crashes the process in grpcio, so this order is a must.)
+
+Selection and accounting hold one lock, briefly and never across an await, so any thread may use
+them (the metrics scrape reads the pool from its own thread; selection tests drive a pool made with
+connect=False from theirs). Channels, watchers and channel closing live on the loop: a thread other
+than the loop's hands that work to it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
@@ -35,23 +40,22 @@ SERVICE_OF_ROLE = {
 ROLES = tuple(SERVICE_OF_ROLE)
 WATCH_DEADLINE_S = 60.0  # a health stream is re-opened this often (every call has a deadline)
 MODEL_INFO_DEADLINE_S = 5.0
-WATCHER_JOIN_S = 5.0  # close() waits this long at most for each watcher thread
+CLOSE_WAIT_S = 5.0  # aclose() waits this long at most for the watchers to end, and again for the channels
 
 
 @dataclass(eq=False)
 class Node:
     role: str  # "colocated" | "prefill" | "decode"
     address: str  # host:port of the node's gRPC server
-    channel: grpc.Channel | None = None  # None only in tests of the selection logic
+    channel: grpc.aio.Channel | None = None  # None in tests of the selection logic, and once closed
     healthy: bool = False  # the last health report was SERVING
     reported: bool = False  # a health report (or a failure to get one) has arrived
     outstanding: int = 0  # requests routed here and not finished yet
     routed: int = 0  # requests routed here since it was added
     model: generation_pb2.ModelInfo | None = None  # GetModelInfo, fetched when it turns healthy (not prefill)
-    watch: grpc.Future | None = field(default=None, repr=False)  # the health stream, to cancel on close
     retired: bool = False  # removed from the pool (or the pool closed): its channel closes once idle
-    watching: bool = False  # its watcher thread is running (and may start RPCs on the channel)
-    stopped: threading.Event = field(default_factory=threading.Event, repr=False)  # ends its watcher
+    watching: bool = False  # its watcher is running or about to (and may start RPCs on the channel)
+    watcher: asyncio.Task | None = field(default=None, repr=False)  # the health watch, on the loop
 
     @property
     def key(self) -> str:
@@ -59,17 +63,27 @@ class Node:
 
 
 class NodePool:
-    def __init__(self, nodes: list[tuple[str, str]], health_retry_s: float = 1.0, connect: bool = True):
-        """nodes: (role, address) pairs. connect=False makes channel-less nodes (selection tests)."""
+    def __init__(
+        self,
+        nodes: list[tuple[str, str]],
+        health_retry_s: float = 1.0,
+        loop: rpc.EventLoop | None = None,
+        connect: bool = True,
+    ):
+        """nodes: (role, address) pairs; loop: where the channels and watchers live (required unless
+        connect=False, which makes channel-less nodes for selection tests)."""
+        if connect and loop is None:
+            raise ValueError("a pool that connects to its nodes needs the event loop its channels live on")
         self.health_retry_s = health_retry_s
         self.connect = connect
+        self.loop = loop
         self.nodes: list[Node] = []  # replaced, never mutated in place: a reader may iterate it unlocked
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._turns: dict[tuple[str, ...], int] = {}  # round-robin position per role set
         self._started = False  # watchers run (start() was called); add() starts a new node's at once
         self._closed = False
-        self._threads: list[threading.Thread] = []
+        self._closing: set[asyncio.Task] = set()  # channel.close() calls under way (held: tasks are weakly kept)
         self._listeners: list[Callable[[], None]] = []  # called (outside the lock) after a change
         for role, address in nodes:
             self.add(role, address)
@@ -83,16 +97,21 @@ class NodePool:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
         parse_address(address, role)
         with self._lock:
-            if self._closed:
-                raise ValueError("the node pool is closed")
-            if any(n.role == role and n.address == address for n in self.nodes):
-                raise ValueError(f"a {role} node {address!r} is already in the pool")
-            node = Node(role, address, rpc.make_channel(address) if self.connect else None)
+            self._check_addable(role, address)
+        channel = self._make_channel(address) if self.connect else None
+        with self._lock:
+            try:
+                self._check_addable(role, address)  # (again: another add may have come in meanwhile)
+            except ValueError:
+                if channel is not None:
+                    self._close_channel(channel)
+                raise
+            node = Node(role, address, channel)
             self.nodes = [*self.nodes, node]
             start = self._started and node.channel is not None
             node.watching = start
         if start:
-            self._start_watcher(node)
+            self.loop.call(self._start_watcher, node)
         self._notify()
         return node
 
@@ -114,7 +133,8 @@ class NodePool:
             [node] = found
             self.nodes = [n for n in self.nodes if n is not node]
             node.retired = True
-        self._stop_watcher(node)
+        if self.loop is not None:
+            self.loop.call(self._stop_watcher, node)
         self._close_if_idle(node)
         self._notify()
         return node
@@ -180,50 +200,82 @@ class NodePool:
             self._notify()
 
     def start(self) -> None:
+        """Start watching every node's health (from any thread)."""
         with self._lock:
             self._started = True
             watched = [n for n in self.nodes if n.channel is not None]
             for node in watched:
                 node.watching = True
         for node in watched:
-            self._start_watcher(node)
+            self.loop.call(self._start_watcher, node)
 
     def wait_reported(self, timeout: float) -> bool:
-        """Block until every node has had a first health report, at most `timeout` seconds."""
+        """Block until every node has had a first health report, at most `timeout` seconds (from a
+        thread other than the loop's)."""
         with self._lock:
             return self._changed.wait_for(lambda: all(n.reported for n in self.nodes), timeout)
 
-    def close(self) -> None:
+    async def aclose(self) -> None:
         """Stop every watcher; each channel closes once the requests still using it are released
-        (cancel them first to close everything now)."""
+        (cancel them first to close everything now). On the loop."""
+        nodes = self._retire_all()
+        for node in nodes:
+            self._stop_watcher(node)
+        watchers = [n.watcher for n in nodes if n.watcher is not None]
+        if watchers:
+            await asyncio.wait(watchers, timeout=CLOSE_WAIT_S)
+        for node in nodes:
+            self._close_if_idle(node)
+        if self._closing:
+            await asyncio.wait(list(self._closing), timeout=CLOSE_WAIT_S)
+
+    def close(self) -> None:
+        """aclose() from a thread other than the loop's (a pool without a loop only retires its nodes)."""
+        if self.loop is None:
+            self._retire_all()
+            return
+        self.loop.run(self.aclose(), timeout=3 * CLOSE_WAIT_S)
+
+    # ------------------------------------------------------------------ internals
+
+    def _check_addable(self, role: str, address: str) -> None:
+        if self._closed:
+            raise ValueError("the node pool is closed")
+        if any(n.role == role and n.address == address for n in self.nodes):
+            raise ValueError(f"a {role} node {address!r} is already in the pool")
+
+    def _retire_all(self) -> list[Node]:
         with self._lock:
             self._closed = True
             nodes, self.nodes = self.nodes, []
             for node in nodes:
                 node.retired = True
-        for node in nodes:
-            self._stop_watcher(node)
-        for t in self._threads:
-            t.join(timeout=WATCHER_JOIN_S)
-        for node in nodes:
-            self._close_if_idle(node)
-
-    # ------------------------------------------------------------------ internals
+        return nodes
 
     def _notify(self) -> None:
         for callback in self._listeners:
             callback()
 
-    def _start_watcher(self, node: Node) -> None:
-        t = threading.Thread(target=self._watch, args=(node,), name=f"kvbridge-health-{node.address}", daemon=True)
-        with self._lock:
-            self._threads = [*(old for old in self._threads if old.is_alive()), t]
-        t.start()
+    def _make_channel(self, address: str) -> grpc.aio.Channel:
+        if self.loop.on_loop:
+            return rpc.make_aio_channel(address)
 
-    def _stop_watcher(self, node: Node) -> None:
-        node.stopped.set()
-        if node.watch is not None:
-            node.watch.cancel()
+        async def make() -> grpc.aio.Channel:
+            return rpc.make_aio_channel(address)
+
+        return self.loop.run(make())
+
+    def _start_watcher(self, node: Node) -> None:  # on the loop
+        if node.retired:  # removed before its watcher got going
+            with self._lock:
+                node.watching = False
+            self._close_if_idle(node)
+            return
+        node.watcher = asyncio.ensure_future(self._watch(node))
+
+    def _stop_watcher(self, node: Node) -> None:  # on the loop
+        if node.watcher is not None:
+            node.watcher.cancel()
 
     def _close_if_idle(self, node: Node) -> None:
         """Close a retired node's channel once no request and no watcher can use it (once only)."""
@@ -233,40 +285,44 @@ class NodePool:
             if idle:
                 node.channel = None
         if channel is not None:
-            channel.close()
+            self._close_channel(channel)
 
-    def _watch(self, node: Node) -> None:
+    def _close_channel(self, channel: grpc.aio.Channel) -> None:
+        def close() -> None:
+            task = asyncio.ensure_future(channel.close())
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+
+        self.loop.call(close)
+
+    async def _watch(self, node: Node) -> None:
         try:
-            self._watch_health(node)
+            await self._watch_health(node)
         finally:
             with self._lock:
                 node.watching = False
             self._close_if_idle(node)
 
-    def _watch_health(self, node: Node) -> None:
+    async def _watch_health(self, node: Node) -> None:
+        """Runs until cancelled (remove, close)."""
         stub = health_pb2_grpc.HealthStub(node.channel)
         request = health_pb2.HealthCheckRequest(service=SERVICE_OF_ROLE[node.role])
-        while not node.stopped.is_set():
+        while True:
             try:
-                node.watch = stub.Watch(request, timeout=WATCH_DEADLINE_S)
-                if node.stopped.is_set():  # stopped while the stream was being opened
-                    node.watch.cancel()
-                for resp in node.watch:
+                async for resp in stub.Watch(request, timeout=WATCH_DEADLINE_S):
                     serving = resp.status == health_pb2.HealthCheckResponse.SERVING
                     if serving and not node.healthy and node.role != "prefill":
-                        node.model = self._model_info(node)  # (re)started: it may serve another model now
+                        node.model = await self._model_info(node)  # (re)started: it may serve another model now
                     self.set_health(node, serving)
-            except grpc.RpcError as e:
+            except grpc.aio.AioRpcError as e:
                 if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                     continue  # the stream's own deadline: the last report still holds
-                if node.stopped.is_set():
-                    return
                 self.set_health(node, False)
-            node.stopped.wait(self.health_retry_s)
+            await asyncio.sleep(self.health_retry_s)
 
-    def _model_info(self, node: Node) -> generation_pb2.ModelInfo | None:
+    async def _model_info(self, node: Node) -> generation_pb2.ModelInfo | None:
         try:
             stub = generation_pb2_grpc.GenerationStub(node.channel)
-            return stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=MODEL_INFO_DEADLINE_S)
-        except grpc.RpcError:
+            return await stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=MODEL_INFO_DEADLINE_S)
+        except grpc.aio.AioRpcError:
             return None

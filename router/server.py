@@ -1,8 +1,10 @@
-"""Start and stop a router: node pool, dispatcher, gRPC server, HTTP server, metrics server."""
+"""Start and stop a router: one event loop (its own thread) runs the node pool's health watches,
+the dispatcher's requests, the gRPC server (grpc.aio) and the HTTP server (uvicorn); the metrics
+server is prometheus_client's own."""
 
 from __future__ import annotations
 
-import threading
+import asyncio
 
 from grpc_health.v1 import health_pb2
 
@@ -15,6 +17,8 @@ from router.http import HTTPFront
 from router.pool import NodePool
 from router.service import SERVICES, AdminService, GenerationService
 
+STOP_SLACK_S = 1.0  # gRPC calls still open this long after the grace period (and the cancels) are cut
+
 
 class Router:
     """A running router. `port`, `http_port` and `metrics_port` are the bound ports (useful with 0
@@ -22,35 +26,33 @@ class Router:
 
     def __init__(self, config: RouterConfig):
         self.config = config
-        self.pool = NodePool(config.nodes, health_retry_s=config.health_retry_s)
-        self.dispatcher = Dispatcher(self.pool, config)
+        self.loop = rpc.EventLoop("kvbridge-router")
+        self.pool: NodePool | None = None
+        self.http: HTTPFront | None = None
+        self.server: rpc.AioServer | None = None
         self.metrics_server: MetricsServer | None = None
-        self._health_lock = threading.Lock()
-        try:  # HTTP first: a bad host fails here with a clean message (gRPC's core also logs its own)
-            self.http = HTTPFront(config.host, config.http_port, self.dispatcher)
-        except ValueError:
-            self.pool.close()
-            raise
-        services = [
-            (generation_pb2_grpc.add_GenerationServicer_to_server, GenerationService(self.dispatcher)),
-            (admin_pb2_grpc.add_AdminServicer_to_server, AdminService(self.dispatcher, config, self._update_health)),
-        ]
+        self._stopped = False
         try:
-            self.server, self.port, self.health = rpc.make_server(
-                config.host, config.port, services, SERVICES, max_workers=config.grpc_workers
-            )
-        except ValueError:  # the port cannot be bound
-            self.http.server.server_close()
-            self.pool.close()
-            raise ValueError(f"cannot bind {config.host}:{config.port} for gRPC") from None
-        if config.metrics_port >= 0:
+            self.pool = NodePool(config.nodes, health_retry_s=config.health_retry_s, loop=self.loop)
+            self.dispatcher = Dispatcher(self.pool, config)
+            # HTTP first: a bad host fails here with a clean message (gRPC's core also logs its own)
+            self.http = HTTPFront(config, self.dispatcher)
+            admin = AdminService(self.dispatcher, config, self._update_health)
+            services = [
+                (generation_pb2_grpc.add_GenerationServicer_to_server, GenerationService(self.dispatcher)),
+                (admin_pb2_grpc.add_AdminServicer_to_server, admin),
+            ]
             try:
-                self.metrics_server = MetricsServer(config.host, config.metrics_port, self.dispatcher.metrics.registry)
+                self.server = rpc.AioServer(config.host, config.port, services, SERVICES, serving=False, loop=self.loop)
             except ValueError:
-                self.server.stop(None)
-                self.http.server.server_close()
-                self.pool.close()
-                raise
+                raise ValueError(f"cannot bind {config.host}:{config.port} for gRPC") from None
+            if config.metrics_port >= 0:
+                self.metrics_server = MetricsServer(config.host, config.metrics_port, self.dispatcher.metrics.registry)
+        except BaseException:
+            self._abandon()
+            raise
+        self.port = self.server.port
+        self.health = self.server.health
         self.http_port = self.http.port
         self.metrics_port = self.metrics_server.port if self.metrics_server is not None else -1
         self._update_health()
@@ -59,30 +61,53 @@ class Router:
     def start(self) -> None:
         self.pool.start()
         self.pool.wait_reported(self.config.startup_wait_s)
-        self.server.start()
-        self.http.start()
+        self.loop.run(self.http.start(), timeout=10)
 
     def stop(self, grace_s: float = 2.0) -> None:
-        """Stop taking requests, give gRPC streams in flight `grace_s` to finish, then cancel
-        whatever is still open upstream (HTTP streams included)."""
+        """Stop taking requests, give those in flight (gRPC and HTTP) `grace_s` to finish, then
+        cancel whatever is still open upstream."""
+        if self._stopped:
+            return
+        self._stopped = True
         self.health.enter_graceful_shutdown()
-        self.http.stop()
-        self.server.stop(grace_s).wait()
-        self.health.close()
-        self.dispatcher.cancel_all(ROUTER_STOPPING)
-        self.dispatcher.close()
-        self.pool.close()
+        self.loop.run(self._stop(grace_s), timeout=grace_s + 60)
+        self.loop.stop()
         if self.metrics_server is not None:
             self.metrics_server.stop()
 
+    async def _stop(self, grace_s: float) -> None:
+        grpc_stopped = asyncio.ensure_future(self.server.server.stop(grace_s + STOP_SLACK_S))
+        self.http.stop_accepting(grace_s)
+        await self.dispatcher.wait_idle(grace_s)
+        self.dispatcher.cancel_all(ROUTER_STOPPING)
+        await self.http.stop()
+        await grpc_stopped
+        await self.dispatcher.aclose()
+        await self.pool.aclose()
+
+    def _abandon(self) -> None:
+        """Undo a construction that failed half way."""
+        if self.metrics_server is not None:
+            self.metrics_server.stop()
+        if self.server is not None:
+            self.server.stop(0)
+        if self.http is not None:
+            self.http.sock.close()
+        if self.pool is not None:
+            self.pool.close()
+        self.loop.stop()
+
     def _update_health(self) -> None:
         """The router is SERVING (overall and Generation) while it is not draining and some request
-        could be routed. Serialized: health watchers and Admin calls change it from their threads."""
-        with self._health_lock:
-            serving = self.dispatcher.accepting()
-            status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-            for service in ("", "kvbridge.v1.Generation"):
-                self.health.set(service, status)
+        could be routed. Decided on the loop, where health watches and Admin calls change it, so the
+        changes apply in the order they happened."""
+        if not self.loop.on_loop:
+            self.loop.call(self._update_health)
+            return
+        serving = self.dispatcher.accepting()
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for service in ("", "kvbridge.v1.Generation"):
+            self.health.set(service, status)
 
 
 def start_router(config: RouterConfig) -> Router:

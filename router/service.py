@@ -1,8 +1,10 @@
-"""The router's gRPC services: Generation (checked, then forwarded through the dispatcher) and
-Admin (status, the requests in flight, abort, drain and resume, config, and the fleet)."""
+"""The router's gRPC services, on grpc.aio (coroutines on the router's event loop): Generation
+(checked, then forwarded through the dispatcher) and Admin (status, the requests in flight, abort,
+drain and resume, config, and the fleet)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -22,7 +24,6 @@ from router.pool import Node
 SERVICES = ("kvbridge.v1.Generation", "kvbridge.v1.Admin")
 DEFAULT_PAGE = 100  # ListRequests page_size 0
 MAX_PAGE = 1000
-DRAIN_POLL_S = 0.5  # a Drain that waits checks this often whether its caller is still there
 log = logging.getLogger("kvbridge.router")
 
 
@@ -30,22 +31,25 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
     def __init__(self, dispatcher: Dispatcher):
         self.dispatcher = dispatcher
 
-    def Generate(self, request, context):
+    async def Generate(self, request, context):
         try:
             check_generate(request)
         except ValueError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         routed = self.dispatcher.route(request, timeout_s=context.time_remaining())
-        context.add_callback(routed.cancel)  # runs when the call ends; cancels upstream if the client left
         try:
-            yield from routed
+            # write() rather than yield: every await stays in this task, so a client that leaves
+            # (grpc cancels the task) or a failed write closes `routed`, which cancels upstream
+            async with contextlib.aclosing(routed) as responses:
+                async for resp in responses:
+                    await context.write(resp)
         except RouteError as e:
-            context.abort(e.code, e.message)
+            await context.abort(e.code, e.message)
 
-    def GetModelInfo(self, request, context):
+    async def GetModelInfo(self, request, context):
         models = self.dispatcher.pool.models()
         if not models:
-            context.abort(grpc.StatusCode.UNAVAILABLE, "no healthy node has reported its model yet")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "no healthy node has reported its model yet")
         info = generation_pb2.ModelInfo()
         info.CopyFrom(models[0])
         info.role = "router"
@@ -59,7 +63,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         self.on_drain = on_drain
         self.started = time.monotonic()
 
-    def GetStatus(self, request, context):
+    async def GetStatus(self, request, context):
         d, model, in_flight = self.dispatcher, self.pool.agreed_model(), self.dispatcher.num_in_flight()
         return admin_pb2.Status(
             role="router",
@@ -75,18 +79,18 @@ class AdminService(admin_pb2_grpc.AdminServicer):
             nodes=[node_info(n) for n in self.pool.nodes],
         )
 
-    def ListRequests(self, request, context):
+    async def ListRequests(self, request, context):
         size = request.page_size or DEFAULT_PAGE
         if size > MAX_PAGE:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"page_size must be at most {MAX_PAGE}, got {size}")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"page_size must be at most {MAX_PAGE}, got {size}")
         if request.phase and request.phase not in PHASES:
-            context.abort(
+            await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"phase must be one of {', '.join(PHASES)} (or empty), got {rpc.shown(request.phase)}",
             )
         start = rpc.page_offset(request.page_token)
         if start is None:
-            context.abort(
+            await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, f"page_token {rpc.shown(request.page_token)} is not one we issued"
             )
         matching = [r for r in self.dispatcher.in_flight() if not request.phase or r.phase == request.phase]
@@ -96,59 +100,57 @@ class AdminService(admin_pb2_grpc.AdminServicer):
             total=len(matching),
         )
 
-    def AbortRequest(self, request, context):
+    async def AbortRequest(self, request, context):
         if not request.rid:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "rid is required")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "rid is required")
         routed = self.dispatcher.find(request.rid)
         if routed is None:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"no request {rpc.shown(request.rid)} in flight at the router")
+            message = f"no request {rpc.shown(request.rid)} in flight at the router"
+            await context.abort(grpc.StatusCode.NOT_FOUND, message)
         phase = routed.phase
         routed.cancel(OPERATOR_ABORTED)
         log_event(log, "abort", rid=routed.rid, room=routed.room, phase=phase, source="admin")
         return admin_pb2.AbortRequestResponse(rid=routed.rid, phase=phase)
 
-    def Drain(self, request, context):
+    async def Drain(self, request, context):
         if not request.wait_s >= 0:  # NaN too
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"wait_s must be >= 0, got {request.wait_s}")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"wait_s must be >= 0, got {request.wait_s}")
         d = self.dispatcher
         d.set_draining(True)
         self.on_drain()
         log_event(log, "drain", wait_s=request.wait_s, requests_in_flight=d.num_in_flight())
-        deadline = time.monotonic() + request.wait_s
-        left = d.num_in_flight()
-        while left and context.is_active() and (wait := deadline - time.monotonic()) > 0:
-            left = d.wait_idle(min(wait, DRAIN_POLL_S))
+        left = await d.wait_idle(request.wait_s) if request.wait_s > 0 else d.num_in_flight()
         return admin_pb2.DrainResponse(draining=d.draining, requests_in_flight=left, empty=d.draining and left == 0)
 
-    def Resume(self, request, context):
+    async def Resume(self, request, context):
         d = self.dispatcher
         d.set_draining(False)
         self.on_drain()
         log_event(log, "resume", requests_in_flight=d.num_in_flight())
         return admin_pb2.DrainResponse(draining=False, requests_in_flight=d.num_in_flight(), empty=False)
 
-    def GetConfig(self, request, context):
+    async def GetConfig(self, request, context):
         settings = asdict(self.config) | {"nodes": [{"role": n.role, "address": n.address} for n in self.pool.nodes]}
         return admin_pb2.Config(role="router", version=__version__, json=json.dumps(settings, sort_keys=True))
 
-    def ListNodes(self, request, context):
+    async def ListNodes(self, request, context):
         return admin_pb2.ListNodesResponse(nodes=[node_info(n) for n in self.pool.nodes])
 
-    def AddNode(self, request, context):
+    async def AddNode(self, request, context):
         try:
             node = self.pool.add(request.role, request.address)
         except ValueError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         log_event(log, "node_added", role=node.role, address=node.address)
         return node_info(node)
 
-    def RemoveNode(self, request, context):
+    async def RemoveNode(self, request, context):
         try:
             node = self.pool.remove(request.address, request.role)
         except KeyError as e:
-            context.abort(grpc.StatusCode.NOT_FOUND, e.args[0])
+            await context.abort(grpc.StatusCode.NOT_FOUND, e.args[0])
         except ValueError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         log_event(log, "node_removed", role=node.role, address=node.address, outstanding=node.outstanding)
         return node_info(node)
 

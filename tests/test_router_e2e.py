@@ -119,8 +119,13 @@ def test_openai_client_chat_and_streamed_completion(router, nodes):
     assert chat.choices[0].message.content == want_text and chat.choices[0].finish_reason == want_finish
     assert chat.usage.completion_tokens == len(run(direct, chat_request(CHAT, max_new_tokens=10))[0])
 
-    stream = client.completions.create(
-        model=model, prompt="The sky is", max_tokens=10, stream=True, stream_options={"include_usage": True}
+    stream = client.completions.create(  # (OpenAI's default temperature is 1: greedy, to compare)
+        model=model,
+        prompt="The sky is",
+        max_tokens=10,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
     )
     chunks = list(stream)
     text = "".join(c.choices[0].text for c in chunks if c.choices)
@@ -131,7 +136,9 @@ def test_openai_client_chat_and_streamed_completion(router, nodes):
     assert text == want_text
     assert chunks[-1].usage.completion_tokens == len(want_ids)
 
-    chat_chunks = list(client.chat.completions.create(model=model, messages=CHAT, max_tokens=10, stream=True))
+    chat_chunks = list(
+        client.chat.completions.create(model=model, messages=CHAT, max_tokens=10, temperature=0, stream=True)
+    )
     assert chat_chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chat_chunks) == chat.choices[0].message.content
     assert chat_chunks[-1].choices[0].finish_reason == chat.choices[0].finish_reason

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvbridge.rpc import EventLoop
 from router.config import RouterConfig, parse_address
 from router.pool import NodePool
 
@@ -174,8 +175,15 @@ def test_removing_an_unknown_node_names_it():
     assert str(err.value) == "role must be one of colocated, prefill, decode (or empty), got 'x'"
 
 
-def test_a_removed_node_keeps_its_channel_until_its_last_request_is_released():
-    pool = NodePool([("colocated", "127.0.0.1:5000")])  # channels made, never used: not started
+@pytest.fixture
+def loop():
+    made = EventLoop("test-pool")
+    yield made
+    made.stop()
+
+
+def test_a_removed_node_keeps_its_channel_until_its_last_request_is_released(loop):
+    pool = NodePool([("colocated", "127.0.0.1:5000")], loop=loop)  # channels made, never used: not started
     [node] = pool.nodes
     pool.set_health(node, True)
     first, second = pool.acquire(["colocated"]), pool.acquire(["colocated"])
@@ -188,8 +196,8 @@ def test_a_removed_node_keeps_its_channel_until_its_last_request_is_released():
     pool.close()
 
 
-def test_a_closed_pool_routes_nothing_and_closes_idle_channels():
-    pool = NodePool([("colocated", "127.0.0.1:5000"), ("decode", "127.0.0.1:5001")])
+def test_a_closed_pool_routes_nothing_and_closes_idle_channels(loop):
+    pool = NodePool([("colocated", "127.0.0.1:5000"), ("decode", "127.0.0.1:5001")], loop=loop)
     for node in pool.nodes:
         pool.set_health(node, True)
     busy = pool.acquire(["colocated"])
@@ -201,3 +209,9 @@ def test_a_closed_pool_routes_nothing_and_closes_idle_channels():
     assert busy.channel is None
     with pytest.raises(ValueError, match="the node pool is closed"):
         pool.add("colocated", "127.0.0.1:5002")
+
+
+def test_a_pool_that_connects_needs_a_loop():
+    with pytest.raises(ValueError) as err:
+        NodePool([("colocated", "127.0.0.1:5000")])
+    assert str(err.value) == "a pool that connects to its nodes needs the event loop its channels live on"
