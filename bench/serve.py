@@ -23,9 +23,12 @@ decode node to --cores[1], against a colocated node pinned to all of --cores (ea
 `kvbridge serve|prefill|decode` child process; the router and the load generator unpinned). The
 workload: --itf-streams decode streams (closed loops of short prompts with long outputs); once
 all are decoding, --itf-quiet-s of streams alone, then --itf-long-prompts long prompts arriving
-as a Poisson process at --itf-long-rate. Reported per stack: ITL (mean, median, p99) of the decode
-streams in the quiet window and while long prompts arrive (from the first long prompt's send to
-the last one's end), and TTFT / E2EL of the long prompts; the summary holds the ratios.
+as a Poisson process at --itf-long-rate. Reported per stack ({mean, median, p99, max, n} in ms):
+`quiet_itl_ms` and `loaded_itl_ms`, the decode streams' inter-chunk gaps that ended in the quiet
+window and while long prompts arrived (from the first long prompt's send to the last one's end);
+`long_ttft_ms` and `long_e2el_ms` of the long prompts; `stream_tokens_per_chunk` (above 1 where
+the detokenizer held text back, so a gap spans several tokens). The summary holds the
+disaggregated/colocated ratios and each stack's loaded/quiet ITL p99.
 
 Every request is streamed with ignore_eos and max_tokens (and min_tokens, with --min-tokens on,
 or auto when a probe request carrying it is accepted), so output lengths are the dataset's.
@@ -284,6 +287,7 @@ def sweep(args: argparse.Namespace, pool, samples: list[Sample], dataset: dict) 
                 arrivals = serve_data.arrival_times(len(samples), rate, args.burstiness, args.seed)
                 target = Target(stack.url, args.endpoint, args.model, min_tokens, args.request_timeout_s)
                 job = (target, samples, arrivals, args.max_concurrency, args.warmups, label)
+                load_before = os.getloadavg()[0]
                 records, duration = pool.submit(serve_client.run_load, *job).result()
                 row = row_head(args, stack, min_tokens) | {
                     "dataset": dataset,
@@ -292,6 +296,7 @@ def sweep(args: argparse.Namespace, pool, samples: list[Sample], dataset: dict) 
                     "burstiness": args.burstiness,
                     "max_concurrency": args.max_concurrency,
                     "goodput_slo_ms": args.slo_ms or None,
+                    "loadavg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],  # the host's, before and after
                 }
                 row |= serve_metrics.compute_metrics(records, duration, args.slo_ms)
                 rows.append(row)
@@ -377,10 +382,12 @@ def interference(args: argparse.Namespace, pool, tokenizer, vocab: int, max_cont
             label = f"{name} interference"
             log(f"{label}: {args.itf_streams} decode streams, {len(longs)} long prompts ...")
             job = (target, streams, longs, arrivals, args.itf_quiet_s, args.warmups, label)
+            load_before = os.getloadavg()[0]
             res = pool.submit(serve_client.run_interference, *job).result()
+            load = [round(load_before, 2), round(os.getloadavg()[0], 2)]
         finally:
             stack.stop()
-        row = row_head(args, stack, min_tokens) | {"workload": workload} | interference_figures(res)
+        row = row_head(args, stack, min_tokens) | {"workload": workload, "loadavg_1m": load} | interference_figures(res)
         rows.append(row)
         print(json.dumps(row), flush=True)
         log(

@@ -16,11 +16,11 @@ from engine.weights import tiny_random
 
 RUN_KEYS = {
     "bench", "mode", "stack", "model", "layout", "endpoint", "seed", "min_tokens", "dataset", "num_prompts",
-    "request_rate", "burstiness", "max_concurrency", "goodput_slo_ms", "completed", "failed", "failed_by_reason",
-    "duration", "total_input_tokens", "total_output_tokens", "expected_output_tokens", "output_len_mismatches",
-    "content_chunks", "request_throughput", "request_goodput", "output_throughput", "total_token_throughput",
-    "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms",
-    "mean_itl_ms", "median_itl_ms", "p99_itl_ms", "mean_e2el_ms", "median_e2el_ms", "p99_e2el_ms",
+    "request_rate", "burstiness", "max_concurrency", "goodput_slo_ms", "loadavg_1m", "completed", "failed",
+    "failed_by_reason", "duration", "total_input_tokens", "total_output_tokens", "expected_output_tokens",
+    "output_len_mismatches", "content_chunks", "request_throughput", "request_goodput", "output_throughput",
+    "total_token_throughput", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms",
+    "p99_tpot_ms", "mean_itl_ms", "median_itl_ms", "p99_itl_ms", "mean_e2el_ms", "median_e2el_ms", "p99_e2el_ms",
 }  # fmt: skip
 SUMMARY_KEYS = {
     "bench", "mode", "summary", "stacks", "request_rates", "ratio_of", "ratios", "low_load_request_rate",
