@@ -253,10 +253,7 @@ class DecodeLeader(Leader):
         self._set_phase(req, "decoding", kv_seconds=round(kv_seconds, 6))
         reason = self.scheduler.stop_reason(req, token)
         if reason:  # the first token already ends it (EOS, max_new_tokens == 1, a stop string)
-            req.finish_s = req.first_token_s
-            if self.scheduler.tokenizer is not None and not req.text:
-                req.text = self.scheduler.tokenizer.decode(req.output_ids)
-            self.scheduler.finish(req, reason)
+            self.scheduler.conclude(req, reason, req.first_token_s)
             self._retire(req, FINISH)
 
     # ---------------------------------------------------------------- endings

@@ -121,6 +121,9 @@ class EngineConfig:
     chunked_prefill_size: int = 512  # max prompt tokens scheduled per step; 0 = no chunking
     max_running_requests: int = 64  # decode batch size cap
     max_context: int = 0  # 0 = the model's max_position_embeddings
+    # a request without max_new_tokens (0: OpenAI's max_tokens omitted) gets the rest of the context, at
+    # most this many tokens; 0 = no cap
+    max_default_tokens: int = 128
     threads: int = 0  # torch intra-op threads on CPU; 0 = torch's default
     max_pending_requests: int = 1024  # requests a node holds at once (every phase); beyond: RESOURCE_EXHAUSTED
     bootstrap_timeout_s: float = 30.0  # prefill: a request waiting for its decode node's registration
@@ -135,6 +138,8 @@ class EngineConfig:
         for name in ("bootstrap_timeout_s", "prealloc_timeout_s", "transfer_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.max_default_tokens < 0:
+            raise ValueError(f"max_default_tokens must be >= 0 (0: no cap), got {self.max_default_tokens}")
         if self.max_pending_requests < 1:
             raise ValueError(f"max_pending_requests must be >= 1, got {self.max_pending_requests}")
         if self.page_size < 1:

@@ -99,6 +99,7 @@ class LLM:
             raise ValueError(f"prompt token id {bad[0]} is out of range [0, {vocab})")
         if len(prompt_ids) >= self.max_context:
             raise ValueError(f"prompt has {len(prompt_ids)} tokens; the context holds {self.max_context}")
+        params = params.resolved(len(prompt_ids), self.max_context, self.config.max_default_tokens)
         longest = min(len(prompt_ids) + params.max_new_tokens, self.max_context)
         pages = -(-longest // self.config.page_size)
         if pages > self.allocator.num_pages:
@@ -121,7 +122,7 @@ class LLM:
         step = self.scheduler.schedule()
         if step is None:
             return []
-        tokens = sample(self._forward(step.batch), step.sampled)
+        tokens = sample(self._forward(step.batch), step.sampled, self.model.config.eos_token_ids)
         finished = self.scheduler.postprocess(step, tokens)
         for req in finished:
             del self.requests[req.rid]

@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from engine.pages import PageTable
+
+if TYPE_CHECKING:
+    from engine.detok import StopChecker
 
 
 @dataclass(frozen=True)
 class SamplingParams:
+    # 0 = unset: the node makes it the rest of the context, at most EngineConfig.max_default_tokens (resolved())
     max_new_tokens: int = 128
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0  # nucleus mass kept, (0, 1]
@@ -19,10 +24,16 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # generation ends when the text contains one of these (excluded)
     stop_token_ids: tuple[int, ...] = ()  # besides the model's EOS tokens
     ignore_eos: bool = False
+    # EOS and stop_token_ids cannot be sampled, and stop strings do not count, until this many tokens are out
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 1 (or 0: the rest of the context), got {self.max_new_tokens}")
+        if self.min_tokens < 0 or (self.max_new_tokens and self.min_tokens > self.max_new_tokens):
+            raise ValueError(f"min_tokens must be in [0, max_new_tokens={self.max_new_tokens}], got {self.min_tokens}")
+        if not all(self.stop):
+            raise ValueError("stop strings must not be empty (one would match at once)")
         if not self.temperature >= 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -33,6 +44,16 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
+
+    def resolved(self, prompt_tokens: int, max_context: int, max_default_tokens: int) -> SamplingParams:
+        """With max_new_tokens unset (0): the rest of the context after the prompt, at most
+        max_default_tokens (0: no cap), at least min_tokens. Set: unchanged."""
+        if self.max_new_tokens:
+            return self
+        n = max(max_context - prompt_tokens, 1)
+        if max_default_tokens:
+            n = min(n, max_default_tokens)
+        return replace(self, max_new_tokens=max(n, self.min_tokens))
 
 
 @dataclass
@@ -54,6 +75,7 @@ class Request:
     seed: int = 0  # the sampling seed: params.seed, or a random one drawn at creation
     num_sampled: int = 0  # tokens sampled for this request so far (where sampling starts: see sampler.py)
     peer: str = ""  # disaggregated serving: the other node's address (shown by Admin)
+    stop_checker: StopChecker | None = None  # rank 0, with stop strings: the text so far (Scheduler.stop_reason)
 
     def __post_init__(self) -> None:
         self.seed = self.params.seed if self.params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1

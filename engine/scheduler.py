@@ -21,6 +21,7 @@ from typing import Protocol
 
 from engine.batch import ForwardBatch
 from engine.config import EngineConfig
+from engine.detok import StopChecker
 from engine.pages import PageAllocator
 from engine.request import Request
 from engine.tokenizer import Tokenizer
@@ -156,27 +157,37 @@ class Scheduler:
                 req.first_token_s = now
             reason = self.stop_reason(req, tok)
             if reason:
-                req.finish_s = now
-                if not req.text and self.tokenizer is not None:
-                    req.text = self.tokenizer.decode(req.output_ids)
-                self.finish(req, reason)
+                self.conclude(req, reason, now)
                 finished.append(req)
         return finished
 
     def stop_reason(self, req: Request, tok: int) -> str | None:
-        """Why `req` ends with its newest token `tok`, or None."""
+        """Why `req` ends with its newest token `tok`, or None. Stop strings are looked for in the
+        token's new text only (engine/detok.py: O(1) per token), once min_tokens are out; EOS and
+        stop_token_ids cannot be sampled before then (sampler.py)."""
         p = req.params
         if p.stop and self.tokenizer is not None:
-            text = self.tokenizer.decode(req.output_ids)
-            hits = [text.index(s) for s in p.stop if s in text]
-            if hits:
-                req.text = text[: min(hits)]
+            if req.stop_checker is None:
+                req.stop_checker = StopChecker(self.tokenizer, p.stop)
+            req.stop_checker.push(tok, match=len(req.output_ids) >= p.min_tokens)
+            if req.stop_checker.cut is not None:
                 return "stop"
         if tok in p.stop_token_ids or (tok in self.eos and not p.ignore_eos):
             return "stop"
         if len(req.output_ids) >= p.max_new_tokens or req.num_tokens >= self.max_context:
             return "length"
         return None
+
+    def conclude(self, req: Request, reason: str, now: float) -> None:
+        """End `req` after its newest token: its text is set once (cut before the stop string that
+        ended it, else the whole output decoded) and its pages go (or are held)."""
+        req.finish_s = now
+        if req.stop_checker is not None and req.stop_checker.cut is not None:
+            req.text = req.stop_checker.text()
+        elif self.tokenizer is not None:
+            req.text = self.tokenizer.decode(req.output_ids)
+        req.stop_checker = None
+        self.finish(req, reason)
 
     def preempt(self, req: Request) -> None:
         """Free a running request's pages and requeue it first; it is recomputed on readmission."""

@@ -21,6 +21,8 @@ _ENGINE_HELP = {
     "chunked_prefill_size": "max prompt tokens per step (0: no chunking)",
     "max_running_requests": "decode batch size cap",
     "max_context": "context length cap (0: the model's)",
+    "max_default_tokens": "a request without max_new_tokens (OpenAI: no max_tokens) gets the rest of the context, "
+    "at most this many tokens (0: no cap)",
     "threads": "torch CPU threads (0: torch's default; with PP, the cores split over the local ranks)",
     "max_pending_requests": "requests a node holds at once, every phase; more are refused (RESOURCE_EXHAUSTED)",
     "bootstrap_timeout_s": "prefill node: fail a request whose decode node has not registered after this, seconds",
@@ -78,14 +80,20 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--chat", action="append", default=[], help="a user message, wrapped in the model's chat template")
     src.add_argument("--prompt-ids", action="append", default=[], type=_token_ids, help="token ids, e.g. 1,2,3")
     d = SamplingParams()
-    gen.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
+    gen.add_argument(
+        "--max-new-tokens", type=int, default=d.max_new_tokens,
+        help=f"0 = the rest of the context, at most --max-default-tokens (default: {d.max_new_tokens})",
+    )  # fmt: skip
     gen.add_argument("--temperature", type=float, default=d.temperature, help="0 = greedy")
     gen.add_argument("--top-p", type=float, default=d.top_p)
     gen.add_argument("--top-k", type=int, default=d.top_k, help="0 = off")
     gen.add_argument("--seed", type=int, default=d.seed)
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--stop-token-ids", type=_token_ids, default=(), help="extra stop token ids, e.g. 2,7")
-    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--ignore-eos", action="store_true", help="EOS is an ordinary token: run to --max-new-tokens")
+    gen.add_argument(
+        "--min-tokens", type=int, default=d.min_tokens, help="no EOS, stop token or stop string before this many tokens"
+    )
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt")
     gen.add_argument("--quiet", action="store_true", help="no progress output")
 
@@ -146,6 +154,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             stop=tuple(args.stop),
             stop_token_ids=tuple(args.stop_token_ids),
             ignore_eos=args.ignore_eos,
+            min_tokens=args.min_tokens,
         )
         config, pp = from_flags(EngineConfig, args), from_flags(PPConfig, args)
         if pp.enable_dynamic_chunking and config.chunked_prefill_size < 1:

@@ -16,7 +16,6 @@ from kv_transfer import wire as kv_wire
 from kv_transfer.layout import DTYPES, NodeLayout
 from kvbridge.v1 import common_pb2, prefill_pb2
 
-DEFAULT_MAX_NEW_TOKENS = 128
 # Smallest non-greedy temperature: the sampler divides the logits by it, and below this a large
 # logit overflows float32 (inf, then NaN probabilities). 0 is greedy.
 MIN_TEMPERATURE = 1e-5
@@ -35,8 +34,10 @@ def sampling_params(msg: common_pb2.SamplingParams) -> SamplingParams:
     empty = [i for i, s in enumerate(msg.stop) if not s]
     if empty:
         raise ValueError(f"sampling.stop[{empty[0]}] is empty (it would match at once)")
+    if msg.max_new_tokens and msg.min_tokens > msg.max_new_tokens:
+        raise ValueError(f"sampling.min_tokens ({msg.min_tokens}) must be <= max_new_tokens ({msg.max_new_tokens})")
     return SamplingParams(
-        max_new_tokens=msg.max_new_tokens or DEFAULT_MAX_NEW_TOKENS,
+        max_new_tokens=msg.max_new_tokens,  # 0: unset, the node resolves it (SamplingParams.resolved)
         temperature=msg.temperature,
         top_p=msg.top_p or 1.0,
         top_k=msg.top_k,
@@ -44,6 +45,7 @@ def sampling_params(msg: common_pb2.SamplingParams) -> SamplingParams:
         stop=tuple(msg.stop),
         stop_token_ids=tuple(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
+        min_tokens=msg.min_tokens,
     )
 
 
@@ -56,6 +58,7 @@ def sampling_message(p: SamplingParams) -> common_pb2.SamplingParams:
         stop=list(p.stop),
         stop_token_ids=list(p.stop_token_ids),
         ignore_eos=p.ignore_eos,
+        min_tokens=p.min_tokens,
     )
     if p.seed is not None:
         msg.seed = p.seed

@@ -40,7 +40,8 @@ class PrefillLeader(Leader):
     # ---------------------------------------------------------------- inputs
 
     def _admit_new(self, req: Request, extra: dict) -> None:
-        req.params = replace(req.params, max_new_tokens=1)  # a prefill node samples the first token only
+        # a prefill node samples the first token only (index 0: held back from EOS when min_tokens > 0)
+        req.params = replace(req.params, max_new_tokens=1, min_tokens=min(req.params.min_tokens, 1))
         room = int(extra["room"])
         if room in self.rooms:  # the registration for it would route this request's KV to another's pages
             req.room, req.finish_reason = room, "error"

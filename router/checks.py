@@ -50,6 +50,8 @@ def check_sampling(req: generation_pb2.GenerateRequest) -> None:
         raise ValueError(f"sampling.temperature must be >= 0 and finite, got {s.temperature}")
     if not 0 <= s.top_p <= 1:  # 0 = unset (1.0); NaN fails too
         raise ValueError(f"sampling.top_p must be in (0, 1], got {s.top_p}")
+    if s.max_new_tokens and s.min_tokens > s.max_new_tokens:
+        raise ValueError(f"sampling.min_tokens ({s.min_tokens}) must be <= max_new_tokens ({s.max_new_tokens})")
     if len(s.stop) > MAX_STOP_STRINGS:
         raise ValueError(f"sampling.stop has {len(s.stop)} strings; at most {MAX_STOP_STRINGS}")
     for i, stop in enumerate(s.stop):

@@ -4,9 +4,16 @@ error bodies. No I/O here (http.py does it).
 Fields read: model, prompt (string, token-id list, or a list holding one of those), messages,
 max_tokens / max_completion_tokens, temperature, top_p, seed, stop (string or list), n (only 1),
 stream, stream_options.include_usage; extensions as in vLLM: top_k (-1 or 0 = off),
-stop_token_ids, ignore_eos. Fields that would change the output but are not implemented (echo,
-logprobs, penalties, logit_bias, tools, best_of, suffix, non-text response_format) are rejected
-rather than silently ignored; other unknown fields are ignored.
+stop_token_ids, ignore_eos, min_tokens. Defaults as OpenAI documents them: temperature 1.0 (our
+models carry no generation config that could set another); max_tokens omitted = the rest of the
+context (sent as max_new_tokens 0: only the node knows the prompt length; it caps that at its
+--max-default-tokens).
+
+Every field of vLLM's chat and completion protocol that would change the output but is not
+implemented is refused with a 400 naming it when it has a non-default value (`_unsupported`:
+logprobs, penalties, logit_bias, beam search, guided decoding, tools, chat template overrides...);
+fields that do not change the output (user, metadata, store, service_tier, parallel_tool_calls,
+priority...) and unknown fields are ignored.
 """
 
 from __future__ import annotations
@@ -166,20 +173,84 @@ def _stop(body: dict) -> list[str]:
     return [_text(s, "stop") for s in stops]
 
 
+def _kind(v) -> str:
+    """A JSON value's type, numbers as one (0 and 0.0 alike; true is not 1)."""
+    return "number" if isinstance(v, int | float) and not isinstance(v, bool) else type(v).__name__
+
+
+def _default(*values):
+    """The field is off when absent, null or one of `values` (compared within its JSON type)."""
+    return lambda v: v is None or any(_kind(v) == _kind(d) and v == d for d in values)
+
+
+def _empty(v) -> bool:
+    return v is None or (_kind(v) in ("str", "list", "dict") and not v)
+
+
+# Fields of vLLM's protocol (vllm/entrypoints/openai/protocol.py; and a few of SGLang's) that change
+# the output, and when they are off. Both endpoints unless _CHAT_ONLY / _COMPLETION_ONLY.
+_OUTPUT_CHANGING = {
+    "echo": _default(False),
+    "best_of": _default(1),
+    "logprobs": _default(False),  # chat: a bool; completions: an int (even 0 returns logprobs)
+    "top_logprobs": _default(0),
+    "prompt_logprobs": _default(),
+    "presence_penalty": _default(0),
+    "frequency_penalty": _default(0),
+    "repetition_penalty": _default(1),
+    "length_penalty": _default(1),
+    "use_beam_search": _default(False),
+    "logit_bias": _empty,
+    "min_p": _default(0),
+    "top_a": _default(0),
+    "typical_p": _default(1),
+    "bad_words": _empty,
+    "allowed_token_ids": _default(),
+    "logits_processors": _empty,
+    "response_format": lambda v: v is None or v == {"type": "text"},
+    "guided_json": _empty,
+    "guided_regex": _empty,
+    "guided_choice": _empty,
+    "guided_grammar": _empty,
+    "structural_tag": _empty,
+    "structured_outputs": _empty,
+    "regex": _empty,  # SGLang
+    "json_schema": _empty,  # SGLang
+    "ebnf": _empty,  # SGLang
+    "stop_regex": _empty,  # SGLang
+    "tools": _empty,
+    "tool_choice": _default("none", "auto"),  # "auto" without tools calls nothing
+    "functions": _empty,
+    "function_call": _default("none", "auto"),
+    "suffix": _empty,
+    "skip_special_tokens": _default(True),
+    "spaces_between_special_tokens": _default(True),
+    "include_stop_str_in_output": _default(False),
+    "no_stop_trim": _default(False),  # SGLang's include_stop_str_in_output
+    "truncate_prompt_tokens": _default(),
+    "prompt_embeds": _empty,
+    "reasoning_effort": _default(),
+    "verbosity": _default(),
+    "audio": _default(),
+    "modalities": lambda v: v is None or v == ["text"],
+    "web_search_options": _default(),
+}
+_CHAT_ONLY = {
+    "add_generation_prompt": _default(True),
+    "continue_final_message": _default(False),
+    "add_special_tokens": _default(False),  # vLLM's chat default: the template carries BOS
+    "chat_template": _empty,
+    "chat_template_kwargs": _empty,
+    "documents": _empty,
+}
+_COMPLETION_ONLY = {
+    "add_special_tokens": _default(True),
+}
+
+
 def _unsupported(body: dict, chat: bool) -> None:
-    off = {
-        "echo": lambda v: v in (None, False),
-        "best_of": lambda v: v in (None, 1),
-        "logprobs": lambda v: v in (None, False) if chat else v is None,
-        "top_logprobs": lambda v: v is None,
-        "presence_penalty": lambda v: v in (None, 0),
-        "frequency_penalty": lambda v: v in (None, 0),
-        "logit_bias": lambda v: not v,
-        "tools": lambda v: not v,
-        "suffix": lambda v: not v,
-        "response_format": lambda v: v is None or v == {"type": "text"},
-    }
-    for name, is_off in off.items():
+    """400 for the first output-changing field we do not implement that is set to a non-default value."""
+    for name, is_off in (_OUTPUT_CHANGING | (_CHAT_ONLY if chat else _COMPLETION_ONLY)).items():
         if not is_off(body.get(name)):
             raise BadRequest(f"{name} is not supported, got {_show(body[name])}", name)
 
@@ -212,8 +283,8 @@ def parse_request(raw: bytes, chat: bool) -> OpenAIRequest:
     max_tokens = max_tokens if max_tokens is not None else _int(body, "max_tokens", 1, UINT32_MAX)
     if max_tokens is not None:
         sampling.max_new_tokens = max_tokens
-    if (t := _number(body, "temperature", 0, 2)) is not None:
-        sampling.temperature = t
+    t = _number(body, "temperature", 0, 2)
+    sampling.temperature = 1.0 if t is None else t  # OpenAI's default: sampled, not greedy
     if (p := _number(body, "top_p", 0, 1, low_open=True)) is not None:
         sampling.top_p = p
     if (k := _int(body, "top_k", -1, UINT32_MAX)) is not None:
@@ -227,6 +298,10 @@ def parse_request(raw: bytes, chat: bool) -> OpenAIRequest:
                 f"stop_token_ids must be a list of token ids, got {_show(body['stop_token_ids'])}", "stop_token_ids"
             )
         sampling.stop_token_ids.extend(ids)
+    if (m := _int(body, "min_tokens", 0, UINT32_MAX)) is not None:
+        if max_tokens is not None and m > max_tokens:
+            raise BadRequest(f"min_tokens ({m}) must be <= max_tokens ({max_tokens})", "min_tokens")
+        sampling.min_tokens = m
     ignore_eos = body.get("ignore_eos")
     if ignore_eos is not None and not isinstance(ignore_eos, bool):
         raise BadRequest(f"ignore_eos must be a boolean, got {_show(ignore_eos)}", "ignore_eos")

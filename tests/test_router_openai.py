@@ -42,9 +42,68 @@ def test_completion_fields_map_to_the_request():
     assert not r.request.rid and not r.request.HasField("prefill")
 
 
-def test_unset_fields_leave_the_server_defaults():
-    s = parse(prompt=[1, 2]).request.sampling
-    assert s == common_pb2.SamplingParams()
+def test_unset_fields_take_openai_defaults():
+    for r in (parse(prompt=[1, 2]), parse(chat=True, messages=[{"role": "user", "content": "x"}])):
+        s = r.request.sampling
+        # temperature 1.0 (sampled); max_new_tokens 0: the rest of the context, resolved at the node
+        assert s == common_pb2.SamplingParams(temperature=1.0)
+    assert parse(prompt="x", temperature=0).request.sampling.temperature == 0
+    assert parse(prompt="x", temperature=None).request.sampling.temperature == 1.0
+
+
+def test_min_tokens_and_the_output_neutral_fields_are_accepted():
+    s = parse(prompt="x", max_tokens=9, min_tokens=9, ignore_eos=False).request.sampling
+    assert (s.min_tokens, s.max_new_tokens) == (9, 9)
+    assert parse(prompt="x", min_tokens=3).request.sampling.min_tokens == 3  # without max_tokens: checked at the node
+    neutral = {"user": "u", "metadata": {"a": "b"}, "store": False, "service_tier": "auto", "priority": 1,
+               "parallel_tool_calls": True, "stream_options": {"include_usage": False}, "request_id": "r"}  # fmt: skip
+    at_default = {"echo": False, "best_of": 1, "logprobs": None, "presence_penalty": 0.0, "frequency_penalty": 0,
+                  "repetition_penalty": 1.0, "length_penalty": 1, "min_p": 0, "top_a": 0, "typical_p": 1.0,
+                  "logit_bias": {}, "tools": [], "tool_choice": "none", "functions": [], "function_call": "auto",
+                  "response_format": {"type": "text"}, "skip_special_tokens": True,
+                  "spaces_between_special_tokens": True, "include_stop_str_in_output": False, "guided_json": None,
+                  "use_beam_search": False, "bad_words": [], "suffix": "", "modalities": ["text"]}  # fmt: skip
+    parse(prompt="x", **neutral, **at_default, add_special_tokens=True)
+    parse(chat=True, messages=[{"role": "user", "content": "x"}], **neutral, **at_default, top_logprobs=0,
+          add_generation_prompt=True, continue_final_message=False, add_special_tokens=False, chat_template_kwargs={},
+          stop_token_ids=[2])  # fmt: skip
+
+
+BOTH = [
+    ("echo", True), ("best_of", 2), ("top_logprobs", 3), ("prompt_logprobs", 0), ("presence_penalty", 0.5),
+    ("frequency_penalty", -1), ("repetition_penalty", 1.1), ("length_penalty", 0.9), ("use_beam_search", True),
+    ("logit_bias", {"5": 100}), ("min_p", 0.1), ("top_a", 0.2), ("typical_p", 0.9), ("bad_words", ["x"]),
+    ("allowed_token_ids", [1, 2]), ("logits_processors", ["m.f"]), ("response_format", {"type": "json_object"}),
+    ("guided_json", {"type": "object"}), ("guided_regex", "a+"), ("guided_choice", ["a", "b"]),
+    ("guided_grammar", "root ::= x"), ("structural_tag", "{}"), ("structured_outputs", {"regex": "a"}),
+    ("regex", "a"), ("json_schema", "{}"), ("ebnf", "x"), ("stop_regex", ["a"]),
+    ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "required"),
+    ("tool_choice", {"type": "function", "function": {"name": "f"}}), ("functions", [{"name": "f"}]),
+    ("function_call", {"name": "f"}), ("suffix", "end"), ("skip_special_tokens", False),
+    ("spaces_between_special_tokens", False), ("include_stop_str_in_output", True), ("no_stop_trim", True),
+    ("truncate_prompt_tokens", 5), ("prompt_embeds", "AAAA"), ("reasoning_effort", "high"), ("verbosity", "low"),
+    ("audio", {"voice": "x"}), ("modalities", ["text", "audio"]), ("web_search_options", {}),
+    ("echo", 1), ("presence_penalty", True),  # the JSON type counts: 1 is not false, true is not 0
+]  # fmt: skip
+CHAT_ONLY = [
+    ("logprobs", True), ("add_generation_prompt", False), ("continue_final_message", True),
+    ("add_special_tokens", True), ("chat_template", "{{ x }}"), ("chat_template_kwargs", {"enable_thinking": True}),
+    ("documents", [{"text": "d"}]),
+]  # fmt: skip
+COMPLETION_ONLY = [("logprobs", 0), ("logprobs", 5), ("add_special_tokens", False)]
+
+
+@pytest.mark.parametrize(
+    ("chat", "name", "value"),
+    [(c, n, v) for c in (False, True) for n, v in BOTH]
+    + [(True, n, v) for n, v in CHAT_ONLY]
+    + [(False, n, v) for n, v in COMPLETION_ONLY],
+)
+def test_every_unimplemented_output_changing_field_is_refused_by_name(chat, name, value):
+    body = {"messages": [{"role": "user", "content": "x"}]} if chat else {"prompt": "x"}
+    with pytest.raises(BadRequest) as err:
+        parse(chat=chat, **body, **{name: value})
+    assert str(err.value).startswith(f"{name} is not supported, got ") and err.value.param == name
 
 
 @pytest.mark.parametrize(
@@ -107,6 +166,14 @@ def test_chat_messages_and_content_parts():
         (False, {"prompt": "x", "echo": True}, "echo", "echo is not supported"),
         (False, {"prompt": "x", "logprobs": 2}, "logprobs", "logprobs is not supported"),
         (False, {"prompt": "x", "model": 5}, "model", "model must be a string, got 5"),
+        (False, {"prompt": "x", "min_tokens": -1}, "min_tokens", "min_tokens must be an integer in [0, 4294967295]"),
+        (False, {"prompt": "x", "min_tokens": "3"}, "min_tokens", 'got "3"'),
+        (
+            False,
+            {"prompt": "x", "max_tokens": 4, "min_tokens": 5},
+            "min_tokens",
+            "min_tokens (5) must be <= max_tokens (4)",
+        ),
         (True, {"messages": []}, "messages", "messages must be a non-empty list"),
         (True, {"messages": [{"role": "tool", "content": "x"}]}, "messages", "messages[0].role must be"),
         (True, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages", "text parts"),
@@ -133,7 +200,8 @@ def json_values(max_leaves: int = 8):
 
 FIELDS = [
     "model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
-    "seed", "stop", "n", "stream", "stream_options", "stop_token_ids", "ignore_eos", "echo", "logprobs",
+    "seed", "stop", "n", "stream", "stream_options", "stop_token_ids", "ignore_eos", "min_tokens", "echo", "logprobs",
+    "tools", "tool_choice", "response_format", "skip_special_tokens", "chat_template_kwargs", "presence_penalty",
 ]  # fmt: skip
 
 
@@ -159,6 +227,7 @@ def test_any_json_body_parses_or_is_a_bad_request(case):
         return
     s = r.request.sampling  # what passed is in range
     assert 0 <= s.temperature <= 2 and 0 <= s.top_p <= 1 and s.max_new_tokens >= 0
+    assert not s.max_new_tokens or s.min_tokens <= s.max_new_tokens
     assert r.request.prompt.WhichOneof("kind") in (("chat",) if chat else ("text", "token_ids"))
 
 

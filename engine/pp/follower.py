@@ -70,6 +70,6 @@ class Follower:
 
     def _return_tokens(self, raw: bytes, msg: Message, meta: AttentionMetadata, logits: torch.Tensor) -> None:
         sampled = [self.live[rid] for rid, s in zip(msg.batch.rids, msg.batch.sample) if s]
-        tokens = sample(logits, sampled)
+        tokens = sample(logits, sampled, self.stage.config.eos_token_ids)
         self.agent.on_sampled(msg.batch, tokens)
         self.link.send_tensor(torch.tensor([len(tokens), *tokens], dtype=torch.int64), 0)

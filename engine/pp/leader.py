@@ -141,7 +141,7 @@ class Leader:
         return self.link.recv_tensor((len(step.sampled) + 1,), torch.int64, self.last_rank).tolist()
 
     def _sample_here(self, step: ScheduledStep, logits: torch.Tensor) -> None:
-        tokens = sample(logits, step.sampled)
+        tokens = sample(logits, step.sampled, self.stage.config.eos_token_ids)
         self.agent.on_sampled(step.batch, tokens)
         self._sampled.append([len(step.sampled), *tokens])
 

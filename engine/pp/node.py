@@ -132,6 +132,7 @@ class PPNode:
             raise ValueError(f"prompt token id {bad[0]} is out of range [0, {vocab})")
         if len(prompt_ids) >= self.max_context:
             raise ValueError(f"prompt has {len(prompt_ids)} tokens; the context holds {self.max_context}")
+        params = params.resolved(len(prompt_ids), self.max_context, self.config.max_default_tokens)
         pages = -(-min(len(prompt_ids) + params.max_new_tokens, self.max_context) // self.config.page_size)
         if pages > self.config.total_pages:
             raise ValueError(f"request needs {pages} KV pages; the pool has {self.config.total_pages}")

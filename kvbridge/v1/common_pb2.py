@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvbridge/v1/common.proto\x12\x0bkvbridge.v1\"\xb1\x01\n\x0eSamplingParams\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x42\x07\n\x05_seed\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\":\n\x0c\x43hatMessages\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.kvbridge.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"w\n\x06Prompt\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12)\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x19.kvbridge.v1.ChatMessagesH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.kvbridge.v1.TokenIdsH\x00\x42\x06\n\x04kind\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\rb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvbridge/v1/common.proto\x12\x0bkvbridge.v1\"\xc5\x01\n\x0eSamplingParams\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x12\n\nmin_tokens\x18\t \x01(\rB\x07\n\x05_seed\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\":\n\x0c\x43hatMessages\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.kvbridge.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"w\n\x06Prompt\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12)\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x19.kvbridge.v1.ChatMessagesH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.kvbridge.v1.TokenIdsH\x00\x42\x06\n\x04kind\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\rb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,15 +32,15 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvbridge.v1.common_pb2', _g
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS']._serialized_start=42
-  _globals['_SAMPLINGPARAMS']._serialized_end=219
-  _globals['_CHATMESSAGE']._serialized_start=221
-  _globals['_CHATMESSAGE']._serialized_end=265
-  _globals['_CHATMESSAGES']._serialized_start=267
-  _globals['_CHATMESSAGES']._serialized_end=325
-  _globals['_TOKENIDS']._serialized_start=327
-  _globals['_TOKENIDS']._serialized_end=350
-  _globals['_PROMPT']._serialized_start=352
-  _globals['_PROMPT']._serialized_end=471
-  _globals['_USAGE']._serialized_start=473
-  _globals['_USAGE']._serialized_end=530
+  _globals['_SAMPLINGPARAMS']._serialized_end=239
+  _globals['_CHATMESSAGE']._serialized_start=241
+  _globals['_CHATMESSAGE']._serialized_end=285
+  _globals['_CHATMESSAGES']._serialized_start=287
+  _globals['_CHATMESSAGES']._serialized_end=345
+  _globals['_TOKENIDS']._serialized_start=347
+  _globals['_TOKENIDS']._serialized_end=370
+  _globals['_PROMPT']._serialized_start=372
+  _globals['_PROMPT']._serialized_end=491
+  _globals['_USAGE']._serialized_start=493
+  _globals['_USAGE']._serialized_end=550
 # @@protoc_insertion_point(module_scope)

@@ -1,0 +1,203 @@
+"""Streaming detokenization in O(1) per token, and stop strings found on the new text only.
+
+    detok = IncrementalDetokenizer(tokenizer)
+    text = "".join(detok.push(t) for t in ids)  # == tokenizer.decode(ids)
+
+- `IncrementalDetokenizer`: one request's output, token by token, with prefix/read offsets as
+  vLLM does. Each push decodes a short window only: the tokens of the last piece it returned
+  (the decoder's left context) plus the tokens not returned yet. A piece is returned once the
+  window's text grew and no longer ends in U+FFFD (a multi-byte character split across
+  tokens is still incomplete). The window is bounded: after MAX_PENDING tokens without a
+  complete character (invalid bytes, not a split character) it cuts where the text is final
+  and keeps the last KEEP tokens back. `tokens_decoded` counts the ids passed to the
+  tokenizer's decode, at most MAX_WORK_PER_TOKEN per push whatever the output length.
+- `StopMatcher`: stop strings in a growing text, searched in the newest characters only
+  (the new piece plus max_stop_len - 1 before it), so a stop string split across tokens is
+  found when its last character arrives; `num_held()` is how much of the text could still
+  become the start of a stop string.
+- `StopChecker`: both, for rank 0's scheduler (one per request with stop strings): where
+  the output text ends and that text, cut before the stop string.
+- `TextStream`: the front's interface (engine.frontend.TextStream: `push(token)` the text
+  safe to send now, `finish(final_text)` the rest) on top of a StopChecker.
+
+Special tokens are dropped before decoding when they are skipped (as `tokenizers` itself does
+with skip_special_tokens), so they never widen the window.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+from engine.tokenizer import Tokenizer
+
+REPLACEMENT = "\ufffd"  # what an incomplete (or invalid) UTF-8 sequence decodes to
+MAX_PENDING = 8  # tokens waiting for a character to complete before the window is cut by force
+KEEP = 3  # tokens kept back at a forced cut: an incomplete UTF-8 character spans at most 3 bytes
+# ids passed to decode by one push, at most: the window (context and pending tokens, each at most
+# MAX_PENDING + 1 long), then at a forced cut up to MAX_PENDING + 2 - KEEP trial decodes of it, then
+# the new context
+MAX_WORK_PER_TOKEN = 2 * (MAX_PENDING + 1) * (MAX_PENDING + 3 - KEEP) + (MAX_PENDING + 1)
+
+_SPECIAL_IDS: weakref.WeakKeyDictionary[Tokenizer, frozenset[int]] = weakref.WeakKeyDictionary()
+
+
+def special_ids(tokenizer: Tokenizer) -> frozenset[int]:
+    """The ids decode(skip_special_tokens=True) drops (computed once per tokenizer)."""
+    ids = _SPECIAL_IDS.get(tokenizer)
+    if ids is None:
+        added = tokenizer.backend.get_added_tokens_decoder()
+        ids = _SPECIAL_IDS[tokenizer] = frozenset(i for i, tok in added.items() if tok.special)
+    return ids
+
+
+class IncrementalDetokenizer:
+    """One request's output text, token by token: `push` returns the new final text."""
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
+        self._backend = tokenizer.backend
+        self._skip = skip_special_tokens
+        self._dropped = special_ids(tokenizer) if skip_special_tokens else frozenset()
+        self._context: list[int] = []  # the tokens of the last piece returned: left context for the decoder
+        self._context_text = ""  # their text, decoded alone
+        self._pending: list[int] = []  # tokens whose text was not returned yet
+        self.num_tokens = 0  # tokens pushed
+        self.tokens_decoded = 0  # ids passed to the tokenizer's decode so far (the work done)
+
+    def push(self, token: int) -> str:
+        self.num_tokens += 1
+        if token in self._dropped:
+            return ""  # decode would drop it too: it changes no text
+        self._pending.append(token)
+        text = self._decode(self._context + self._pending)
+        if len(text) > len(self._context_text) and not text.endswith(REPLACEMENT):
+            return self._show(len(self._pending), text)
+        if len(self._pending) > MAX_PENDING:
+            return self._force(text)
+        return ""
+
+    def flush(self) -> str:
+        """The text of the tokens still held back, as decode gives it (U+FFFD for an unfinished
+        character): the output ended. The concatenation of every push and this is decode(ids)."""
+        if not self._pending:
+            return ""
+        return self._show(len(self._pending), self._decode(self._context + self._pending))
+
+    def _decode(self, ids: list[int]) -> str:
+        self.tokens_decoded += len(ids)
+        return self._backend.decode(ids, skip_special_tokens=self._skip)
+
+    def _show(self, n: int, text: str) -> str:
+        """Return the text of the first n pending tokens; `text` is the decode of context + them."""
+        piece = text[len(self._context_text) :]
+        self._context, self._pending = self._pending[:n], self._pending[n:]
+        self._context_text = self._decode(self._context)
+        return piece
+
+    def _force(self, text: str) -> str:
+        """Too many tokens wait without completing a character (invalid bytes): return the text
+        before the last KEEP of them, cut after the last token whose text the newer tokens did not
+        change (with KEEP tokens after it, any character it started has completed or failed)."""
+        for n in range(len(self._pending) - KEEP, 0, -1):
+            head = self._decode(self._context + self._pending[:n])
+            if text.startswith(head) and len(head) >= len(self._context_text):
+                return self._show(n, head)
+        # every cut splits a character that later tokens completed: not seen from a real model
+        n = len(self._pending) - KEEP
+        return self._show(n, self._decode(self._context + self._pending[:n]))
+
+
+class StopMatcher:
+    """Finds stop strings in a growing text, looking only at its newest characters."""
+
+    def __init__(self, stops: tuple[str, ...]):
+        assert all(stops), "empty stop strings are refused by SamplingParams"
+        self.stops = tuple(stops)
+        self.max_len = max(map(len, self.stops), default=0)
+        self._tail = ""  # the last max_len - 1 characters seen
+        self.num_chars = 0  # characters seen so far
+
+    def push(self, new: str, match: bool = True) -> int | None:
+        """Take the next piece of text. Returns where, in the whole text, the earliest stop string
+        that ends inside `new` starts (the text ends there); None if none does. match=False only
+        remembers the piece (before min_tokens no stop string may end the request)."""
+        window = self._tail + new
+        base = self.num_chars - len(self._tail)  # offset of window[0] in the whole text
+        self.num_chars += len(new)
+        self._tail = window[max(0, len(window) - self.max_len + 1) :]
+        if not match or not new:
+            return None
+        hits = []
+        for s in self.stops:
+            # a match must end in `new`: it starts in the last len(new) + len(s) - 1 characters
+            i = window.find(s, max(0, len(window) - len(new) - len(s) + 1))
+            if i >= 0:
+                hits.append(i)
+        return base + min(hits) if hits else None
+
+    def num_held(self) -> int:
+        """Characters at the end of the text that are the start of a stop string (not sendable yet)."""
+        held = 0
+        for s in self.stops:
+            for k in range(min(len(self._tail), len(s) - 1), held, -1):
+                if self._tail.endswith(s[:k]):
+                    held = k
+                    break
+        return held
+
+
+class StopChecker:
+    """One request's text and the stop string that ends it (rank 0 keeps one per request with
+    stop strings). The text is kept in pieces and joined once, at the end."""
+
+    def __init__(self, tokenizer: Tokenizer, stops: tuple[str, ...]):
+        self.detok = IncrementalDetokenizer(tokenizer)
+        self.matcher = StopMatcher(stops)
+        self.pieces: list[str] = []
+        self.cut: int | None = None  # where the output text ends (stop string excluded), once found
+
+    def push(self, token: int, match: bool = True) -> str:
+        """The token's new text; sets `cut` when a stop string ends in it (and `match`)."""
+        new = self.detok.push(token)
+        if new:
+            self.pieces.append(new)
+        cut = self.matcher.push(new, match)
+        if cut is not None and self.cut is None:
+            self.cut = cut
+        return new
+
+    def text(self) -> str:
+        """The output text: cut before the stop string when one was found (O(length), once)."""
+        return "".join(self.pieces)[: self.cut]
+
+
+class TextStream:
+    """Incremental detokenization of one request's output for streaming: engine.frontend's
+    TextStream interface, O(1) per token. Text that could still become a stop string is held
+    back; once a stop string is found (after min_tokens tokens), nothing from it on is sent."""
+
+    def __init__(self, tokenizer: Tokenizer | None, stop: tuple[str, ...] = (), min_tokens: int = 0):
+        self.checker = StopChecker(tokenizer, stop) if tokenizer is not None else None
+        self.min_tokens = min_tokens  # the request's: stop strings count only once this many tokens are out
+        self._unsent = ""  # final text not handed out yet (what might become a stop string)
+        self._sent: list[str] = []  # text handed out, in pieces
+
+    def push(self, token: int) -> str:
+        """The text that is safe to send now (possibly "")."""
+        c = self.checker
+        if c is None or c.cut is not None:
+            return ""
+        new = c.push(token, match=c.detok.num_tokens + 1 >= self.min_tokens)
+        pending = self._unsent + new
+        start = c.matcher.num_chars - len(pending)  # offset of pending[0] in the whole text
+        end = c.cut - start if c.cut is not None else len(pending) - c.matcher.num_held()
+        out, self._unsent = pending[: max(end, 0)], pending[max(end, 0) :]
+        if out:
+            self._sent.append(out)
+        return out
+
+    def finish(self, final_text: str) -> str:
+        """The rest of the final text (stop strings already cut off by the engine)."""
+        sent = "".join(self._sent)
+        rest = final_text[len(sent) :] if final_text.startswith(sent) else ""
+        self._sent, self._unsent = [final_text], ""
+        return rest
