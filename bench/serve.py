@@ -330,6 +330,7 @@ def sweep_summary(args: argparse.Namespace, rows: list[dict], rates: list[float]
         "summary": True,
         "stacks": list(args.stacks),
         "request_rates": [rate_of(r) for r in rates],
+        "max_concurrency": args.max_concurrency,
         "ratio_of": "disaggregated/colocated",
         "ratios": ratios,
         "low_load_request_rate": low,

@@ -23,8 +23,8 @@ RUN_KEYS = {
     "p99_tpot_ms", "mean_itl_ms", "median_itl_ms", "p99_itl_ms", "mean_e2el_ms", "median_e2el_ms", "p99_e2el_ms",
 }  # fmt: skip
 SUMMARY_KEYS = {
-    "bench", "mode", "summary", "stacks", "request_rates", "ratio_of", "ratios", "low_load_request_rate",
-    "low_load_ttft_overhead_ms",
+    "bench", "mode", "summary", "stacks", "request_rates", "max_concurrency", "ratio_of", "ratios",
+    "low_load_request_rate", "low_load_ttft_overhead_ms",
 }  # fmt: skip
 
 
