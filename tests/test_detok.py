@@ -200,6 +200,10 @@ def test_scheduler_stop_strings_give_the_same_text_and_finish_as_a_full_decode(t
     got = llm.generate([p for p, _, _ in cases], params)
     for (_, run, stops), c in zip(cases, got):
         assert (c.output_ids, c.text, c.finish_reason) == reference_stop(llm.tokenizer, run, stops), stops
+        # the front's stream of the same tokens never sends what the engine cut off, and ends with its text
+        stream = TextStream(llm.tokenizer, stops)
+        sent = "".join(stream.push(t) for t in c.output_ids)
+        assert c.text.startswith(sent) and sent + stream.finish(c.text) == c.text
     assert {c.finish_reason for c in got} == {"stop", "length"}
 
 
