@@ -83,7 +83,8 @@ class HTTPFront:
         self.app = app
         self.sock = _bind(config.host, config.http_port)
         self.port = self.sock.getsockname()[1]
-        protocol = type("H11Protocol", (_H11Protocol,), {"header_timeout_s": config.http_header_timeout_s})
+        limits = {"header_timeout_s": config.http_header_timeout_s, "max_body_bytes": config.max_body_bytes}
+        protocol = type("H11Protocol", (_H11Protocol,), limits)
         self.server = uvicorn.Server(
             uvicorn.Config(
                 self,
@@ -196,7 +197,7 @@ class HTTPFront:
     async def _read_body(self, request: Request) -> bytes | Response:
         """The request body, or the error answer: 413 over the limit, 408 too slow."""
         limit = self.config.max_body_bytes
-        too_large = error_body(grpc.StatusCode.INVALID_ARGUMENT, f"body over {limit} bytes")[1]
+        too_large = _body_too_large(limit)
         length = request.headers.get("content-length")  # (h11 checked that it is a number)
         if length is not None and int(length) > limit:
             return _json(413, too_large, {"Connection": "close"})
@@ -300,10 +301,15 @@ class _Outgoing:
 
 
 class _H11Protocol(H11Protocol):
-    """uvicorn's h11 protocol with a header timeout, and its own answers to malformed requests
-    in the OpenAI error format."""
+    """uvicorn's h11 protocol with a header timeout, a chunk declaring more than the body limit
+    refused at once, and its own answers to malformed requests in the OpenAI error format."""
 
     header_timeout_s: float  # set on the subclass HTTPFront makes
+    max_body_bytes: int  # (likewise)
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.conn = _Connection(h11.SERVER, self.config.h11_max_incomplete_event_size)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -314,6 +320,15 @@ class _H11Protocol(H11Protocol):
         if self._header_timer is not None:
             self._header_timer.cancel()
         super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        # h11 tells no chunk's declared size but keeps what is left of it on its reader: a body
+        # that it takes over the limit is refused now, not once the client sent it (or stalled)
+        pending = getattr(getattr(self.conn, "_reader", None), "_bytes_in_chunk", 0)
+        over = isinstance(pending, int) and self.conn.body_bytes + pending > self.max_body_bytes
+        if over and not self.transport.is_closing():
+            self._refuse(413, _body_too_large(self.max_body_bytes))
 
     def on_response_complete(self) -> None:
         self._await_headers()  # before the next request can start (a pipelined one starts in there)
@@ -335,14 +350,22 @@ class _H11Protocol(H11Protocol):
     def send_400_response(self, msg: str) -> None:
         # called inside uvicorn's `except h11.RemoteProtocolError`, so the error is at hand
         error = sys.exc_info()[1]
+        status = getattr(error, "error_status_hint", 400)
+        if status == 431:  # h11's "Receive buffer too long": headers still coming past the cap
+            self._refuse(status, _HEADERS_TOO_LARGE)
+        else:
+            self._refuse(status, error_body(grpc.StatusCode.INVALID_ARGUMENT, f"malformed HTTP request: {error}")[1])
+
+    def _refuse(self, status: int, obj: dict) -> None:
+        """Answer `status` with `obj` and close, whatever the request being handled does."""
+        if self.cycle is not None and not self.cycle.response_complete:
+            # the request being handled ends here: its answer goes nowhere, its reads see http.disconnect
+            self.cycle.disconnected = True
+            self.cycle.message_event.set()
         if self.conn.our_state not in (h11.IDLE, h11.SEND_RESPONSE):  # an answer is under way: just close
             self.transport.close()
             return
-        status = getattr(error, "error_status_hint", 400)
-        if status == 431:  # h11's "Receive buffer too long": headers still coming past the cap
-            body = json.dumps(_HEADERS_TOO_LARGE)
-        else:
-            body = json.dumps(error_body(grpc.StatusCode.INVALID_ARGUMENT, f"malformed HTTP request: {error}")[1])
+        body = json.dumps(obj).encode()
         headers = [
             (b"Content-Type", b"application/json"),
             (b"Content-Length", str(len(body)).encode()),
@@ -351,11 +374,25 @@ class _H11Protocol(H11Protocol):
         ]
         for event in (
             h11.Response(status_code=status, headers=headers, reason=STATUS_PHRASES[status]),
-            h11.Data(data=body.encode()),
+            h11.Data(data=body),
             h11.EndOfMessage(),
         ):
             self.transport.write(self.conn.send(event))
         self.transport.close()
+
+
+class _Connection(h11.Connection):
+    """h11's server connection, counting the body bytes of the request being read."""
+
+    body_bytes = 0
+
+    def next_event(self):
+        event = super().next_event()
+        if isinstance(event, h11.Request):
+            self.body_bytes = 0
+        elif isinstance(event, h11.Data):
+            self.body_bytes += len(event.data)
+        return event
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -370,6 +407,10 @@ def _bind(host: str, port: int) -> socket.socket:
         raise ValueError(f"cannot bind {host}:{port} for HTTP: {e.strerror or e}") from None
     sock.setblocking(False)
     return sock
+
+
+def _body_too_large(limit: int) -> dict:
+    return error_body(grpc.StatusCode.INVALID_ARGUMENT, f"body over {limit} bytes")[1]
 
 
 def _header_bytes(scope: Scope) -> int:

@@ -126,6 +126,33 @@ def test_a_chunked_body_is_cut_off_at_the_limit_with_413(fleet):
         assert (status, completion_text(json.loads(body))) == (200, "t0 t1 t2 t3 ")
 
 
+def test_a_chunk_declared_over_the_limit_gets_413_before_it_is_sent(fleet):
+    router, nodes = fleet(colocated=1, router={"max_body_bytes": 1000})
+    with connect(router.http_port) as sock:
+        sock.sendall(post_head() + b"190\r\n" + b"x" * 400 + b"\r\n" + b"259\r\nab")  # 400 + 601 declared
+        status, headers, body = read_answer(sock)
+        assert (status, headers["connection"], json.loads(body)) == (
+            413, "close", error("body over 1000 bytes", "invalid_request_error", "invalid_argument")
+        )  # fmt: skip
+        assert closed_by_server(sock)
+    assert nodes["colocated"][0].requests == []
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/nowhere"])  # the body read or not
+def test_a_malformed_body_gets_400_on_any_route_and_logs_nothing(fleet, caplog, path):
+    router, _ = fleet(colocated=1)
+    with caplog.at_level(logging.WARNING), connect(router.http_port) as sock:
+        sock.sendall(post_head(path) + b"zz\r\n" + BODY + b"\r\n0\r\n\r\n")
+        status, headers, body = read_answer(sock)
+        message = "malformed HTTP request: illegal chunk header: bytearray(b'zz\\r\\n')"
+        assert (status, headers["content-type"], json.loads(body)) == (
+            400, "application/json", error(message, "invalid_request_error", "invalid_argument")
+        )  # fmt: skip
+        assert closed_by_server(sock)
+    assert wait_until(lambda: router.http.requests_in_flight == 0)
+    assert [r.getMessage() for r in caplog.records] == []
+
+
 def test_a_body_that_does_not_arrive_in_time_gets_408(fleet):
     router, nodes = fleet(colocated=1, router={"http_body_timeout_s": 0.3})
     with connect(router.http_port) as sock:
