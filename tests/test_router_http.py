@@ -20,7 +20,7 @@ from kvbridge.v1 import generation_pb2, generation_pb2_grpc
 from router.config import RouterConfig
 from router.server import start_router
 from tests import test_router_retries
-from tests.test_router_dispatch import wait_until
+from tests.test_router_dispatch import make_request, wait_until
 
 fleet = test_router_retries.fleet  # make(colocated=n, ..., router={RouterConfig fields}, **node kwargs)
 BODY = json.dumps({"prompt": [1, 2, 3]}).encode()
@@ -348,34 +348,45 @@ def threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
-def test_three_hundred_open_streams_take_no_thread_each():
+def test_hundreds_of_open_streams_take_no_thread_each():
+    """300 HTTP streams and 100 gRPC streams open through the router at once, against an asyncio
+    node that answers each with one token and then holds it."""
     slow = SlowGeneration()
     node = rpc.AioServer(
         "127.0.0.1", 0, [(generation_pb2_grpc.add_GenerationServicer_to_server, slow)], ["kvbridge.v1.Generation"]
     )
     router = start_router(RouterConfig(port=0, http_port=0, colocated=(f"127.0.0.1:{node.port}",), health_retry_s=0.1))
+    stub = generation_pb2_grpc.GenerationStub(rpc.make_channel(f"127.0.0.1:{router.port}"))
     clients: list[socket.socket] = []
+    calls = []
     try:
         warm = connect(router.http_port)  # one stream first, so that lazily made threads exist before counting
         warm.sendall(post_head(length=len(STREAM_BODY)) + STREAM_BODY)
         first_event(warm)
         warm.close()
-        assert wait_until(lambda: len(slow.cancelled) == 1)
+        warm_call = stub.Generate(make_request(), timeout=60)
+        next(warm_call)
+        warm_call.cancel()
+        assert wait_until(lambda: len(slow.cancelled) == 2)
         before = threads()
         for _ in range(300):
             clients.append(connect(router.http_port))
             clients[-1].sendall(post_head(length=len(STREAM_BODY)) + STREAM_BODY)
+        calls = [stub.Generate(make_request(), timeout=60) for _ in range(100)]
         rids = [first_event(sock)["id"].removeprefix("cmpl-") for sock in clients]
-        assert router.dispatcher.num_in_flight() == 300
+        rids += [next(call).rid for call in calls]
+        assert router.dispatcher.num_in_flight() == 400
         during = threads()
-        print(f"threads: {before} before, {during} with 300 streams open ({during - before:+d})")
+        print(f"threads: {before} before, {during} with 400 streams open ({during - before:+d})")
         assert during - before < 100
     finally:
         for sock in clients:
             sock.close()
+        for call in calls:
+            call.cancel()
     try:
-        assert wait_until(lambda: len(slow.cancelled) == 301, timeout=30)
-        assert sorted(slow.cancelled[1:]) == sorted(rids)
+        assert wait_until(lambda: len(slow.cancelled) == 402, timeout=30)
+        assert sorted(slow.cancelled[2:]) == sorted(rids)
         assert wait_until(lambda: router.dispatcher.num_in_flight() == 0)
     finally:
         router.stop(grace_s=0)
