@@ -4,10 +4,9 @@ transfer engine, and registers each preallocated room with the prefill node."""
 
 from __future__ import annotations
 
-import threading
+import asyncio
 import uuid
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -37,57 +36,72 @@ class PrefillPeers:
     each watched while known: a peer whose health stream breaks (its process died: the connection
     resets at once; its host vanished: keepalive notices within ~15 s) is forgotten, and
     `on_down(addr)` fails the requests still waiting for its KV. Draining (NOT_SERVING) is not
-    down: a draining prefill node still finishes the rooms it has."""
+    down: a draining prefill node still finishes the rooms it has. Lives on the server's loop:
+    every channel is an aio channel and every watch a task."""
 
     def __init__(self, on_down: Callable[[str], None] = lambda addr: None):
         self.on_down = on_down
-        self._lock = threading.Lock()
         self._peers: dict[str, tuple[prefill_pb2_grpc.BootstrapStub, NodeLayout]] = {}
-        self._watches: dict[str, grpc.Future] = {}
+        self._fetching: dict[str, asyncio.Task] = {}  # addr -> the GetLayout in flight (one per peer)
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._watches: dict[str, asyncio.Task] = {}
         self._closed = False
 
-    def get(self, addr: str) -> tuple[prefill_pb2_grpc.BootstrapStub, NodeLayout]:
+    async def get(self, addr: str) -> tuple[prefill_pb2_grpc.BootstrapStub, NodeLayout]:
         """Raises grpc.RpcError (unreachable) or ValueError (a malformed layout)."""
-        with self._lock:
-            if addr in self._peers:
-                return self._peers[addr]
-        channel = rpc.make_channel(addr)
-        stub = prefill_pb2_grpc.BootstrapStub(channel)
-        layout = convert.layout_from_proto(stub.GetLayout(prefill_pb2.GetLayoutRequest(), timeout=CALL_DEADLINE_S))
-        with self._lock:
-            if addr not in self._peers:
-                self._peers[addr] = (stub, layout)
-                threading.Thread(
-                    target=self._watch, args=(addr, channel), name="kvbridge-peer-watch", daemon=True
-                ).start()
+        if addr in self._peers:
             return self._peers[addr]
+        fetch = self._fetching.get(addr)
+        if fetch is None:
+            fetch = self._fetching[addr] = asyncio.ensure_future(self._fetch(addr))
+            fetch.add_done_callback(lambda _: self._fetching.pop(addr, None))
+        return await asyncio.shield(fetch)  # (one caller going away does not cancel the others' fetch)
 
-    def _watch(self, addr: str, channel: grpc.Channel) -> None:
+    async def _fetch(self, addr: str) -> tuple[prefill_pb2_grpc.BootstrapStub, NodeLayout]:
+        channel = rpc.make_aio_channel(addr)
+        stub = prefill_pb2_grpc.BootstrapStub(channel)
+        try:
+            answer = await stub.GetLayout(prefill_pb2.GetLayoutRequest(), timeout=CALL_DEADLINE_S)
+            layout = convert.layout_from_proto(answer)
+        except BaseException:
+            await channel.close()
+            raise
+        if self._closed:
+            await channel.close()
+            raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, None, None, "the decode node is stopping")
+        self._peers[addr] = (stub, layout)
+        self._channels[addr] = channel
+        self._watches[addr] = asyncio.ensure_future(self._watch(addr, channel))
+        return self._peers[addr]
+
+    async def _watch(self, addr: str, channel: grpc.aio.Channel) -> None:
         health = health_pb2_grpc.HealthStub(channel)
         request = health_pb2.HealthCheckRequest(service="kvbridge.v1.Bootstrap")
         while not self._closed:
             try:
-                stream = health.Watch(request, timeout=WATCH_DEADLINE_S)
-                with self._lock:
-                    self._watches[addr] = stream
-                for _ in stream:
+                async for _ in health.Watch(request, timeout=WATCH_DEADLINE_S):
                     pass
             except grpc.RpcError as e:
-                if e.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
+                if e.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED) or self._closed:
                     continue  # the stream's own deadline, or closing
-                with self._lock:
-                    self._peers.pop(addr, None)  # a restarted node may have a new layout: fetch it again
-                    self._watches.pop(addr, None)
-                if not self._closed:
-                    self.on_down(addr)
+                # a restarted node may have a new layout: fetch it again
+                self._peers.pop(addr, None)
+                self._watches.pop(addr, None)
+                old = self._channels.pop(addr, None)
+                self.on_down(addr)
+                if old is not None:
+                    await old.close()
                 return
 
-    def close(self) -> None:
+    async def close(self) -> None:
         self._closed = True
-        with self._lock:
-            watches = list(self._watches.values())
-        for w in watches:
-            w.cancel()
+        for task in self._watches.values():
+            task.cancel()
+        for channel in self._channels.values():
+            await channel.close()
+        self._peers.clear()
+        self._channels.clear()
+        self._watches.clear()
 
 
 class DecodeGenerationService(generation_pb2_grpc.GenerationServicer):
@@ -95,38 +109,38 @@ class DecodeGenerationService(generation_pb2_grpc.GenerationServicer):
         self.server, self.backend = server, backend
         self.peers = PrefillPeers(on_down=self._peer_down)
         self.pending: dict[str, tuple] = {}  # rid -> (bootstrap stub, room, backend) until registered
-        self.registrar = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvbridge-register")
+        self._registering: set[asyncio.Task] = set()  # Register calls in flight (held: tasks are weakly kept)
 
     @property
     def node(self) -> DecodeNode:
         return self.server.node
 
-    def Generate(self, request, context):
-        self.server.admit(context)
+    async def Generate(self, request, context):
+        await self.server.admit(context)
         front, route = self.node.front, request.prefill
         rid = request.rid or uuid.uuid4().hex
         if not route.prefill_addr or not route.room:
-            context.abort(
+            await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"a decode node serves disaggregated requests: prefill.room and prefill.prefill_addr are required, "
                 f"got {route.room} {rpc.shown(route.prefill_addr)}",
             )
         try:
-            stub, layout = self.peers.get(route.prefill_addr)
+            stub, layout = await self.peers.get(route.prefill_addr)
         except grpc.RpcError as e:
-            context.abort(
+            await context.abort(
                 grpc.StatusCode.UNAVAILABLE, f"prefill node {route.prefill_addr[:120]}: {(e.details() or '')[:200]}"
             )
         except ValueError as e:
-            context.abort(
+            await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION, f"prefill node {route.prefill_addr[:120]}: {str(e)[:200]}"
             )
         problem = incompatibility(layout, self.node.layout)
         if problem:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
         backend = self.backend if self.backend != "auto" else choose_backend(layout, self.node.layout, self.node.device)
         if backend not in layout.backends:
-            context.abort(
+            await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"transfer backend {backend!r} is not one the prefill node drives ({', '.join(layout.backends)})",
             )
@@ -141,13 +155,13 @@ class DecodeGenerationService(generation_pb2_grpc.GenerationServicer):
             deltas = front.submit(ids, params, rid, extra)
         except ValueError as e:
             self._forget(rid, entry)
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except Overloaded as e:
             self._forget(rid, entry)
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-        rpc.abort_on_cancel(context, lambda: front.abort(rid))  # client gone: free the request's pages
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         try:
-            yield from self._responses(rid, deltas, ids, backend, context)
+            async for resp in self._responses(rid, deltas, ids, backend, context):
+                yield resp
         finally:
             self._forget(rid, entry)  # ended before its pages were preallocated
 
@@ -155,11 +169,11 @@ class DecodeGenerationService(generation_pb2_grpc.GenerationServicer):
         if self.pending.get(rid) is entry:
             self.pending.pop(rid, None)
 
-    def _responses(self, rid, deltas, ids, backend, context):
+    async def _responses(self, rid, deltas, ids, backend, context):
         first = True
-        for d in deltas:
+        async for d in deltas:
             if d.error:
-                context.abort(getattr(grpc.StatusCode, d.code or "UNAVAILABLE"), d.error)
+                await context.abort(getattr(grpc.StatusCode, d.code or "UNAVAILABLE"), d.error)
             resp = generation_pb2.GenerateResponse(rid=rid, token_ids=d.token_ids, text=d.text)
             if first:
                 first = False
@@ -174,8 +188,14 @@ class DecodeGenerationService(generation_pb2_grpc.GenerationServicer):
                 )
             yield resp
 
-    def _register(self, ev: dict) -> None:
-        """Rank 0 preallocated the pages of `rid`: tell the prefill node where they are."""
+    def on_preallocated(self, ev: dict) -> None:
+        """Rank 0 preallocated the pages of `rid` (called on the loop): register its room with the
+        prefill node, in a task of its own."""
+        task = asyncio.ensure_future(self._register(ev))
+        self._registering.add(task)
+        task.add_done_callback(self._registering.discard)
+
+    async def _register(self, ev: dict) -> None:
         rid = ev["rid"]
         stub, room, backend = self.pending.pop(rid, (None, 0, ""))
         if stub is None:
@@ -189,7 +209,7 @@ class DecodeGenerationService(generation_pb2_grpc.GenerationServicer):
             decode_addr=self.server.address,
         )
         try:
-            stub.Register(req, timeout=CALL_DEADLINE_S)
+            await stub.Register(req, timeout=CALL_DEADLINE_S)
         except grpc.RpcError as e:
             self.node.fail(rid, e.code().name, f"registration with the prefill node failed: {e.details()}")
 
@@ -197,9 +217,9 @@ class DecodeGenerationService(generation_pb2_grpc.GenerationServicer):
         if self.node is not None:
             self.node.node.inbox.put(("peer_down", addr))
 
-    def GetModelInfo(self, request, context):
+    async def GetModelInfo(self, request, context):
         if self.node is None:
-            context.abort(grpc.StatusCode.UNAVAILABLE, "the decode node is still loading")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the decode node is still loading")
         node = self.node.node
         return generation_pb2.ModelInfo(
             model=node.config.model, fingerprint=node.model.fingerprint, max_context=node.max_context, role="decode"
@@ -215,16 +235,13 @@ class DecodeServer(NodeServer):
         return [(generation_pb2_grpc.add_GenerationServicer_to_server, self.generation), *super().servicers()]
 
     def loaded(self) -> None:
-        # rank 0 preallocated a request's pages: register its room with the prefill node (off the dispatch thread)
-        self.node.front.handlers["preallocated"] = lambda ev: self.generation.registrar.submit(
-            self.generation._register, ev
-        )
+        # rank 0 preallocated a request's pages: register its room with the prefill node
+        self.node.front.handlers["preallocated"] = self.generation.on_preallocated
 
     def stop(self, grace_s: float = 2.0):
-        self.generation.peers.close()
-        reports = super().stop(grace_s)
-        self.generation.registrar.shutdown(wait=False)
-        return reports
+        if not self.loop.loop.is_closed():
+            self.loop.run(self.generation.peers.close(), timeout=10)
+        return super().stop(grace_s)
 
 
 def start_decode(

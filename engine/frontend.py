@@ -1,25 +1,36 @@
 """A running node seen from its services: submit a request, iterate its events.
 
-A dispatcher thread reads the rank-0 event queue of a PPNode and routes each event to the
-stream of its request (or to a status waiter). Text is detokenized incrementally here,
-holding back what might still turn out to be the start of a stop string.
+The front lives on the node server's asyncio event loop (kvbridge.rpc.EventLoop): a request
+costs an asyncio queue and the coroutine that reads it, never a thread. One dispatcher
+thread reads rank 0's event queue (a multiprocessing queue, so a blocking read), takes every
+event already there in one go, and hands the batch to the loop, which routes each event to
+its request's stream or to a status waiter. Text is detokenized incrementally here
+(engine/detok.py: bounded work per token), holding back what might still turn out to be
+the start of a stop string.
+
+Callers on the loop use `submit`, `abort`, `astatus`, `arequests`, `acheck`; other threads
+(the rank watcher, SIGTERM handling, /metrics scrapes, tests) use the blocking `status`,
+`requests`, `check` and `fail_all`, which run on the loop and wait for it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
+from engine.detok import TextStream
 from engine.pp.node import PPNode
 from engine.request import SamplingParams
-from engine.tokenizer import Tokenizer
 from kvbridge.metrics import NodeMetrics, outcome_of
+from kvbridge.rpc import EventLoop
 
 _ANSWERS = ("status", "requests", "check")  # rank 0's answers to the front's questions (keyed by token, not rid)
+MAX_BATCH = 4096  # events handed to the loop in one call, at most
 
 
 class Overloaded(Exception):
@@ -39,153 +50,161 @@ class Delta:
     kv_seconds: float = 0.0  # disaggregated, first delta: from registration to the KV landing on every rank
 
 
-@dataclass
-class TextStream:
-    """Incremental detokenization of one request's output."""
-
-    tokenizer: Tokenizer | None
-    stop: tuple[str, ...]
-    ids: list[int] = field(default_factory=list)
-    sent: str = ""  # text already handed out
-
-    def push(self, token: int) -> str:
-        self.ids.append(token)
-        if self.tokenizer is None:
-            return ""
-        text = self.tokenizer.decode(self.ids)
-        if text.endswith("\ufffd"):  # a multibyte character is not complete yet
-            return ""
-        hold = max((len(s) - 1 for s in self.stop), default=0)
-        safe = text[: max(len(self.sent), len(text) - hold)]
-        delta, self.sent = safe[len(self.sent) :], safe
-        return delta
-
-    def finish(self, final_text: str) -> str:
-        """The rest of the final text (stop strings already cut off by the engine)."""
-        rest = final_text[len(self.sent) :] if final_text.startswith(self.sent) else ""
-        self.sent = final_text
-        return rest
-
-
 class NodeFront:
     def __init__(self, node: PPNode):
         self.node = node
         self.tokenizer = node.model.tokenizer
-        self._streams: dict[str, queue.Queue] = {}
-        self._status: dict[int, queue.Queue] = {}  # token -> waiter of a status / requests answer
+        self.loop: EventLoop | None = None  # set by attach(): where streams are read
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._status: dict[int, asyncio.Future] = {}  # token -> waiter of a status / requests answer
         self._timing: dict[str, list] = {}  # rid -> [submitted, first token seen] (perf_counter)
-        self.metrics: NodeMetrics | None = None  # set by the server: counted on the dispatch thread
+        self.metrics: NodeMetrics | None = None  # set by the server: counted on the loop
         self._tokens = itertools.count()
-        self._lock = threading.Lock()
         self._closed = False
-        # other events from rank 0, by kind (e.g. a decode node's "preallocated"): called on the dispatch
-        # thread, so they must not block
+        # other events from rank 0, by kind (e.g. a decode node's "preallocated"): called on the loop,
+        # so they must not block (start a task for anything that waits)
         self.handlers: dict[str, Callable[[dict], None]] = {}
         self._thread = threading.Thread(target=self._dispatch, name="kvbridge-dispatch", daemon=True)
+
+    def attach(self, loop: EventLoop) -> None:
+        """Serve on `loop` from now on (the node server's); starts reading rank 0's events."""
+        self.loop = loop
         self._thread.start()
+
+    # ------------------------------------------------------------------ on the loop
 
     def submit(
         self, prompt_ids: list[int], params: SamplingParams, rid: str, extra: dict | None = None
-    ) -> Iterator[Delta]:
+    ) -> AsyncIterator[Delta]:
         """Start a request; iterate its deltas (the last has finish_reason). Raises ValueError on bad
         input, Overloaded when the node holds max_pending_requests already."""
-        events: queue.Queue = queue.Queue()
         limit = self.node.config.max_pending_requests
-        with self._lock:
-            if rid in self._streams:
-                raise ValueError(f"duplicate request id {rid!r}")
-            if len(self._streams) >= limit:
-                raise Overloaded(f"the node holds {len(self._streams)} requests, its limit (--max-pending-requests)")
-            self._streams[rid] = events
-            self._timing[rid] = [time.perf_counter(), None]
-        try:
-            self.node.add_request(prompt_ids, params, rid, extra)
-        except ValueError:
-            with self._lock:
-                del self._streams[rid]
-                del self._timing[rid]
-            raise
-        return self._deltas(rid, events, TextStream(self.tokenizer, params.stop), len(prompt_ids))
+        if rid in self._streams:
+            raise ValueError(f"duplicate request id {rid!r}")
+        if len(self._streams) >= limit:
+            raise Overloaded(f"the node holds {len(self._streams)} requests, its limit (--max-pending-requests)")
+        self.node.add_request(prompt_ids, params, rid, extra)  # ValueError: nothing was registered yet
+        events: asyncio.Queue = asyncio.Queue()
+        self._streams[rid] = events
+        self._timing[rid] = [time.perf_counter(), None]
+        return self._deltas(rid, events, TextStream(self.tokenizer, params.stop, params.min_tokens), len(prompt_ids))
 
-    def _deltas(self, rid: str, events: queue.Queue, text: TextStream, prompt_tokens: int) -> Iterator[Delta]:
+    async def _deltas(self, rid: str, events: asyncio.Queue, text: TextStream, prompt_tokens: int):
+        """The request's deltas. Closed before its last one (the client went away: its call's
+        coroutine was cancelled, or the reader stopped), the request is aborted on every rank."""
+        over = False
         try:
             while True:
-                ev = events.get()
+                ev = await events.get()
                 if ev is None:
+                    over = True
                     raise RuntimeError("the node stopped")
-                if ev["event"] == "token":
-                    yield Delta([ev["token"]], text.push(ev["token"]), kv_seconds=ev.get("kv_seconds", 0.0))
-                else:
-                    yield Delta(
-                        [],
-                        text.finish(ev["text"]),
-                        ev["finish_reason"],
-                        prompt_tokens,
-                        len(ev["output_ids"]),
-                        error=ev.get("error", ""),
-                        code=ev.get("code", ""),
-                        kv_bytes=ev.get("kv_bytes", 0),
-                    )
+                if ev["event"] != "token":
+                    over = True
+                    yield self._last_delta(ev, text, prompt_tokens)
                     return
+                # tokens that queued up while the reader was busy go out as one delta
+                ids, kv_seconds = [ev["token"]], ev.get("kv_seconds", 0.0)
+                last = None
+                while not events.empty() and last is None:
+                    more = events.get_nowait()
+                    if more is not None and more["event"] == "token":
+                        ids.append(more["token"])
+                    else:
+                        last = more
+                yield Delta(ids, "".join(text.push(t) for t in ids), kv_seconds=kv_seconds)
+                if last is not None:
+                    events.put_nowait(last)
         finally:
-            with self._lock:
-                self._streams.pop(rid, None)
+            if not over:
+                self.abort(rid)
+            self._streams.pop(rid, None)
+
+    @staticmethod
+    def _last_delta(ev: dict, text: TextStream, prompt_tokens: int) -> Delta:
+        return Delta(
+            [],
+            text.finish(ev["text"]),
+            ev["finish_reason"],
+            prompt_tokens,
+            len(ev["output_ids"]),
+            error=ev.get("error", ""),
+            code=ev.get("code", ""),
+            kv_bytes=ev.get("kv_bytes", 0),
+        )
 
     def abort(self, rid: str, reason: str = "", source: str = "client") -> bool:
         """End a request in whatever phase; `reason` (when given) is the error its stream ends with.
         False when the request is not (or no longer) here."""
-        with self._lock:
-            live = rid in self._streams
+        live = rid in self._streams
         if live:
             self.node.abort(rid, reason)
             if self.metrics is not None:
                 self.metrics.aborts.labels(source).inc()
         return live
 
-    def status(self, timeout: float = 5.0) -> dict:
-        """Rank 0's counters and queues (see Leader.status); raises queue.Empty if it does not answer."""
-        return self._ask("status", timeout)
+    def live(self, rid: str) -> bool:
+        return rid in self._streams
 
-    def requests(self, timeout: float = 5.0) -> list[dict]:
+    async def astatus(self, timeout: float = 5.0) -> dict:
+        """Rank 0's counters and queues (see Leader.status); TimeoutError if it does not answer."""
+        return await self._ask("status", timeout)
+
+    async def arequests(self, timeout: float = 5.0) -> list[dict]:
         """Every request rank 0 holds (see Leader.list_requests)."""
-        return self._ask("requests", timeout)["requests"]
+        return (await self._ask("requests", timeout))["requests"]
 
-    def _ask(self, op: str, timeout: float) -> dict:
+    async def acheck(self, timeout: float = 5.0) -> dict:
+        """Rank 0's invariant check: {"problems": [...], "log": decisions made so far}."""
+        return await self._ask("check", timeout)
+
+    async def _ask(self, op: str, timeout: float) -> dict:
         token = next(self._tokens)
-        waiter: queue.Queue = queue.Queue()
-        with self._lock:
-            self._status[token] = waiter
+        waiter = asyncio.get_running_loop().create_future()
+        self._status[token] = waiter
         self.node.inbox.put((op, token))
         try:
-            return waiter.get(timeout=timeout)
+            return await asyncio.wait_for(waiter, timeout)
         finally:
-            with self._lock:
-                self._status.pop(token, None)
+            self._status.pop(token, None)
 
-    def check(self, timeout: float = 5.0) -> dict:
-        """Rank 0's invariant check: {"problems": [...], "log": decisions made so far}."""
-        return self._ask("check", timeout)
-
-    def fail_all(self, error: str, code: str = "UNAVAILABLE") -> int:
-        """End every open stream with `error` (the node cannot finish them: a rank died). Returns how many."""
-        with self._lock:
-            streams = list(self._streams.items())
+    def _fail_all(self, error: str, code: str) -> int:
+        streams = list(self._streams.items())
         for rid, q in streams:
-            q.put({"event": "finish", "rid": rid, "finish_reason": "error", "output_ids": [], "text": "",
-                   "error": error, "code": code})  # fmt: skip
+            q.put_nowait({"event": "finish", "rid": rid, "finish_reason": "error", "output_ids": [], "text": "",
+                          "error": error, "code": code})  # fmt: skip
             self._count_finish(rid, "error", 0, 0)
         return len(streams)
 
+    def _close(self) -> None:
+        for q in self._streams.values():
+            q.put_nowait(None)
+
+    # ------------------------------------------------------------------ from other threads
+
+    def status(self, timeout: float = 5.0) -> dict:
+        return self.loop.run(self.astatus(timeout), timeout + 1)
+
+    def requests(self, timeout: float = 5.0) -> list[dict]:
+        return self.loop.run(self.arequests(timeout), timeout + 1)
+
+    def check(self, timeout: float = 5.0) -> dict:
+        return self.loop.run(self.acheck(timeout), timeout + 1)
+
+    def fail_all(self, error: str, code: str = "UNAVAILABLE") -> int:
+        """End every open stream with `error` (the node cannot finish them: a rank died). Returns how many."""
+        return self.loop.invoke(self._fail_all, error, code)
+
     def close(self) -> None:
         self._closed = True
-        with self._lock:
-            for q in self._streams.values():
-                q.put(None)
+        if self.loop is not None:
+            self.loop.call(self._close)
+
+    # ------------------------------------------------------------------ events
 
     def _count_finish(self, rid: str, outcome: str, prompt_tokens: int, output_tokens: int) -> None:
         self.node.forget(rid)
-        with self._lock:
-            timing = self._timing.pop(rid, None)
+        timing = self._timing.pop(rid, None)
         if self.metrics is None or timing is None:
             return
         m = self.metrics
@@ -195,21 +214,35 @@ class NodeFront:
         m.e2e.observe(time.perf_counter() - timing[0])
 
     def _dispatch(self) -> None:
+        """The dispatcher thread: rank 0's events, in batches, to the loop."""
+        outbox = self.node.outbox
         while not self._closed:
+            batch: list[dict] = []
             try:
-                ev = self.node.outbox.get(timeout=0.5)
+                batch.append(outbox.get(timeout=0.5))
+                while len(batch) < MAX_BATCH:
+                    batch.append(outbox.get_nowait())
             except queue.Empty:
-                continue
-            except (EOFError, OSError):
+                pass
+            except (EOFError, OSError, ValueError):  # the queue was closed: the node stopped
                 return
+            if batch:
+                self.loop.call(self._deliver, batch)
+
+    def _deliver(self, batch: list[dict]) -> None:
+        """On the loop: each event to its request's stream, its waiter, or its role's handler."""
+        for ev in batch:
             kind = ev["event"]
             handler = self.handlers.get(kind)
             if handler is not None:
                 handler(ev)
                 continue
-            with self._lock:
-                target = self._status.get(ev["token"]) if kind in _ANSWERS else self._streams.get(ev["rid"])
-                timing = self._timing.get(ev["rid"])
+            if kind in _ANSWERS:
+                waiter = self._status.get(ev["token"])
+                if waiter is not None and not waiter.done():
+                    waiter.set_result(ev)
+                continue
+            timing = self._timing.get(ev["rid"])
             if kind == "token" and timing is not None and timing[1] is None:
                 timing[1] = time.perf_counter()
                 if self.metrics is not None:
@@ -219,5 +252,6 @@ class NodeFront:
                     self.metrics.timeouts.labels(ev["timeout"]).inc()
                 outcome = outcome_of(ev["finish_reason"], ev.get("error", ""))
                 self._count_finish(ev["rid"], outcome, ev.get("prompt_tokens", 0), len(ev["output_ids"]))
+            target = self._streams.get(ev["rid"])
             if target is not None:
-                target.put(ev)
+                target.put_nowait(ev)

@@ -9,11 +9,16 @@ A server is bound before its node loads, so that operators and routers see it at
 Health (every service of the node and "") is SERVING only while the node is loaded, not
 draining, and every rank process is alive; a watcher thread notices a dead rank within
 `WATCH_S`, fails the requests the node can no longer finish, and turns health NOT_SERVING
-for good. Role services call `admit(context)` before taking a request.
+for good. Role services call `await admit(context)` before taking a request.
+
+Every service is a grpc.aio servicer on the server's event loop (`self.loop`, where the node's
+front lives too): a stream is a coroutine, so Admin, Bootstrap and health answer however many
+Generate or Prefill streams are open.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import threading
@@ -56,12 +61,10 @@ class NodeServer:
         self.metrics = NodeMetrics(self.registry)
         self._stopped = threading.Event()
         self._serving: bool | None = None
-        self.server, self.port, self.health = rpc.make_server(
-            host, port, self.servicers(), self.SERVICES, serving=False
-        )
+        self.server = rpc.AioServer(host, port, self.servicers(), self.SERVICES, serving=False, name="kvbridge-node")
+        self.port, self.health, self.loop = self.server.port, self.server.health, self.server.loop
         self.address = f"{host}:{self.port}"
         self._serving = False
-        self.server.start()
         try:
             self.metrics_server = MetricsServer(host, metrics_port, self.registry) if metrics_port >= 0 else None
         except ValueError:
@@ -83,6 +86,7 @@ class NodeServer:
             self._close_servers(0)
             raise
         node.front.metrics = self.metrics
+        node.front.attach(self.loop)
         self.registry.register(StatusCollector(self.status))
         node.node.rank_files.collector(self.registry)
         self.node = node
@@ -124,8 +128,7 @@ class NodeServer:
         return self.node.shutdown() if self.node is not None else []
 
     def _close_servers(self, grace_s: float) -> None:
-        self.server.stop(grace_s).wait()
-        self.health.close()
+        self.server.stop(grace_s)
         if self.metrics_server is not None:
             self.metrics_server.stop()
 
@@ -135,14 +138,14 @@ class NodeServer:
     def serving(self) -> bool:
         return self.node is not None and not self.draining and not self.dead
 
-    def admit(self, context: grpc.ServicerContext) -> None:
+    async def admit(self, context: grpc.aio.ServicerContext) -> None:
         """Abort the call with UNAVAILABLE (a router retries elsewhere) unless new requests are taken."""
         if self.node is None:
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"the {self.role} node is still loading")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the {self.role} node is still loading")
         if self.dead:
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"the {self.role} node lost pipeline rank {self.dead[0]}")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the {self.role} node lost pipeline rank {self.dead[0]}")
         if self.draining:
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"the {self.role} node is draining")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the {self.role} node is draining")
 
     def set_draining(self, draining: bool) -> None:
         if draining != self.draining:
@@ -201,13 +204,19 @@ class NodeServer:
         return problems
 
     def status(self) -> dict:
-        """The node's state as Admin and /metrics show it; raises if rank 0 does not answer."""
+        """The node's state as Admin and /metrics show it; raises if rank 0 does not answer (any
+        thread but the loop's)."""
+        return self._with_ranks(None if self.dead else self.node.front.status(timeout=STATUS_TIMEOUT_S))
+
+    async def astatus(self) -> dict:
+        """status(), on the loop."""
+        return self._with_ranks(None if self.dead else await self.node.front.astatus(timeout=STATUS_TIMEOUT_S))
+
+    def _with_ranks(self, st: dict | None) -> dict:
         node = self.node.node
-        if self.dead:
+        if st is None:  # a rank died: rank 0 may not answer any more
             st = {"pages_used": 0, "pages_total": node.config.total_pages, "queues": {}, "served": 0}
             st |= {"requests_in_flight": 0, "transfers_in_flight": 0}
-        else:
-            st = self.node.front.status(timeout=STATUS_TIMEOUT_S)
         alive = set(range(node.pp.pp_size)) - set(self.dead)
         st["ranks"] = [
             {"rank": r, "alive": r in alive, "kv_pages_used": st["pages_used"], "kv_pages_total": st["pages_total"]}
@@ -228,12 +237,15 @@ class NodeAdminService(admin_pb2_grpc.AdminServicer):
     def __init__(self, server: NodeServer):
         self.server = server
 
-    def _loaded(self, context):
+    async def _loaded(self, context):
         if self.server.node is None:
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"the {self.server.role} node is still loading")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the {self.server.role} node is still loading")
         return self.server.node
 
-    def GetStatus(self, request, context):
+    async def _rank0_silent(self, context) -> None:
+        await context.abort(grpc.StatusCode.UNAVAILABLE, f"rank 0 did not answer within {STATUS_TIMEOUT_S:g} s")
+
+    async def GetStatus(self, request, context):
         s = self.server
         out = admin_pb2.Status(
             role=s.role,
@@ -247,9 +259,9 @@ class NodeAdminService(admin_pb2_grpc.AdminServicer):
             return out  # loading: what is known before the ranks are up
         node = s.node.node
         try:
-            st = s.status()
-        except Exception:
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"rank 0 did not answer within {STATUS_TIMEOUT_S:g} s")
+            st = await s.astatus()
+        except (TimeoutError, asyncio.TimeoutError):
+            await self._rank0_silent(context)
         out.model, out.model_fingerprint, out.pp_size = node.config.model, node.model.fingerprint, node.pp.pp_size
         out.ranks.extend(admin_pb2.RankStatus(**r) for r in st["ranks"])
         out.queues.update(st["queues"])
@@ -258,20 +270,20 @@ class NodeAdminService(admin_pb2_grpc.AdminServicer):
         out.transfers_in_flight = st["transfers_in_flight"]
         return out
 
-    def ListRequests(self, request, context):
-        node = self._loaded(context)
+    async def ListRequests(self, request, context):
+        node = await self._loaded(context)
         size = request.page_size or 100
         if size > MAX_PAGE:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"page_size must be at most {MAX_PAGE}, got {size}")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"page_size must be at most {MAX_PAGE}, got {size}")
         start = rpc.page_offset(request.page_token)
         if start is None:
-            context.abort(
+            await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, f"page_token {rpc.shown(request.page_token)} is not one we issued"
             )
         try:
-            reqs = node.front.requests(timeout=STATUS_TIMEOUT_S)
-        except Exception:
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"rank 0 did not answer within {STATUS_TIMEOUT_S:g} s")
+            reqs = await node.front.arequests(timeout=STATUS_TIMEOUT_S)
+        except (TimeoutError, asyncio.TimeoutError):
+            await self._rank0_silent(context)
         reqs = sorted((r for r in reqs if not request.phase or r["phase"] == request.phase), key=lambda r: -r["age_s"])
         page = reqs[start : start + size]
         more = start + size < len(reqs)
@@ -281,49 +293,50 @@ class NodeAdminService(admin_pb2_grpc.AdminServicer):
             total=len(reqs),
         )
 
-    def AbortRequest(self, request, context):
-        node = self._loaded(context)
+    async def AbortRequest(self, request, context):
+        node = await self._loaded(context)
         if not request.rid:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "rid is required")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "rid is required")
         try:
-            phase = next((r["phase"] for r in node.front.requests(STATUS_TIMEOUT_S) if r["rid"] == request.rid), None)
-        except Exception:
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"rank 0 did not answer within {STATUS_TIMEOUT_S:g} s")
+            listed = await node.front.arequests(STATUS_TIMEOUT_S)
+        except (TimeoutError, asyncio.TimeoutError):
+            await self._rank0_silent(context)
+        phase = next((r["phase"] for r in listed if r["rid"] == request.rid), None)
         why = f"aborted by an operator (Admin.AbortRequest on the {self.server.role} node {self.server.address})"
         if phase is None or not node.front.abort(request.rid, why, source="admin"):
-            context.abort(grpc.StatusCode.NOT_FOUND, f"no request {rpc.shown(request.rid)} on this node")
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no request {rpc.shown(request.rid)} on this node")
         log_event(log, "abort", role=self.server.role, rid=request.rid, phase=phase, source="admin")
         return admin_pb2.AbortRequestResponse(rid=request.rid, phase=phase)
 
-    def Drain(self, request, context):
+    async def Drain(self, request, context):
         s = self.server
         if not request.wait_s >= 0:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"wait_s must be >= 0, got {request.wait_s}")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"wait_s must be >= 0, got {request.wait_s}")
         s.set_draining(True)
         deadline = time.monotonic() + request.wait_s
-        while True:
-            left = self._in_flight(context)
-            if left == 0 or time.monotonic() >= deadline or not context.is_active():
+        while True:  # (a caller that goes away cancels this coroutine)
+            left = await self._in_flight(context)
+            if left == 0 or time.monotonic() >= deadline:
                 return admin_pb2.DrainResponse(draining=s.draining, requests_in_flight=left, empty=left == 0)
-            time.sleep(0.05)
+            await asyncio.sleep(0.05)
 
-    def Resume(self, request, context):
+    async def Resume(self, request, context):
         self.server.set_draining(False)
-        left = self._in_flight(context)
+        left = await self._in_flight(context)
         return admin_pb2.DrainResponse(draining=False, requests_in_flight=left, empty=False)
 
-    def _in_flight(self, context) -> int:
+    async def _in_flight(self, context) -> int:
         if self.server.node is None or self.server.dead:
             return 0
         try:
-            return self.server.node.front.status(timeout=STATUS_TIMEOUT_S)["requests_in_flight"]
-        except Exception:
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"rank 0 did not answer within {STATUS_TIMEOUT_S:g} s")
+            return (await self.server.node.front.astatus(timeout=STATUS_TIMEOUT_S))["requests_in_flight"]
+        except (TimeoutError, asyncio.TimeoutError):
+            await self._rank0_silent(context)
 
-    def GetConfig(self, request, context):
+    async def GetConfig(self, request, context):
         return admin_pb2.Config(role=self.server.role, version=__version__, json=self.server.config_json())
 
-    def _router_only(self, request, context):
-        context.abort(grpc.StatusCode.UNIMPLEMENTED, f"a {self.server.role} node has no nodes: ask the router")
+    async def _router_only(self, request, context):
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"a {self.server.role} node has no nodes: ask the router")
 
     ListNodes = AddNode = RemoveNode = _router_only

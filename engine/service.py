@@ -16,7 +16,7 @@ from engine.config import EngineConfig, PPConfig
 from engine.frontend import NodeFront, Overloaded
 from engine.pp.node import PPNode
 from engine.server import NodeServer
-from kvbridge import convert, rpc
+from kvbridge import convert
 from kvbridge.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 SERVICES = ("kvbridge.v1.Generation", "kvbridge.v1.Admin")
@@ -26,8 +26,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
     def __init__(self, server: NodeServer):
         self.server = server
 
-    def Generate(self, request, context):
-        self.server.admit(context)
+    async def Generate(self, request, context):
+        await self.server.admit(context)
         front = self.server.node.front
         rid = request.rid or uuid.uuid4().hex
         try:
@@ -35,13 +35,12 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             params = convert.sampling_params(request.sampling)
             deltas = front.submit(ids, params, rid)
         except ValueError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except Overloaded as e:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-        rpc.abort_on_cancel(context, lambda: front.abort(rid))  # client gone: free the request's pages
-        for d in deltas:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        async for d in deltas:
             if d.error:
-                context.abort(getattr(grpc.StatusCode, d.code or "UNAVAILABLE"), d.error)
+                await context.abort(getattr(grpc.StatusCode, d.code or "UNAVAILABLE"), d.error)
             resp = generation_pb2.GenerateResponse(rid=rid, token_ids=d.token_ids, text=d.text)
             if d.finish_reason:
                 resp.finish_reason = d.finish_reason
@@ -50,9 +49,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 )
             yield resp
 
-    def GetModelInfo(self, request, context):
+    async def GetModelInfo(self, request, context):
         if self.server.node is None:
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"the {self.server.role} node is still loading")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the {self.server.role} node is still loading")
         node = self.server.node.node
         return generation_pb2.ModelInfo(
             model=node.config.model,

@@ -149,6 +149,16 @@ class EventLoop:
             future.cancel()
             raise TimeoutError(f"no answer within {timeout} s") from None
 
+    def invoke(self, fn: Callable, *args, timeout: float | None = 10.0):
+        """Run plain `fn(*args)` on the loop and return its result (at once when already on the loop)."""
+        if self.on_loop:
+            return fn(*args)
+
+        async def call():
+            return fn(*args)
+
+        return self.run(call(), timeout)
+
     def call(self, fn: Callable, *args) -> None:
         """Run `fn(*args)` on the loop soon (from any thread); a closed loop drops it."""
         if self.on_loop:

@@ -9,7 +9,7 @@ from engine.config import EngineConfig, PPConfig
 from engine.frontend import Overloaded
 from engine.server import NodeServer
 from kv_transfer.layout import incompatibility
-from kvbridge import convert, rpc
+from kvbridge import convert
 from kvbridge.v1 import prefill_pb2, prefill_pb2_grpc
 from prefill_node.node import PrefillNode
 
@@ -20,11 +20,11 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
     def __init__(self, server: NodeServer):
         self.server = server
 
-    def Prefill(self, request, context):
-        self.server.admit(context)
+    async def Prefill(self, request, context):
+        await self.server.admit(context)
         front = self.server.node.front
         if not request.rid or not request.room:
-            context.abort(
+            await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, f"rid and room are required, got {request.rid!r} {request.room}"
             )
         try:
@@ -32,20 +32,19 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
             params = convert.sampling_params(request.sampling)
             deltas = front.submit(ids, params, request.rid, {"room": request.room})
         except ValueError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except Overloaded as e:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-        rpc.abort_on_cancel(context, lambda: front.abort(request.rid))  # client gone: free the request's pages
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         first = []
-        for d in deltas:
+        async for d in deltas:
             first += d.token_ids
             if d.finish_reason:
                 if d.error:
-                    context.abort(getattr(grpc.StatusCode, d.code or "UNAVAILABLE"), d.error)
+                    await context.abort(getattr(grpc.StatusCode, d.code or "UNAVAILABLE"), d.error)
                 return prefill_pb2.PrefillResponse(
                     rid=request.rid, prompt_tokens=d.prompt_tokens, first_token=first[0], kv_bytes=d.kv_bytes
                 )
-        context.abort(grpc.StatusCode.UNAVAILABLE, "the prefill node stopped")
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "the prefill node stopped")
 
 
 class BootstrapService(prefill_pb2_grpc.BootstrapServicer):
@@ -58,29 +57,29 @@ class BootstrapService(prefill_pb2_grpc.BootstrapServicer):
     def node(self) -> PrefillNode:
         return self.server.node
 
-    def GetLayout(self, request, context):
+    async def GetLayout(self, request, context):
         if self.node is None:
-            context.abort(grpc.StatusCode.UNAVAILABLE, "the prefill node is still loading")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the prefill node is still loading")
         return convert.layout_to_proto(self.node.layout)
 
-    def Register(self, request, context):
+    async def Register(self, request, context):
         if self.node is None:
-            context.abort(grpc.StatusCode.UNAVAILABLE, "the prefill node is still loading")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the prefill node is still loading")
         try:
             decode = convert.layout_from_proto(request.decode_layout)
         except ValueError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"decode_layout: {e}")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"decode_layout: {e}")
         problem = incompatibility(self.node.layout, decode)
         if problem:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
         if request.backend not in self.node.layout.backends:
-            context.abort(
+            await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"backend {request.backend!r} is not one of {', '.join(self.node.layout.backends)}",
             )
         bad = [p for p in request.page_ids if p >= decode.num_pages]
         if not request.room or not request.page_ids or bad:
-            context.abort(
+            await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"room {request.room} needs page ids in [0, {decode.num_pages}), got {list(request.page_ids)[:8]}",
             )

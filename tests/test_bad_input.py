@@ -249,7 +249,7 @@ def http_request(port: int, method: str, path: str, body: bytes | None = None, h
 
 
 def completion_text(port: int, prompt, n: int) -> str:
-    body = json.dumps({"prompt": prompt, "max_tokens": n, "ignore_eos": True}).encode()
+    body = json.dumps({"prompt": prompt, "max_tokens": n, "ignore_eos": True, "temperature": 0}).encode()
     status, _, data = http_request(port, "POST", "/v1/completions", body, {"Content-Type": "application/json"})
     assert status == 200, data
     return json.loads(data)["choices"][0]["text"]
