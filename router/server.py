@@ -1,6 +1,6 @@
 """Start and stop a router: one event loop (its own thread) runs the node pool's health watches,
-the dispatcher's requests, the gRPC server (grpc.aio) and the HTTP server (uvicorn); the metrics
-server is prometheus_client's own."""
+the dispatcher's requests, the gRPC server (grpc.aio) and the HTTP server (uvicorn). Only the
+metrics server (kvbridge.metrics, scraped now and then) keeps a thread of its own."""
 
 from __future__ import annotations
 
@@ -71,7 +71,7 @@ class Router:
         self._stopped = True
         self.health.enter_graceful_shutdown()
         self.loop.run(self._stop(grace_s), timeout=grace_s + 60)
-        self.loop.stop()
+        self._halt_loop()
         if self.metrics_server is not None:
             self.metrics_server.stop()
 
@@ -95,7 +95,14 @@ class Router:
             self.http.sock.close()
         if self.pool is not None:
             self.pool.close()
-        self.loop.stop()
+        self._halt_loop()
+
+    def _halt_loop(self) -> None:
+        """Stop the loop's thread but leave the loop open: grpc.aio has one poller for every loop of
+        the process and hands each completion to its call's loop with call_soon_threadsafe; one
+        arriving late for a closed loop raises in whichever loop is handling the batch (logged,
+        and the rest of the batch waits for the next event)."""
+        self.loop.loop.call_soon_threadsafe(self.loop.loop.stop)
 
     def _update_health(self) -> None:
         """The router is SERVING (overall and Generation) while it is not draining and some request
