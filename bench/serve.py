@@ -231,7 +231,7 @@ def check_context(samples: list[Sample], max_context: int) -> None:
 
 def probe_min_tokens(pool, args: argparse.Namespace, base_url: str, sample: Sample) -> bool:
     """Whether requests carry min_tokens: --min-tokens on/off, or auto: a probe request with it
-    is accepted (a 400 means the server refuses the field)."""
+    is accepted (any failure, e.g. a 400 naming the field: sent without it)."""
     if args.min_tokens != "auto":
         return args.min_tokens == "on"
     target = Target(base_url, args.endpoint, args.model, True, args.request_timeout_s)
