@@ -55,7 +55,7 @@ from router.openai_api import BadRequest, Reply, error_body, parse_request
 
 MAX_HEADER_BYTES = 64 << 10  # request line and headers (h11's limit on an incomplete event)
 RETRY_AFTER_S = 1  # what a 503 for the concurrency limit tells the client to wait
-STOP_WAIT_S = 5.0  # stop() waits this long at most for requests to end (they are cancelled upstream first)
+STOP_WAIT_S = 5.0  # past the grace period, requests in flight get this long to end before uvicorn cancels them
 _REQUEST_ID = re.compile(rb"[!-~]{1,128}")  # an X-Request-Id that is echoed
 _HEADERS_TOO_LARGE = error_body(grpc.StatusCode.INVALID_ARGUMENT, f"request headers over {MAX_HEADER_BYTES} bytes")[1]
 SERVER = f"kvbridge-router/{__version__}".encode()
@@ -120,8 +120,8 @@ class HTTPFront:
         self.server.should_exit = True
 
     async def stop(self) -> None:
-        """Stop serving: close idle connections, wait for the requests in flight (cancel them
-        upstream first), then close everything."""
+        """Stop serving and wait until uvicorn is done: idle connections close at once, requests in
+        flight get what stop_accepting() allowed (cancel them upstream first: they end at once)."""
         self.server.should_exit = True
         if self._serving is not None:
             await self._serving
