@@ -33,7 +33,7 @@ disaggregated/colocated ratios and each stack's loaded/quiet ITL p99.
 Every request is streamed with ignore_eos and max_tokens (and min_tokens, with --min-tokens on,
 or auto when a probe request carrying it is accepted), so output lengths are the dataset's.
 Progress on stderr. Exit status 2 on a bad flag (one line naming the value), 1 if a stack
-failed to start.
+failed to start or failed its probe request.
 """
 
 from __future__ import annotations
@@ -229,17 +229,25 @@ def check_context(samples: list[Sample], max_context: int) -> None:
 # ---------------------------------------------------------------------------- runs
 
 
+class StackBroken(Exception):
+    """A started stack that cannot serve one request: exit status 1."""
+
+
 def probe_min_tokens(pool, args: argparse.Namespace, base_url: str, sample: Sample) -> bool:
-    """Whether requests carry min_tokens: --min-tokens on/off, or auto: a probe request with it
-    is accepted (any failure, e.g. a 400 naming the field: sent without it)."""
-    if args.min_tokens != "auto":
-        return args.min_tokens == "on"
-    target = Target(base_url, args.endpoint, args.model, True, args.request_timeout_s)
+    """One short request before any run; says whether requests carry min_tokens: --min-tokens on/off,
+    or auto: the probe with it succeeded (else one without it must). StackBroken if none succeeds."""
+    tries = [True, False] if args.min_tokens == "auto" else [args.min_tokens == "on"]
     short = Sample(sample.prompt, sample.prompt_len, min(4, sample.output_len))
-    [rec], _ = pool.submit(serve_client.run_load, target, [short], [0.0], None, 0, "probe").result()
-    if not rec.ok:
-        log(f"probe with min_tokens: {rec.error}; sending requests without it")
-    return rec.ok
+    errors = []
+    for min_tokens in tries:
+        target = Target(base_url, args.endpoint, args.model, min_tokens, args.request_timeout_s)
+        [rec], _ = pool.submit(serve_client.run_load, target, [short], [0.0], None, 0, "probe").result()
+        if rec.ok:
+            if errors:
+                log(f"a probe with min_tokens failed ({errors[0]}); sending requests without it")
+            return min_tokens
+        errors.append(rec.error)
+    raise StackBroken(f"the probe request to {base_url} failed: {' / '.join(errors)}")
 
 
 def row_head(args: argparse.Namespace, stack, min_tokens: bool) -> dict:
@@ -280,6 +288,12 @@ def sweep(args: argparse.Namespace, pool, samples: list[Sample], dataset: dict) 
     rows = []
     try:
         min_tokens = all([probe_min_tokens(pool, args, s.url, samples[0]) for s in stacks])
+    except StackBroken as e:
+        log(f"error: {e}")
+        for s in stacks:
+            s.stop()
+        return 1
+    try:
         for rate in rates:
             for stack in stacks:
                 label = f"{stack.name} rate {rate_of(rate)}"
@@ -378,7 +392,11 @@ def interference(args: argparse.Namespace, pool, tokenizer, vocab: int, max_cont
             log(f"error: the {name} stack failed to start: {type(e).__name__}: {e}")
             return 1
         try:
-            min_tokens = probe_min_tokens(pool, args, stack.url, longs[0])
+            try:
+                min_tokens = probe_min_tokens(pool, args, stack.url, longs[0])
+            except StackBroken as e:
+                log(f"error: {e}")
+                return 1
             target = Target(stack.url, args.endpoint, args.model, min_tokens, args.request_timeout_s)
             label = f"{name} interference"
             log(f"{label}: {args.itf_streams} decode streams, {len(longs)} long prompts ...")

@@ -277,3 +277,41 @@ def test_the_ready_line_of_a_node_command_gives_its_address():
     line = "kvbridge serve: listening on [::1]:5000, metrics on [::1]:9000"
     assert READY.search(line).group(1) == "[::1]:5000"
     assert READY.search("kvbridge decode: bound 127.0.0.1:1; loading") is None
+
+
+class FakePool:
+    """Answers each probe with the next outcome (an error string, or "" for success)."""
+
+    def __init__(self, *outcomes: str):
+        self.outcomes, self.sent = list(outcomes), []
+
+    def submit(self, fn, target, samples, *rest):
+        from concurrent.futures import Future
+
+        self.sent.append((target.min_tokens, samples[0].output_len))
+        error = self.outcomes.pop(0)
+        done = Future()
+        done.set_result(([RequestRecord(not error, error=error)], 0.1))
+        return done
+
+
+@pytest.mark.parametrize(
+    "mode, outcomes, sent, result",
+    [
+        ("auto", ["", ""], [True], True),
+        ("auto", ["http_400:invalid_argument", ""], [True, False], False),
+        ("off", [""], [False], False),
+        ("on", ["http_400:invalid_argument"], [True], None),
+        ("auto", ["http_503:unavailable", "http_503:unavailable"], [True, False], None),
+    ],
+)
+def test_the_probe_picks_min_tokens_or_calls_the_stack_broken(mode, outcomes, sent, result):
+    args = serve.build_parser().parse_args(["--min-tokens", mode])
+    pool = FakePool(*outcomes)
+    sample = serve_data.Sample([1, 2, 3], 3, 64)
+    if result is None:
+        with pytest.raises(serve.StackBroken, match="http_"):
+            serve.probe_min_tokens(pool, args, "http://127.0.0.1:1", sample)
+    else:
+        assert serve.probe_min_tokens(pool, args, "http://127.0.0.1:1", sample) is result
+    assert pool.sent == [(m, 4) for m in sent]  # a short request: 4 output tokens
