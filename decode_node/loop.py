@@ -20,6 +20,7 @@ from consensus import Stream as S
 from consensus import Verdict
 from engine.pp.control import ControlChannel
 from engine.pp.leader import Leader
+from engine.pp.messages import Abort, Add, Fail, PeerDown, Preallocated, Shutdown, Token
 from engine.pp.wire import ABORT, ADMIT, FINISH, RESUME, RETRACT
 from engine.request import Request
 from engine.scheduler import Scheduler
@@ -60,7 +61,7 @@ class DecodeLeader(Leader):
         self.receiver = receiver  # rank 0's KV receiver: where the first token arrives
         self.reserve_tokens = reserve_tokens  # free room kept for decoding when preallocating
         self.prealloc: deque[Request] = deque()  # waiting for pages
-        self.extras: dict[str, dict] = {}  # rid -> its room, prefill layout ranges, backend
+        self.extras: dict[str, Add] = {}  # rid -> its request message (room, prefill layout ranges, backend)
         self.registered_at: dict[str, float] = {}  # rid -> when every rank expected its pages
         self.retracted: deque[Request] = deque()  # KV in host memory, waiting for pages (oldest first)
         self.admitted_at: dict[str, float] = {}  # rid -> when its pages were reserved (transfer timeout)
@@ -71,43 +72,42 @@ class DecodeLeader(Leader):
 
     # ---------------------------------------------------------------- inputs
 
-    def _admit_new(self, req: Request, extra: dict) -> None:
-        room = int(extra["room"])
+    def _admit_new(self, req: Request, add: Add) -> None:
+        room = add.room
         if any(r.room == room for r in self.requests.values() if r is not req):
             req.room, req.finish_reason = room, "error"
             super()._retire(req, ABORT, error=f"room {room} is in use by another request", code="ALREADY_EXISTS")
             return
         req.room = room
-        req.peer = extra.get("peer", "")
-        self.extras[req.rid] = extra
+        req.peer = add.peer
+        self.extras[req.rid] = add
         self.prealloc.append(req)
 
-    def _handle(self, msg: tuple) -> None:
-        op = msg[0]
-        if op == "consensus":
-            pass  # a wake-up: decisions are taken in _tick
-        elif op == "fail" and msg[1] in self.requests:
-            _, rid, code, error = msg
-            self._fail(self.requests[rid], error, code)
-        elif op == "peer_down":  # the prefill node died: requests still waiting for its KV cannot get it
-            waiting = [r for r in self.requests.values() if r.peer == msg[1] and self.phase_of(r) in _AWAITING_KV]
-            for req in waiting:
-                self._fail(req, f"the prefill node {msg[1]} is unreachable", "UNAVAILABLE")
-        elif op == "abort" and msg[1] in self.requests:
-            why = msg[2] if len(msg) > 2 and msg[2] else "aborted"
-            self._fail(self.requests[msg[1]], why, "CANCELLED", reason="abort")
-        elif op == "shutdown":
-            for req in list(self.requests.values()):
-                self._fail(req, "the decode node is shutting down", "UNAVAILABLE", reason="abort")
-            for _, req in self.quarantine.values():  # nothing is handed out again: no late write can matter
-                self.scheduler.release(req)
-            self.quarantine.clear()
-            self.stopping = True
-        elif op != "fail":
-            super()._handle(msg)
+    def handle(self, msg) -> bool:
+        match msg:
+            case Fail(rid, code, error) if rid in self.requests:
+                self._fail(self.requests[rid], error, code)
+            case PeerDown(addr):  # the prefill node died: requests still waiting for its KV cannot get it
+                waiting = [r for r in self.requests.values() if r.peer == addr and self.phase_of(r) in _AWAITING_KV]
+                for req in waiting:
+                    self._fail(req, f"the prefill node {addr} is unreachable", "UNAVAILABLE")
+            case Abort(rid, reason) if rid in self.requests:
+                self._fail(self.requests[rid], reason or "aborted", "CANCELLED", reason="abort")
+            case Shutdown():
+                for req in list(self.requests.values()):
+                    self._fail(req, "the decode node is shutting down", "UNAVAILABLE", reason="abort")
+                for _, req in self.quarantine.values():  # nothing is handed out again: no late write can matter
+                    self.scheduler.release(req)
+                self.quarantine.clear()
+                self.stopping = True
+            case Fail():
+                pass  # the request ended already
+            case _:
+                return False
+        return True
 
-    def status(self, token: int) -> dict:
-        st = super().status(token)
+    def status(self) -> dict:
+        st = super().status()
         st["queues"].update(
             prealloc=len(self.prealloc), transfer=len(self.scheduler.transfer), retracted=len(self.retracted)
         )
@@ -149,7 +149,7 @@ class DecodeLeader(Leader):
             if d.verdict == Verdict.READY and d.stream == S.DECODE_PREALLOCATED:
                 # every rank expects the room: the front may now register it with the prefill node
                 self.registered_at[req.rid] = time.perf_counter()
-                self.outbox.put({"event": "preallocated", "rid": req.rid, "page_ids": list(req.page_table.pages)})
+                self.outbox.put(Preallocated(req.rid, tuple(req.page_table.pages)))
             elif d.verdict == Verdict.READY and d.stream == S.DECODE_TRANSFERRED:
                 self._join(req)
             elif d.verdict == Verdict.READY and d.stream == S.DECODE_RETRACTED:
@@ -225,8 +225,8 @@ class DecodeLeader(Leader):
             info = {
                 "room": req.room,
                 "page_ids": list(req.page_table.pages),
-                "sources": extra["sources"],
-                "backend": extra["backend"],
+                "sources": [list(s) for s in extra.sources],
+                "backend": extra.backend,
                 "first_sample_index": 1,  # the prefill node sampled token 0
             }
             self._decide(ADMIT, req.rid, replace(req.params, seed=req.seed), info)
@@ -248,7 +248,7 @@ class DecodeLeader(Leader):
         req.output_ids.append(token)
         req.first_token_s = time.perf_counter()
         kv_seconds = req.first_token_s - self.registered_at.pop(req.rid, req.first_token_s)
-        self.outbox.put({"event": "token", "rid": req.rid, "token": token, "index": 0, "kv_seconds": kv_seconds})
+        self.outbox.put(Token(req.rid, token, 0, kv_seconds))
         self.scheduler.add_prebuilt(req)
         self._set_phase(req, "decoding", kv_seconds=round(kv_seconds, 6))
         reason = self.scheduler.stop_reason(req, token)

@@ -12,6 +12,7 @@ from engine.llm import resolve_device
 from engine.pp import dist as pp_dist
 from engine.pp.control import ControlChannel, GlooTransport
 from engine.pp.follower import Follower
+from engine.pp.messages import Fail, Wake
 from engine.pp.node import PPNode, RankContext, RankRole
 from kv_transfer import KVReceiverEndpoint, ReceiverConfig
 from kv_transfer import wire as kv_wire
@@ -25,7 +26,7 @@ RESERVE_TOKENS = 64  # free room kept for decoding when a request's pages are pr
 def decode_role(ctx: RankContext) -> RankRole:
     pp, config, mc = ctx.pp, ctx.config, ctx.model.config
     transport = GlooTransport(ctx.control_group, ctx.rank, pp.pp_size) if pp.pp_size > 1 else None
-    wake = (lambda: ctx.inbox.put(("consensus",))) if ctx.rank == 0 else None
+    wake = (lambda: ctx.inbox.put(Wake())) if ctx.rank == 0 else None
     chan = ControlChannel(ctx.rank, pp.pp_size, transport, on_decisions=wake, collect=ctx.rank == 0)
     agent = DecodeAgent(ctx.rank, None, chan)
     lo, hi = ctx.stage.layer_range
@@ -78,7 +79,7 @@ class DecodeNode:
         self.layout = engine_layout(config, self.node.model, ranks, CPU_BACKENDS)
 
     def fail(self, rid: str, code: str, error: str) -> None:
-        self.node.inbox.put(("fail", rid, code, error))
+        self.node.inbox.put(Fail(rid, code, error))
 
     def shutdown(self):
         self.front.close()

@@ -14,6 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from decode_node.node import DecodeNode
 from engine.config import EngineConfig, PPConfig
 from engine.frontend import Overloaded
+from engine.pp.messages import PeerDown, Preallocated
 from engine.server import NodeServer
 from kv_transfer import NodeLayout, choose_backend, incompatibility
 from kv_transfer import wire as kv_wire
@@ -188,15 +189,15 @@ class DecodeGenerationService(generation_pb2_grpc.GenerationServicer):
                 )
             yield resp
 
-    def on_preallocated(self, ev: dict) -> None:
+    def on_preallocated(self, ev: Preallocated) -> None:
         """Rank 0 preallocated the pages of `rid` (called on the loop): register its room with the
         prefill node, in a task of its own."""
         task = asyncio.ensure_future(self._register(ev))
         self._registering.add(task)
         task.add_done_callback(self._registering.discard)
 
-    async def _register(self, ev: dict) -> None:
-        rid = ev["rid"]
+    async def _register(self, ev: Preallocated) -> None:
+        rid = ev.rid
         stub, room, backend = self.pending.pop(rid, (None, 0, ""))
         if stub is None:
             return
@@ -205,7 +206,7 @@ class DecodeGenerationService(generation_pb2_grpc.GenerationServicer):
             room=room,
             backend=backend,
             decode_layout=kv_wire.layout_to_proto(self.node.layout),
-            page_ids=ev["page_ids"],
+            page_ids=ev.page_ids,
             decode_addr=self.server.address,
         )
         try:
@@ -215,7 +216,7 @@ class DecodeGenerationService(generation_pb2_grpc.GenerationServicer):
 
     def _peer_down(self, addr: str) -> None:
         if self.node is not None:
-            self.node.node.inbox.put(("peer_down", addr))
+            self.node.node.inbox.put(PeerDown(addr))
 
     async def GetModelInfo(self, request, context):
         if self.node is None:
@@ -236,10 +237,10 @@ class DecodeServer(NodeServer):
 
     def loaded(self) -> None:
         # rank 0 preallocated a request's pages: register its room with the prefill node
-        self.node.front.handlers["preallocated"] = self.generation.on_preallocated
+        self.node.front.handlers[Preallocated] = self.generation.on_preallocated
 
     def stop(self, grace_s: float = 2.0):
-        if not self.loop.loop.is_closed():
+        if self.loop.running:
             self.loop.run(self.generation.peers.close(), timeout=10)
         return super().stop(grace_s)
 

@@ -24,12 +24,12 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from engine.detok import TextStream
+from engine.pp.messages import Answer, Ask, Finish, Token
 from engine.pp.node import PPNode
 from engine.request import SamplingParams
 from kvbridge.metrics import NodeMetrics, outcome_of
 from kvbridge.rpc import EventLoop
 
-_ANSWERS = ("status", "requests", "check")  # rank 0's answers to the front's questions (keyed by token, not rid)
 MAX_BATCH = 4096  # events handed to the loop in one call, at most
 
 
@@ -61,9 +61,9 @@ class NodeFront:
         self.metrics: NodeMetrics | None = None  # set by the server: counted on the loop
         self._tokens = itertools.count()
         self._closed = False
-        # other events from rank 0, by kind (e.g. a decode node's "preallocated"): called on the loop,
-        # so they must not block (start a task for anything that waits)
-        self.handlers: dict[str, Callable[[dict], None]] = {}
+        # rank 0's role-specific messages, by type (e.g. a decode node's Preallocated): called on the
+        # loop, so they must not block (start a task for anything that waits)
+        self.handlers: dict[type, Callable] = {}
         self._thread = threading.Thread(target=self._dispatch, name="kvbridge-dispatch", daemon=True)
 
     def attach(self, loop: EventLoop) -> None:
@@ -99,17 +99,17 @@ class NodeFront:
                 if ev is None:
                     over = True
                     raise RuntimeError("the node stopped")
-                if ev["event"] != "token":
+                if isinstance(ev, Finish):
                     over = True
                     yield self._last_delta(ev, text, prompt_tokens)
                     return
                 # tokens that queued up while the reader was busy go out as one delta
-                ids, kv_seconds = [ev["token"]], ev.get("kv_seconds", 0.0)
+                ids, kv_seconds = [ev.token], ev.kv_seconds
                 last = None
                 while not events.empty() and last is None:
                     more = events.get_nowait()
-                    if more is not None and more["event"] == "token":
-                        ids.append(more["token"])
+                    if isinstance(more, Token):
+                        ids.append(more.token)
                     else:
                         last = more
                 yield Delta(ids, "".join(text.push(t) for t in ids), kv_seconds=kv_seconds)
@@ -121,16 +121,16 @@ class NodeFront:
             self._streams.pop(rid, None)
 
     @staticmethod
-    def _last_delta(ev: dict, text: TextStream, prompt_tokens: int) -> Delta:
+    def _last_delta(ev: Finish, text: TextStream, prompt_tokens: int) -> Delta:
         return Delta(
             [],
-            text.finish(ev["text"]),
-            ev["finish_reason"],
+            text.finish(ev.text),
+            ev.finish_reason,
             prompt_tokens,
-            len(ev["output_ids"]),
-            error=ev.get("error", ""),
-            code=ev.get("code", ""),
-            kv_bytes=ev.get("kv_bytes", 0),
+            len(ev.output_ids),
+            error=ev.error,
+            code=ev.code,
+            kv_bytes=ev.kv_bytes,
         )
 
     def abort(self, rid: str, reason: str = "", source: str = "client") -> bool:
@@ -162,17 +162,16 @@ class NodeFront:
         token = next(self._tokens)
         waiter = asyncio.get_running_loop().create_future()
         self._status[token] = waiter
-        self.node.inbox.put((op, token))
+        self.node.inbox.put(Ask(op, token))
         try:
-            return await asyncio.wait_for(waiter, timeout)
+            return (await asyncio.wait_for(waiter, timeout)).body
         finally:
             self._status.pop(token, None)
 
     def _fail_all(self, error: str, code: str) -> int:
         streams = list(self._streams.items())
         for rid, q in streams:
-            q.put_nowait({"event": "finish", "rid": rid, "finish_reason": "error", "output_ids": [], "text": "",
-                          "error": error, "code": code})  # fmt: skip
+            q.put_nowait(Finish(rid, "error", (), "", 0, error=error, code=code))
             self._count_finish(rid, "error", 0, 0)
         return len(streams)
 
@@ -217,7 +216,7 @@ class NodeFront:
         """The dispatcher thread: rank 0's events, in batches, to the loop."""
         outbox = self.node.outbox
         while not self._closed:
-            batch: list[dict] = []
+            batch: list = []
             try:
                 batch.append(outbox.get(timeout=0.5))
                 while len(batch) < MAX_BATCH:
@@ -229,29 +228,29 @@ class NodeFront:
             if batch:
                 self.loop.call(self._deliver, batch)
 
-    def _deliver(self, batch: list[dict]) -> None:
-        """On the loop: each event to its request's stream, its waiter, or its role's handler."""
+    def _deliver(self, batch: list) -> None:
+        """On the loop: each message to its request's stream, its waiter, or its role's handler."""
         for ev in batch:
-            kind = ev["event"]
-            handler = self.handlers.get(kind)
-            if handler is not None:
-                handler(ev)
-                continue
-            if kind in _ANSWERS:
-                waiter = self._status.get(ev["token"])
-                if waiter is not None and not waiter.done():
-                    waiter.set_result(ev)
-                continue
-            timing = self._timing.get(ev["rid"])
-            if kind == "token" and timing is not None and timing[1] is None:
-                timing[1] = time.perf_counter()
-                if self.metrics is not None:
-                    self.metrics.ttft.observe(timing[1] - timing[0])
-            elif kind == "finish":
-                if ev.get("timeout") and self.metrics is not None:
-                    self.metrics.timeouts.labels(ev["timeout"]).inc()
-                outcome = outcome_of(ev["finish_reason"], ev.get("error", ""))
-                self._count_finish(ev["rid"], outcome, ev.get("prompt_tokens", 0), len(ev["output_ids"]))
-            target = self._streams.get(ev["rid"])
+            match ev:
+                case Answer(token):
+                    waiter = self._status.get(token)
+                    if waiter is not None and not waiter.done():
+                        waiter.set_result(ev)
+                    continue
+                case Token(rid):
+                    timing = self._timing.get(rid)
+                    if timing is not None and timing[1] is None:
+                        timing[1] = time.perf_counter()
+                        if self.metrics is not None:
+                            self.metrics.ttft.observe(timing[1] - timing[0])
+                case Finish(rid):
+                    if ev.timeout and self.metrics is not None:
+                        self.metrics.timeouts.labels(ev.timeout).inc()
+                    outcome = outcome_of(ev.finish_reason, ev.error)
+                    self._count_finish(rid, outcome, ev.prompt_tokens, len(ev.output_ids))
+                case _:
+                    self.handlers[type(ev)](ev)
+                    continue
+            target = self._streams.get(ev.rid)
             if target is not None:
                 target.put_nowait(ev)

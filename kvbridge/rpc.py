@@ -135,6 +135,10 @@ class EventLoop:
         self.loop.run_forever()
 
     @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+    @property
     def on_loop(self) -> bool:
         """The caller runs on this loop's thread (where blocking on the loop would deadlock)."""
         return threading.current_thread() is self._thread
@@ -168,12 +172,13 @@ class EventLoop:
             self.loop.call_soon_threadsafe(fn, *args)
 
     def stop(self) -> None:
-        if self.loop.is_closed():
+        """Halt the loop's thread. The loop is left open, not closed: grpc.aio has one poller per
+        process that hands late events to their loop with call_soon_threadsafe, and one for a
+        closed loop would raise inside whichever other loop is handling that batch."""
+        if not self._thread.is_alive():
             return
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=10)
-        if not self._thread.is_alive():
-            self.loop.close()
 
 
 class AioHealth:
@@ -262,7 +267,7 @@ class AioServer:
 
     def stop(self, grace_s: float | None = 2.0) -> None:
         """Stop serving: calls in flight get `grace_s` to finish, then are cancelled."""
-        if self.loop.loop.is_closed():
+        if not self.loop.running:
             return
         with contextlib.suppress(TimeoutError, RuntimeError):
             self.loop.run(self.server.stop(grace_s), timeout=(grace_s or 0) + 10)

@@ -15,6 +15,7 @@ from consensus import Stream as S
 from consensus import Verdict
 from engine.pp.control import ControlChannel
 from engine.pp.leader import Leader
+from engine.pp.messages import Abort, Add, Register, Shutdown
 from engine.pp.wire import ABORT, ADMIT, FINISH, ROUTE
 from engine.request import Request
 
@@ -39,10 +40,10 @@ class PrefillLeader(Leader):
 
     # ---------------------------------------------------------------- inputs
 
-    def _admit_new(self, req: Request, extra: dict) -> None:
+    def _admit_new(self, req: Request, add: Add) -> None:
         # a prefill node samples the first token only (index 0: held back from EOS when min_tokens > 0)
         req.params = replace(req.params, max_new_tokens=1, min_tokens=min(req.params.min_tokens, 1))
-        room = int(extra["room"])
+        room = add.room
         if room in self.rooms:  # the registration for it would route this request's KV to another's pages
             req.room, req.finish_reason = room, "error"
             super()._retire(req, ABORT, error=f"room {room} is in use by another request", code="ALREADY_EXISTS")
@@ -70,25 +71,23 @@ class PrefillLeader(Leader):
     def transfers_in_flight(self) -> int:
         return len(self.inflight_kv)
 
-    def _handle(self, msg: tuple) -> None:
-        op = msg[0]
-        if op == "register":
-            _, room, registration = msg
-            rid = self.rooms.get(room)
-            if rid is None:
-                self.registrations[room] = (time.perf_counter(), registration)
-            else:
-                self._route(self.requests[rid], registration)
-        elif op == "consensus":
-            pass  # a wake-up: decisions are taken in _tick
-        elif op == "abort" and msg[1] in self.requests:
-            self._fail(self.requests[msg[1]], "abort", msg[2] if len(msg) > 2 and msg[2] else "aborted")
-        elif op == "shutdown":
-            for req in list(self.requests.values()):
-                self._fail(req, "abort", "the prefill node is shutting down")
-            self.stopping = True
-        else:
-            super()._handle(msg)
+    def handle(self, msg) -> bool:
+        match msg:
+            case Register(room, registration):
+                rid = self.rooms.get(room)
+                if rid is None:
+                    self.registrations[room] = (time.perf_counter(), registration)
+                else:
+                    self._route(self.requests[rid], registration)
+            case Abort(rid, reason) if rid in self.requests:
+                self._fail(self.requests[rid], "abort", reason or "aborted")
+            case Shutdown():
+                for req in list(self.requests.values()):
+                    self._fail(req, "abort", "the prefill node is shutting down")
+                self.stopping = True
+            case _:
+                return False
+        return True
 
     def _route(self, req: Request, registration: dict) -> None:
         """Every rank learns where the KV goes (a ROUTE decision) and connects; consensus follows."""
@@ -97,8 +96,8 @@ class PrefillLeader(Leader):
         self._decide(ADMIT, req.rid, replace(req.params, seed=req.seed))
         self._decide(ROUTE, req.rid, info=registration)
 
-    def status(self, token: int) -> dict:
-        st = super().status(token)
+    def status(self) -> dict:
+        st = super().status()
         st["queues"].update(bootstrap=len(self.bootstrap), inflight=len(self.inflight_kv))
         return st
 

@@ -8,6 +8,7 @@ from engine.model import stage_ranges
 from engine.pp import dist as pp_dist
 from engine.pp.control import ControlChannel, GlooTransport
 from engine.pp.follower import Follower
+from engine.pp.messages import Register, Wake
 from engine.pp.node import PPNode, RankContext, RankRole
 from kv_transfer.factory import CPU_BACKENDS
 from kv_transfer.layout import RankInfo, engine_layout
@@ -21,7 +22,7 @@ def prefill_role(ctx: RankContext) -> RankRole:
     pp = ctx.pp
     pool = ctx.stage.new_kv_pool(ctx.config.total_pages, ctx.config.page_size)
     transport = GlooTransport(ctx.control_group, ctx.rank, pp.pp_size) if pp.pp_size > 1 else None
-    wake = (lambda: ctx.inbox.put(("consensus",))) if ctx.rank == 0 else None
+    wake = (lambda: ctx.inbox.put(Wake())) if ctx.rank == 0 else None
     chan = ControlChannel(ctx.rank, pp.pp_size, transport, on_decisions=wake, collect=ctx.rank == 0)
     agent = PrefillAgent(ctx.rank, ctx.rank == pp.pp_size - 1, pool, chan)
     link = pp_dist.Link(ctx.data_group)
@@ -53,7 +54,7 @@ class PrefillNode:
         self.layout = engine_layout(config, self.node.model, ranks, BACKENDS if backend == "auto" else (backend,))
 
     def register(self, room: int, registration: dict) -> None:
-        self.node.inbox.put(("register", room, registration))
+        self.node.inbox.put(Register(room, registration))
 
     def shutdown(self):
         self.front.close()

@@ -9,6 +9,7 @@ import pytest
 
 from engine.batch import ForwardBatch
 from engine.config import EngineConfig, PPConfig
+from engine.pp.messages import Finish
 from engine.pp.node import PPNode
 from engine.pp.wire import ABORT, ADMIT, STEP, Decision, Message
 from engine.request import SamplingParams
@@ -77,21 +78,21 @@ def test_abort_storm_leaves_identical_logs_and_no_page_behind(tiny_model, hard_t
     params = [SamplingParams(max_new_tokens=rng.randint(2, 24), ignore_eos=True) for _ in range(n)]
     to_abort = set(rng.sample(range(n), n // 3))
     node = make_node(3, chunked_prefill_size=24, async_batch_depth=1, max_running_requests=24)
-    finished: dict[str, dict] = {}
+    finished: dict[str, Finish] = {}
     try:
         rids = [node.add_request(p, sp) for p, sp in zip(prompts, params)]
         pending_aborts = [rids[i] for i in sorted(to_abort, key=lambda _: rng.random())]
         while len(finished) < n:
             for ev in node.poll(timeout=0.05):
-                if ev["event"] == "finish":
-                    finished[ev["rid"]] = ev
+                if isinstance(ev, Finish):
+                    finished[ev.rid] = ev
             # abort at random moments: a few at a time, between polls, some before they start
             for _ in range(rng.randint(0, 3)):
                 if pending_aborts:
                     node.abort(pending_aborts.pop())
     finally:
         reports = node.shutdown()
-    reasons = {rid: ev["finish_reason"] for rid, ev in finished.items()}
+    reasons = {rid: ev.finish_reason for rid, ev in finished.items()}
     assert set(reasons) == set(rids)
     aborted = {i for i, rid in enumerate(rids) if reasons[rid] == "abort"}
     assert aborted <= to_abort and len(aborted) >= len(to_abort) // 2
@@ -99,7 +100,7 @@ def test_abort_storm_leaves_identical_logs_and_no_page_behind(tiny_model, hard_t
     # the requests that ran to the end produced exactly the single-process tokens
     survivors = [i for i in range(n) if i not in aborted]
     expected = make_llm(tiny_model).generate([prompts[i] for i in survivors], [params[i] for i in survivors])
-    assert [finished[rids[i]]["output_ids"] for i in survivors] == [c.output_ids for c in expected]
+    assert [list(finished[rids[i]].output_ids) for i in survivors] == [c.output_ids for c in expected]
     assert [r.error for r in reports] == ["", "", ""]
     assert reports[1].log == reports[0].log and reports[2].log == reports[0].log
     assert len({r.log_digest for r in reports}) == 1 and reports[0].log_count == len(reports[0].log)

@@ -25,6 +25,7 @@ from engine.model import ModelStage
 from engine.pages import PageTable
 from engine.pp.agent import KVAgent
 from engine.pp.dist import Link
+from engine.pp.messages import Abort, Add, Answer, Ask, Finish, Shutdown, Token, Wake
 from engine.pp.wire import ABORT, ADMIT, CONTROL, FINISH, SHUTDOWN, STEP, Decision, DecisionLog, Message
 from engine.request import Request, SamplingParams
 from engine.sampler import sample
@@ -124,7 +125,7 @@ class Leader:
         finished = self.scheduler.postprocess(step, out[1:])
         for req, tok, was_live in zip(step.sampled, out[1:], live):
             if was_live:
-                self.outbox.put(_token_event(req, tok))
+                self.outbox.put(Token(req.rid, tok, len(req.output_ids) - 1))
         for req in finished:
             self._retire(req, FINISH)
 
@@ -162,55 +163,54 @@ class Leader:
             except queue.Empty:
                 return
 
-    def _handle(self, msg: tuple) -> None:
-        op = msg[0]
-        if op == "add":
-            _, rid, prompt_ids, params, extra = msg
-            req = Request(rid, list(prompt_ids), SamplingParams(**params), PageTable(self.pool.page_size))
-            req.peer = extra.get("peer", "")
-            self.requests[rid] = req
-            self._admit_new(req, extra)
-            if rid in self.requests:  # (a role may refuse it at once)
-                self._set_phase(req, self.phase_of(req))
-        elif op == "abort":
-            req = self.requests.get(msg[1])
-            if req is not None:
+    def _handle(self, msg) -> None:
+        """A message from the front (engine/pp/messages.py); roles handle theirs first (`handle`)."""
+        if self.handle(msg):
+            return
+        match msg:
+            case Add():
+                req = Request(msg.rid, list(msg.prompt_ids), msg.params, PageTable(self.pool.page_size))
+                req.peer = msg.peer
+                self.requests[msg.rid] = req
+                self._admit_new(req, msg)
+                if msg.rid in self.requests:  # (a role may refuse it at once)
+                    self._set_phase(req, self.phase_of(req))
+            case Abort(rid, reason) if rid in self.requests:
+                req = self.requests[rid]
                 self.scheduler.finish(req, "abort")
                 req.finish_s = time.perf_counter()
-                self._retire(req, ABORT, **_abort_error(msg))
-        elif op == "status":
-            self.outbox.put(self.status(msg[1]))
-        elif op == "requests":
-            self.outbox.put({"event": "requests", "rid": "", "token": msg[1], "requests": self.list_requests()})
-        elif op == "check":
-            self.outbox.put(
-                {
-                    "event": "check",
-                    "rid": "",
-                    "token": msg[1],
-                    "problems": self.check_invariants(),
-                    "log": self.log.count,
-                }
-            )
-        elif op == "shutdown":
-            self.stopping = True
-            for req in list(self.requests.values()):
-                self.scheduler.finish(req, "abort")
-                self._retire(req, ABORT)
+                # an operator's abort ends with its reason and CANCELLED; a client's has nobody left to tell
+                self._retire(req, ABORT, **({"error": reason, "code": "CANCELLED"} if reason else {}))
+            case Ask("status", token):
+                self.outbox.put(Answer(token, self.status()))
+            case Ask("requests", token):
+                self.outbox.put(Answer(token, {"requests": self.list_requests()}))
+            case Ask("check", token):
+                self.outbox.put(Answer(token, {"problems": self.check_invariants(), "log": self.log.count}))
+            case Shutdown():
+                self.stopping = True
+                for req in list(self.requests.values()):
+                    self.scheduler.finish(req, "abort")
+                    self._retire(req, ABORT)
+            case Wake() | Abort():
+                pass  # decisions are taken in _tick; an abort of a request that has ended already
+            case _:
+                raise AssertionError(f"rank 0 of a {self.role} node got {msg!r}")
+
+    def handle(self, msg) -> bool:
+        """Hook: a role's own messages, or its own take on common ones; True when handled."""
+        return False
 
     def _tick(self) -> None:
         """Once per turn, before scheduling: roles move their own queues here."""
 
-    def _admit_new(self, req: Request, extra: dict) -> None:
+    def _admit_new(self, req: Request, add: Add) -> None:
         """A new request from the front; roles with queues before scheduling override this."""
         self.scheduler.add(req)
 
-    def status(self, token: int) -> dict:
+    def status(self) -> dict:
         alloc = self.scheduler.allocator
         return {
-            "event": "status",
-            "rid": "",
-            "token": token,
             "pages_used": alloc.num_used,
             "pages_total": alloc.num_pages,
             "queues": {
@@ -296,7 +296,9 @@ class Leader:
         if event.get("error"):
             fields |= {"code": event.get("code", ""), "error": event["error"]}
         log_event(log, "phase", role=self.role, rid=req.rid, room=req.room or 0, phase="finished", **fields)
-        self.outbox.put(_finish_event(req, **event))
+        self.outbox.put(
+            Finish(req.rid, req.finish_reason, tuple(req.output_ids), req.text, len(req.prompt_ids), **event)
+        )
 
     def _decide(self, kind: str, rid: str, params: SamplingParams | None = None, info: dict | None = None) -> None:
         d = Decision(self.log.count, kind, rid, params, info)
@@ -308,29 +310,6 @@ class Leader:
     def _take_unsent(self) -> tuple[Decision, ...]:
         out, self._unsent = tuple(self._unsent), []
         return out
-
-
-def _token_event(req: Request, tok: int) -> dict:
-    return {"event": "token", "rid": req.rid, "token": tok, "index": len(req.output_ids) - 1}
-
-
-def _finish_event(req: Request, **extra) -> dict:
-    """extra: e.g. error="..." with code="UNAVAILABLE" when the request failed, kv_bytes=..."""
-    return {
-        "event": "finish",
-        "rid": req.rid,
-        "finish_reason": req.finish_reason,
-        "output_ids": list(req.output_ids),
-        "text": req.text,
-        "prompt_tokens": len(req.prompt_ids),
-        **extra,
-    }
-
-
-def _abort_error(msg: tuple) -> dict:
-    """An abort with a reason (("abort", rid, why), e.g. an operator's) ends with that error and
-    CANCELLED; a client's abort (("abort", rid)) has nobody left to tell."""
-    return {"error": msg[2], "code": "CANCELLED"} if len(msg) > 2 and msg[2] else {}
 
 
 def _drop(msg: Message) -> None:

@@ -33,6 +33,7 @@ from engine.llm import Completion, resolve_device, resolve_dtype
 from engine.model import ModelStage, stage_ranges
 from engine.pages import PageAllocator
 from engine.pp import dist as pp_dist
+from engine.pp.messages import Abort, Add, Finish, Shutdown, Token
 from engine.progress import Progress
 from engine.request import SamplingParams
 from engine.scheduler import Scheduler
@@ -123,7 +124,7 @@ class PPNode:
     def add_request(
         self, prompt_ids: list[int], params: SamplingParams, rid: str | None = None, extra: dict | None = None
     ) -> str:
-        """Queue a request at rank 0. extra: role-specific fields (a disaggregated request's room...)."""
+        """Queue a request at rank 0. extra: role-specific fields of messages.Add (room, peer, sources, backend)."""
         vocab = self.model.config.vocab_size
         if not prompt_ids:
             raise ValueError("prompt is empty")
@@ -140,7 +141,7 @@ class PPNode:
         if rid in self._pending:
             raise ValueError(f"duplicate request id {rid!r}")
         self._pending[rid] = {"arrival": time.perf_counter(), "first": None, "done": None}
-        self.inbox.put(("add", rid, list(prompt_ids), asdict(params), extra or {}))
+        self.inbox.put(Add(rid, tuple(prompt_ids), params, **(extra or {})))
         return rid
 
     def forget(self, rid: str) -> None:
@@ -149,7 +150,7 @@ class PPNode:
 
     def abort(self, rid: str, reason: str = "") -> None:
         """End the request on every rank; a `reason` is the error it ends with (a client's abort has none)."""
-        self.inbox.put(("abort", rid, reason))
+        self.inbox.put(Abort(rid, reason))
 
     def log_positions(self) -> dict[int, int]:
         """Decisions each local rank has applied (rank 0: made)."""
@@ -159,7 +160,7 @@ class PPNode:
         """Local ranks whose process has exited (a node with one is broken for good)."""
         return [rank for rank, p in zip(self.pp.local_ranks, self.procs) if not p.is_alive()]
 
-    def poll(self, timeout: float | None = None) -> list[dict]:
+    def poll(self, timeout: float | None = None) -> list[Token | Finish]:
         """Events that arrived (token / finish), waiting up to `timeout` for the first."""
         events = []
         try:
@@ -170,12 +171,12 @@ class PPNode:
             pass
         now = time.perf_counter()
         for ev in events:
-            st = self._pending.get(ev["rid"])
+            st = self._pending.get(ev.rid)
             if st is None:
                 continue
-            if ev["event"] == "token" and st["first"] is None:
+            if isinstance(ev, Token) and st["first"] is None:
                 st["first"] = now
-            elif ev["event"] == "finish":
+            elif isinstance(ev, Finish):
                 st["done"] = ev
                 st["finish_s"] = now
         return events
@@ -190,10 +191,10 @@ class PPNode:
         first = st["first"] or st["finish_s"]
         return Completion(
             rid=rid,
-            prompt_tokens=ev["prompt_tokens"],
-            output_ids=ev["output_ids"],
-            text=ev["text"],
-            finish_reason=ev["finish_reason"],
+            prompt_tokens=ev.prompt_tokens,
+            output_ids=list(ev.output_ids),
+            text=ev.text,
+            finish_reason=ev.finish_reason,
             ttft_s=first - st["arrival"],
             e2e_s=st["finish_s"] - st["arrival"],
         )
@@ -224,7 +225,7 @@ class PPNode:
 
     def shutdown(self, timeout_s: float = 60) -> list[RankReport]:
         """Abort what is left, stop every rank, and return their reports (rank order)."""
-        self.inbox.put(("shutdown",))
+        self.inbox.put(Shutdown())
         reports = []
         try:
             for _ in self.procs:
