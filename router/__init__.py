@@ -1,4 +1,4 @@
-"""The router: kvbridge's front door.
+"""The router: kvbridge's front door, on one asyncio event loop (no thread per request or connection).
 
 Clients speak gRPC `kvbridge.v1.Generation` or OpenAI-compatible HTTP to it; it picks nodes
 (healthy, least outstanding requests) and forwards each request, either to one colocated node
@@ -15,11 +15,10 @@ idle_stream_timeout_s if its host went silent (dispatch.py says why).
     dispatch.py     one request's upstream calls: colocated or paired P+D, retries, timeouts,
                     cancellation; the requests in flight, draining, a log line per phase; how soon
                     the requests on a dead node end
-    watchdog.py     one thread for the timeouts of every request in flight
     metrics.py      the router's Prometheus registry: latencies, outcomes, retries, timeouts, node gauges
     service.py      gRPC Generation and Admin servicers (status, requests, abort, drain, config, fleet)
     openai_api.py   OpenAI JSON <-> GenerateRequest / GenerateResponse
-    http.py         the HTTP server (standard library), SSE streaming
+    http.py         the HTTP server (Starlette on uvicorn): limits, timeouts, SSE streaming
     server.py       start_router(config) -> Router
     cli.py          `kvbridge router`
 """
