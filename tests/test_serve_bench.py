@@ -60,7 +60,8 @@ def test_sweep_serves_every_prompt_at_its_exact_output_length_on_both_stacks(cap
         assert r["request_goodput"] == r["request_throughput"]  # SLOs of a minute: every request is good
         assert r["dataset"]["input_range"] == [24, 72] and r["dataset"]["output_range"] == [6, 18]
         assert all(r[f"{s}_{m}_ms"] > 0 for s in ("mean", "median", "p99") for m in ("ttft", "tpot", "itl", "e2el"))
-    assert runs[0]["layout"] == {"pp": 1} and runs[1]["layout"] == {"prefill_pp": 1, "decode_pp": 1}
+    assert runs[0]["layout"] == {"pp": 1, "threads": 0}
+    assert runs[1]["layout"] == {"prefill_pp": 1, "decode_pp": 1, "threads": 0}
     assert set(summary) == SUMMARY_KEYS and summary["summary"] is True
     assert summary["stacks"] == ["colocated", "disaggregated"] and summary["low_load_request_rate"] == 4.0
     assert [x["request_rate"] for x in summary["ratios"]] == [4.0, "inf"]
@@ -130,6 +131,7 @@ def test_pinned_nodes_and_their_ranks_run_on_their_cores():
         (["--random-range-ratio", "1.5"], "1.5"),
         (["--num-prompts", "0"], "got 0"),
         (["--max-concurrency", "0"], "got 0"),
+        (["--threads", "-1"], "got -1"),
         (["--burstiness", "-1"], "-1"),
         (["--model", "no-such-model"], "'no-such-model'"),
         (["--random-input-len", "5000", "--endpoint", "completions"], "5000 prompt"),
