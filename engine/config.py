@@ -126,9 +126,12 @@ class EngineConfig:
     max_default_tokens: int = 128
     threads: int = 0  # torch intra-op threads on CPU; 0 = torch's default
     max_pending_requests: int = 1024  # requests a node holds at once (every phase); beyond: RESOURCE_EXHAUSTED
-    bootstrap_timeout_s: float = 30.0  # prefill: a request waiting for its decode node's registration
-    prealloc_timeout_s: float = 60.0  # decode: a request waiting for KV pages
-    transfer_timeout_s: float = 60.0  # KV hand-off: decode from its pages reserved, prefill from the first token
+    # The hand-off timeouts count time spent queued behind other requests too (a decode node reserves a
+    # request's pages, then waits for the prefill node to get to it), so they are set to bound a hang,
+    # not a burst: dead peers are found sooner by health streams and keepalive (seconds).
+    bootstrap_timeout_s: float = 300.0  # prefill: a request waiting for its decode node's registration
+    prealloc_timeout_s: float = 300.0  # decode: a request waiting for KV pages
+    transfer_timeout_s: float = 300.0  # KV hand-off: decode from its pages reserved, prefill from the first token
     fault_inject: str = ""  # tests and drills only: see engine/faults.py ("" = no faults)
 
     def __post_init__(self) -> None:

@@ -29,7 +29,8 @@ class RouterConfig:
     request_timeout_s: float = 300.0  # deadline of each upstream Generate / Prefill call, seconds
     max_attempts: int = 3  # node pairs a request is tried on before its failure reaches the client
     retry_backoff_s: float = 0.05  # pause before the first retry, doubling for each next one (capped)
-    first_token_timeout_s: float = 60.0  # an attempt without a first token this long is cancelled; 0 = off
+    # (a first token waits for the request's turn in the nodes' queues: this bounds a hang, not a burst)
+    first_token_timeout_s: float = 300.0  # an attempt without a first token this long is cancelled; 0 = off
     idle_stream_timeout_s: float = 30.0  # a stream without a response this long after its first fails; 0 = off
     health_retry_s: float = 1.0  # pause before re-watching the health of a node that failed, seconds
     startup_wait_s: float = 5.0  # start_router waits this long at most for every node's first health report

@@ -385,7 +385,7 @@ def test_status_and_config_describe_the_router_and_its_fleet(nodes, make_router)
         "request_timeout_s": 30.0,
         "max_attempts": 3,
         "retry_backoff_s": 0.05,
-        "first_token_timeout_s": 60.0,
+        "first_token_timeout_s": 300.0,
         "idle_stream_timeout_s": 30.0,
         "health_retry_s": 0.1,
         "startup_wait_s": 5.0,

@@ -299,4 +299,4 @@ def test_bad_reliability_flags_name_the_flag_and_value(flag, value, message):
 
 def test_reliability_defaults():
     c = RouterConfig()
-    assert (c.max_attempts, c.retry_backoff_s, c.first_token_timeout_s, c.idle_stream_timeout_s) == (3, 0.05, 60, 30)
+    assert (c.max_attempts, c.retry_backoff_s, c.first_token_timeout_s, c.idle_stream_timeout_s) == (3, 0.05, 300, 30)
