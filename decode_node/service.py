@@ -30,6 +30,7 @@ from kvbridge.v1 import (
 SERVICES = ("kvbridge.v1.Generation", "kvbridge.v1.Admin")
 CALL_DEADLINE_S = 10.0  # GetLayout and Register on the prefill node
 WATCH_DEADLINE_S = 60.0  # a peer's health stream is re-opened this often
+WATCH_RETRY_S = 0.1  # pause before re-opening a health stream the peer cancelled
 
 
 class PrefillPeers:
@@ -83,8 +84,11 @@ class PrefillPeers:
                 async for _ in health.Watch(request, timeout=WATCH_DEADLINE_S):
                     pass
             except grpc.RpcError as e:
-                if e.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED) or self._closed:
+                if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED or self._closed:
                     continue  # the stream's own deadline, or closing
+                if e.code() == grpc.StatusCode.CANCELLED:  # (the peer cancelled it: watch again, not in a spin)
+                    await asyncio.sleep(WATCH_RETRY_S)
+                    continue
                 # a restarted node may have a new layout: fetch it again
                 self._peers.pop(addr, None)
                 self._watches.pop(addr, None)
@@ -98,6 +102,7 @@ class PrefillPeers:
         self._closed = True
         for task in self._watches.values():
             task.cancel()
+        await asyncio.gather(*self._watches.values(), return_exceptions=True)  # ended before their channels close
         for channel in self._channels.values():
             await channel.close()
         self._peers.clear()

@@ -143,9 +143,6 @@ class NodeFront:
                 self.metrics.aborts.labels(source).inc()
         return live
 
-    def live(self, rid: str) -> bool:
-        return rid in self._streams
-
     async def astatus(self, timeout: float = 5.0) -> dict:
         """Rank 0's counters and queues (see Leader.status); TimeoutError if it does not answer."""
         return await self._ask("status", timeout)

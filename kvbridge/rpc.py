@@ -196,9 +196,6 @@ class AioHealth:
         """Every service NOT_SERVING for good."""
         self._apply(self.servicer.enter_graceful_shutdown, wait_s)
 
-    def close(self) -> None:
-        pass
-
     def _apply(self, change: Callable[[], Awaitable], wait_s: float) -> None:
         done = threading.Event()
 
@@ -326,10 +323,3 @@ def page_offset(token: str) -> int | None:
     """The offset in a page_token we issued ("" = 0), or None for anything else."""
     token = token or "0"
     return int(token) if token.isascii() and token.isdigit() and len(token) <= 4000 else None  # (int() caps digits)
-
-
-def abort_on_cancel(context: grpc.ServicerContext, abort: Callable[[], None]) -> None:
-    """Run `abort` when the call ends early (client cancel, deadline), or now if it already has:
-    add_callback refuses a call that ended before the handler got to it."""
-    if not context.add_callback(abort):
-        abort()
