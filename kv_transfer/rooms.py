@@ -54,6 +54,7 @@ class Notice:
     num_tokens: int  # prompt tokens in the pages
     bytes: int  # page bytes it wrote here
     error: str = ""  # non-empty: it failed
+    first_token: int | None = None  # the last prefill rank to decode rank 0: the sampled first token
 
 
 @dataclass
@@ -201,6 +202,8 @@ class RoomTable:
             if problem:
                 self.board.fail(room, problem)
                 raise BadTransfer(problem)
+            if n.first_token is not None:
+                self._take_first_token(r, n.first_token, n.num_tokens)
             s.notice = n
             self._try_complete(r)
             if self.board.poll(room) == KVPoll.FAILED:  # the accounting failed: tell the sender why
@@ -211,14 +214,19 @@ class RoomTable:
             if not self.awaits_first_token:
                 raise RoomClosed(f"decode rank {self.rank} takes no first tokens (rank 0 does)")
             r = self._open_room(room)
-            if r.first_token not in (None, (token, prompt_tokens)):
-                problem = f"second first token {(token, prompt_tokens)} after {r.first_token} for room {room}"
-                self.board.fail(room, problem)
-                raise BadTransfer(problem)
-            r.first_token = (token, prompt_tokens)
+            self._take_first_token(r, token, prompt_tokens)
             self._try_complete(r)
             if self.board.poll(room) == KVPoll.FAILED:
                 raise BadTransfer(self.board.reason(room))
+
+    def _take_first_token(self, r: Room, token: int, prompt_tokens: int) -> None:
+        if not self.awaits_first_token:
+            raise RoomClosed(f"decode rank {self.rank} takes no first tokens (rank 0 does)")
+        if r.first_token not in (None, (token, prompt_tokens)):
+            problem = f"second first token {(token, prompt_tokens)} after {r.first_token} for room {r.room}"
+            self.board.fail(r.room, problem)
+            raise BadTransfer(problem)
+        r.first_token = (token, prompt_tokens)
 
     # ---- checks (called under the lock) ----
 

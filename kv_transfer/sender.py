@@ -57,6 +57,7 @@ class SenderRoom:
     first_rank: RankInfo  # decode rank 0: where the first token goes
     dst_pages: frozenset[int]  # destination page ids the decode node registered
     bytes_sent: dict[int, int] = field(default_factory=dict)  # decode rank -> page bytes written so far
+    first_token: int | None = None  # held for the TransferNotice to decode rank 0 (when it is a target)
 
 
 @dataclass
@@ -135,7 +136,9 @@ class Sender:
         self._jobs.put(("finish", room, num_tokens))
 
     def send_first_token(self, room: int, token: int, prompt_tokens: int) -> None:
-        """Last prefill rank only, before finish(): the sampled first token, to decode rank 0."""
+        """Last prefill rank only, before finish(): the sampled first token, to decode rank 0. When
+        this rank writes layers of decode rank 0 the token rides that rank's TransferNotice (one
+        message on the critical path); otherwise it goes at once in a FirstToken call."""
         self._room(room)
         self._jobs.put(("first_token", room, token, prompt_tokens))
 
@@ -283,6 +286,9 @@ class Sender:
             self._advance(r.room, KVPoll.SUCCESS)
 
     def _do_first_token(self, r: SenderRoom, token: int, prompt_tokens: int) -> None:
+        if any(t.info == r.first_rank for t in r.targets):
+            r.first_token = token  # its prompt_tokens are the notice's num_tokens
+            return
         msg = kv_transfer_pb2.FirstTokenNotice(room=r.room, token=token, prompt_tokens=prompt_tokens)
         self._stub(r.first_rank.receiver_addr).FirstToken(msg, timeout=self.config.deadline_s)
 
@@ -298,6 +304,7 @@ class Sender:
                 num_tokens=num_tokens,
                 bytes=r.bytes_sent.get(t.info.rank, 0),
                 error=error,
+                first_token=r.first_token if t.info == r.first_rank and not error else None,
             )
             try:
                 self._stub(t.info.receiver_addr).TransferDone(notice, timeout=self.config.deadline_s)

@@ -27,7 +27,8 @@ class KVReceiverServicer(kv_transfer_pb2_grpc.KVReceiverServicer):
 
     def TransferDone(self, request, context):
         n = request
-        notice = Notice(n.src_rank, n.layer_start, n.layer_end, n.num_tokens, n.bytes, n.error)
+        first = n.first_token if n.HasField("first_token") else None
+        notice = Notice(n.src_rank, n.layer_start, n.layer_end, n.num_tokens, n.bytes, n.error, first)
         try:
             self._receiver.rooms.done(notice, n.room)
         except TransferError as e:

@@ -1272,14 +1272,15 @@ def scratch_call(node, fake: FakePrefill, rid: str, room: int, prompt: list[int]
     return _stub(generation_pb2_grpc.GenerationStub, node.address).Generate(req, timeout=timeout)
 
 
-def play_prefill(f: Fleet, reg: prefill_pb2.RegisterRequest, prompt_len: int, first_token: int) -> None:
-    """Everything a prefill node sends for a room: every page's bytes, the notices, the first token."""
+def play_prefill(f: Fleet, reg: prefill_pb2.RegisterRequest, prompt_len: int, first_token: int, via="call") -> None:
+    """Everything a prefill node sends for a room: every page's bytes, the notices, the first token
+    (via "call": a FirstToken call; "notice": in the last overlapping source's notice to decode rank 0)."""
     block = f.d.node.layout.geometry.layer_block_bytes
-    for dr in reg.decode_layout.ranks:
+    for j, dr in enumerate(reg.decode_layout.ranks):
         stub = _stub(kv_transfer_pb2_grpc.KVReceiverStub, dr.receiver_addr)
-        for pr in f.p.node.layout.ranks:
-            if (ov := overlap_of(pr, dr)) is None:
-                continue
+        sources = [pr for pr in f.p.node.layout.ranks if overlap_of(pr, dr) is not None]
+        for pr in sources:
+            ov = overlap_of(pr, dr)
             lo, hi = ov
             data = bytes(len(reg.page_ids) * (hi - lo) * block)
             chunk = kv_transfer_pb2.PageChunk(
@@ -1289,7 +1290,11 @@ def play_prefill(f: Fleet, reg: prefill_pb2.RegisterRequest, prompt_len: int, fi
             notice = kv_transfer_pb2.TransferNotice(
                 room=reg.room, src_rank=pr.rank, layer_start=lo, layer_end=hi, num_tokens=prompt_len, bytes=len(data)
             )
+            if via == "notice" and j == 0 and pr is sources[-1]:
+                notice.first_token = first_token
             stub.TransferDone(notice, timeout=10)
+    if via == "notice":
+        return
     first = kv_transfer_pb2.FirstTokenNotice(room=reg.room, token=first_token, prompt_tokens=prompt_len)
     _stub(kv_transfer_pb2_grpc.KVReceiverStub, reg.decode_layout.ranks[0].receiver_addr).FirstToken(first, timeout=10)
 
@@ -1425,15 +1430,16 @@ def test_unsupported_methods_and_malformed_requests_get_openai_errors(fleet, req
     assert json.loads(body)["error"]["message"]
 
 
-def test_a_first_token_outside_the_vocabulary_is_refused(fleet, scratch):
+@pytest.mark.parametrize("via", ["call", "notice"])
+def test_a_first_token_outside_the_vocabulary_is_refused(fleet, scratch, via):
     """Kills the scratch node's rank today: keep it the last test that uses `scratch`."""
     tried("known-bugs")
     room = secrets.randbits(62) + 1
-    call = scratch_call(scratch, fleet.fake, "poisoned", room, [1, 2, 3, 4], 3)
+    call = scratch_call(scratch, fleet.fake, f"poisoned-{via}", room, [1, 2, 3, 4], 3)
     reg = fleet.fake.registration(room)
     assert reg is not None
     try:
-        play_prefill(fleet, reg, 4, first_token=1_000_000)
+        play_prefill(fleet, reg, 4, first_token=1_000_000, via=via)
         refused = None
     except grpc.RpcError as e:
         refused = e

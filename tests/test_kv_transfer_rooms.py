@@ -193,6 +193,32 @@ def test_first_token_on_another_rank_is_a_failed_precondition():
         t.set_first_token(5, 1, 1)
 
 
+def test_a_first_token_riding_the_notice_completes_rank_zero_in_one_message():
+    t = make_table(rank=0, layers=(0, 2), first_token=True)
+    t.expect(5, "r", [7], P_SOURCES, "shm")
+    t.done(Notice(0, 0, 2, 3, 2 * BLOCK, first_token=42), 5)
+    assert t.board.poll(5) == KVPoll.SUCCESS
+    assert t.first_token(5) == (42, 3)  # its prompt length is the notice's num_tokens
+
+
+def test_a_notice_whose_first_token_differs_from_the_first_token_call_fails_the_room():
+    t = make_table(rank=0, layers=(0, 2), first_token=True)
+    t.expect(5, "r", [7], P_SOURCES, "shm")
+    t.set_first_token(5, 42, 3)
+    with pytest.raises(BadTransfer):
+        t.done(Notice(0, 0, 2, 3, 2 * BLOCK, first_token=43), 5)
+    assert t.board.poll(5) == KVPoll.FAILED
+    assert t.board.reason(5) == "second first token (43, 3) after (42, 3) for room 5"
+
+
+def test_a_first_token_in_a_notice_to_another_rank_is_refused():
+    t = make_table()
+    t.expect(5, "r", [7], P_SOURCES, "shm")
+    with pytest.raises(RoomClosed, match="decode rank 1 takes no first tokens"):
+        t.done(Notice(0, 2, 3, 3, BLOCK, first_token=1), 5)
+    assert t.board.poll(5) == KVPoll.WAITING_FOR_INPUT  # nothing recorded: the sender fails the room itself
+
+
 def test_expect_rejects_bad_registrations():
     t = make_table()
     with pytest.raises(ValueError, match="page id 16 out of range"):

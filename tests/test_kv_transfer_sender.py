@@ -198,3 +198,33 @@ def test_idle_torch_pair_outlives_its_timeout_through_pings():
     finally:
         sender.close()
         receiver.close()
+
+
+@pytest.mark.parametrize("p_size", [1, 2])
+def test_the_first_token_rides_the_notice_to_decode_rank_zero_when_the_last_rank_feeds_it(monkeypatch, p_size):
+    """P pp 1 -> D pp 1: one TransferDone carries the token. P pp 2 -> D pp 1: the last rank feeds
+    rank 0 too (its layers [3, 6)), so again no FirstToken call."""
+    from kv_transfer.service import KVReceiverServicer
+
+    calls = []
+    first_token = KVReceiverServicer.FirstToken
+    monkeypatch.setattr(KVReceiverServicer, "FirstToken", lambda *a: calls.append(a) or first_token(*a))
+    p_ranges = stage_ranges(NUM_LAYERS, p_size)
+    [receiver] = make_decode([(0, NUM_LAYERS)], awaits_first_token=True)
+    senders = [make_sender("shm", make_prefill_pool(r, seed=i), i) for i, r in enumerate(p_ranges)]
+    try:
+        prefill = layout_of(RankInfo(i, *r) for i, r in enumerate(p_ranges))
+        receiver.expect(9, "rid", [4, 5], sources_of(prefill), "shm")
+        for s in senders:
+            s.connect(9, layout_of([receiver.endpoint]), [4, 5])
+            s.push(9, [1, 2], [4, 5], 7)
+        senders[-1].send_first_token(9, 42, 7)
+        for s in senders:
+            s.finish(9, 7)
+        wait_terminal(lambda room: min(x.poll(room) for x in [*senders, receiver]), [9])
+        assert [s.poll(9) for s in senders] == [KVPoll.SUCCESS] * p_size and receiver.poll(9) == KVPoll.SUCCESS
+        assert receiver.first_token(9) == (42, 7) and calls == []
+    finally:
+        for s in senders:
+            s.close()
+        receiver.close()

@@ -23,7 +23,7 @@ class PageChunk(_message.Message):
     def __init__(self, room: _Optional[int] = ..., src_rank: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., page_ids: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class TransferNotice(_message.Message):
-    __slots__ = ("room", "src_rank", "layer_start", "layer_end", "num_tokens", "bytes", "error")
+    __slots__ = ("room", "src_rank", "layer_start", "layer_end", "num_tokens", "bytes", "error", "first_token")
     ROOM_FIELD_NUMBER: _ClassVar[int]
     SRC_RANK_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
@@ -31,6 +31,7 @@ class TransferNotice(_message.Message):
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     room: int
     src_rank: int
     layer_start: int
@@ -38,7 +39,8 @@ class TransferNotice(_message.Message):
     num_tokens: int
     bytes: int
     error: str
-    def __init__(self, room: _Optional[int] = ..., src_rank: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_tokens: _Optional[int] = ..., bytes: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
+    first_token: int
+    def __init__(self, room: _Optional[int] = ..., src_rank: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_tokens: _Optional[int] = ..., bytes: _Optional[int] = ..., error: _Optional[str] = ..., first_token: _Optional[int] = ...) -> None: ...
 
 class FirstTokenNotice(_message.Message):
     __slots__ = ("room", "token", "prompt_tokens")

@@ -69,7 +69,8 @@ class KVReceiverServicer:
         raise NotImplementedError('Method not implemented!')
 
     def FirstToken(self, request, context):
-        """Decode rank 0 only: the first token, sampled by the prefill node's last rank.
+        """Decode rank 0 only: the first token, sampled by the prefill node's last rank, when that rank
+        writes no layers of decode rank 0 (otherwise it rides the rank's TransferNotice).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
