@@ -8,6 +8,7 @@ the metric definitions of `vllm bench serve`.
         [--request-rate inf | --request-rates 1,2,4,8,inf] [--burstiness 1.0] [--max-concurrency N]
         [--goodput ttft:MS tpot:MS e2el:MS] [--seed 0] [--json]
     kvbridge bench serve --mode interference [--cores 0,1] [--itf-streams 4] [--itf-long-prompts 8] ...
+    kvbridge bench serve --mode handoff [--num-prompts 100] [--random-input-len 32] [--random-output-len 4] ...
 
 Sweep mode (default): every stack of `--stacks` is started in this process (the nodes' fronts and
 the router here, their ranks in child processes), then for each rate in turn each stack gets the
@@ -29,6 +30,11 @@ window and while long prompts arrived (from the first long prompt's send to the 
 `long_ttft_ms` and `long_e2el_ms` of the long prompts; `stream_tokens_per_chunk` (above 1 where
 the detokenizer held text back, so a gap spans several tokens). The summary holds the
 disaggregated/colocated ratios and each stack's loaded/quiet ITL p99.
+
+Handoff mode (bench/serve_handoff.py): the disaggregation TTFT overhead at low load. Both stacks
+as unpinned `kvbridge` child processes; each prompt of the dataset goes to the colocated stack,
+then to the disaggregated one, one request at a time. One JSON line per stack (TTFT mean,
+median, p99) and a summary with the median of the paired differences (`ttft_overhead_ms`).
 
 Every request is streamed with ignore_eos and max_tokens (and min_tokens, with --min-tokens on,
 or auto when a probe request carrying it is accepted), so output lengths are the dataset's.
@@ -106,7 +112,7 @@ def _cores(text: str) -> list[int]:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="kvbridge bench serve", description=__doc__.split("\n")[0])
-    ap.add_argument("--mode", default="sweep", choices=["sweep", "interference"])
+    ap.add_argument("--mode", default="sweep", choices=["sweep", "interference", "handoff"])
     ap.add_argument("--stacks", type=_names, default=list(STACKS), help="default: colocated,disaggregated")
     ap.add_argument("--model", default="tiny-random", help="tiny-random (default) | smollm2-135m-instruct | ...")
     ap.add_argument("--pp", type=int, default=1, help="pipeline ranks of the colocated node")
@@ -367,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         check(args)
         tokenizer, vocab, max_context = load_tokenizer(args)
-        samples, dataset = build_dataset(args, tokenizer, vocab) if args.mode == "sweep" else (None, None)
+        samples, dataset = build_dataset(args, tokenizer, vocab) if args.mode != "interference" else (None, None)
         if samples is not None:
             check_context(samples, max_context)
     except UsageError as e:
@@ -381,6 +387,10 @@ def main(argv: list[str] | None = None) -> int:
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
         if args.mode == "sweep":
             return sweep(args, pool, samples, dataset)
+        if args.mode == "handoff":
+            from bench.serve_handoff import handoff
+
+            return handoff(args, pool, samples, dataset)
         from bench.serve_interference import interference
 
         try:

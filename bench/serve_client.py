@@ -198,6 +198,29 @@ def run_load(
     return asyncio.run(_load(target, samples, arrivals, max_concurrency, warmups, label))
 
 
+async def _pairs(targets: list[Target], samples: list[Sample], warmups: int) -> list[list[RequestRecord]]:
+    out: list[list[RequestRecord]] = [[] for _ in targets]
+    async with _client(2) as client:
+        for target in targets:
+            await warm_up(client, target, samples[:warmups])
+        progress = Progress("handoff", len(samples))
+        reporter = asyncio.create_task(progress.report())
+        t0 = time.perf_counter()
+        for sample in samples:
+            progress.sent += 1
+            for records, target in zip(out, targets):  # one request in flight at any time
+                records.append(await send(client, target, sample, t0))
+            progress.done += 1
+            progress.failed += sum(not records[-1].ok for records in out)
+        reporter.cancel()
+    return out
+
+
+def run_pairs(targets: list[Target], samples: list[Sample], warmups: int) -> list[list[RequestRecord]]:
+    """Each sample to every target in turn, one request at a time; the records per target, in order."""
+    return asyncio.run(_pairs(targets, samples, warmups))
+
+
 # ---------------------------------------------------------------------------- interference
 
 

@@ -172,6 +172,11 @@ def start_pinned(
             "prefill_cores": cores[:1],
             "decode_cores": cores[1:2],
         }
+    return _route_to(name, nodes, layout, timeout_s)
+
+
+def _route_to(name: str, nodes: list, layout: dict, timeout_s: float) -> Stack:
+    """The stack, once its child nodes are ready and a router serves them."""
     try:
         for n in nodes:
             n.wait_ready()
@@ -183,6 +188,23 @@ def start_pinned(
             n.stop()
         raise
     return Stack(name, router, nodes, layout)
+
+
+def start_unpinned(
+    name: str, engine_flags: list[str], pp: int, prefill_pp: int, decode_pp: int, timeout_s: float
+) -> Stack:
+    """Like start_pinned, but every node may use every core this process may (as deployed on one host)."""
+    cores = sorted(os.sched_getaffinity(0))
+    common = ["--log-level", "error", "--quiet", "--shutdown-grace-s", "5", *engine_flags]
+    if name == "colocated":
+        nodes, layout = [PinnedNode("serve", set(cores), [*common, "--pp-size", str(pp)])], {"pp": pp}
+    else:
+        nodes = [
+            PinnedNode("decode", set(cores), [*common, "--pp-size", str(decode_pp)]),
+            PinnedNode("prefill", set(cores), [*common, "--pp-size", str(prefill_pp)]),
+        ]
+        layout = {"prefill_pp": prefill_pp, "decode_pp": decode_pp}
+    return _route_to(name, nodes, layout | {"processes": "kvbridge CLI children, unpinned"}, timeout_s)
 
 
 def wait_healthy(stack: Stack, timeout_s: float = 30.0) -> None:

@@ -13,7 +13,8 @@ from enum import IntEnum
 class Stream(IntEnum):
     """A stage of a request's life that needs every rank's agreement before it moves on."""
 
-    PREFILL_BOOTSTRAPPED = 0  # prefill: the decode side's registration arrived on every rank
+    PREFILL_BOOTSTRAPPED = 0  # prefill: the decode side's registration arrived on every rank (unused by
+    # kvbridge's prefill node since registration overlaps prefill; kept: the protocol is generic)
     PREFILL_TRANSFERRED = 1  # prefill: every rank's KV pushes are done; pages may be freed
     DECODE_PREALLOCATED = 2  # decode: pages reserved on every rank; may register with prefill
     DECODE_RETRACTED = 3  # decode: a retracted request may resume on every rank

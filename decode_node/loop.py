@@ -141,6 +141,9 @@ class DecodeLeader(Leader):
 
     # ---------------------------------------------------------------- queues
 
+    def undecided(self) -> bool:
+        return self.chan.has_changes
+
     def _tick(self) -> None:
         for d in self.chan.take_decisions():
             req = self.requests.get(d.rid)

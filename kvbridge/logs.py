@@ -1,6 +1,6 @@
 """Structured logs: one logfmt line per event on stderr, e.g.
 
-    ts=2026-11-30T22:50:01.123Z level=info logger=kvbridge.prefill event=phase rid=9f2c room=812 phase=prefilling
+    ts=2026-11-30T22:50:01.123456Z level=info logger=kvbridge.prefill event=phase rid=9f2c room=812 phase=prefilling
 
 `setup(level)` configures the process (and is called again in each rank process with the
 front's level); `log_event(logger, event, **fields)` writes one line. Values with spaces or
@@ -26,7 +26,8 @@ def _value(v: object) -> str:
 
 class LogfmtFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
-        ts = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z"
+        micros = int(record.created % 1 * 1e6)  # (timelines across processes need better than ms)
+        ts = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{micros:06d}Z"
         head = f"ts={ts} level={record.levelname.lower()} logger={record.name}"
         fields = getattr(record, "fields", None)
         if fields is not None:

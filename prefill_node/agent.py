@@ -1,9 +1,11 @@
 """A prefill rank's part of the hand-off: connect to the decode ranks a request's KV goes
 to, push the pages each prefill chunk wrote, and report to consensus.
 
-Consensus streams it feeds: PREFILL_BOOTSTRAPPED (READY once this rank's connections to
-the overlapping decode ranks are up) and PREFILL_TRANSFERRED (READY once every push and
-notice of the request landed). Its sender reports state changes from its own thread.
+Prefill does not wait for the route (the decode node's registration, a ROUTE decision):
+chunks computed before it are remembered (`Unrouted`) and pushed the moment it arrives, the
+last rank's first token with them. Consensus stream it feeds: PREFILL_TRANSFERRED (PENDING
+from the route on; READY once every push and notice of the request landed; FAILED when a
+connection, push or notice failed). Its sender reports state changes from its own thread.
 """
 
 from __future__ import annotations
@@ -41,11 +43,22 @@ class Route:
     doomed: bool = False  # fault injection: this rank fails the request's transfer
 
 
+@dataclass
+class Unrouted:
+    """What this rank computed of a request whose route is not known yet."""
+
+    table: list[int]  # its page table as of the last chunk
+    end: int  # prompt tokens in those pages
+    done: bool = False  # the prompt is computed (the first token sampled, on the last rank)
+    first_token: int | None = None  # the last rank: sampled, sent with the first pushes
+
+
 class PrefillAgent(KVAgent):
     def __init__(self, rank: int, is_last: bool, pool: KVPool, chan: ControlChannel):
         self.rank, self.is_last, self.pool, self.chan = rank, is_last, pool, chan
         self.page_size = pool.page_size
         self.routes: dict[str, Route] = {}  # rid -> route, while the request transfers
+        self.unrouted: dict[str, Unrouted] = {}  # rid -> what was computed before its route
         self.senders: dict[str, object] = {}  # backend name -> its Sender, made on first use
         self.metrics = rank_metrics()
         self.faults = faults.current()
@@ -66,10 +79,18 @@ class PrefillAgent(KVAgent):
             route = Route(d.rid, info["room"], info["backend"], list(info["page_ids"]))
             route.doomed = self.faults.fail_transfer()
             self.routes[d.rid] = route
-            self.chan.set_local(Stream.PREFILL_BOOTSTRAPPED, d.rid, LocalStatus.PENDING)
+            self.chan.set_local(Stream.PREFILL_TRANSFERRED, d.rid, LocalStatus.PENDING)
             self._sender(route.backend).connect(route.room, layout_from_dict(info["decode"]), route.page_ids, d.rid)
-        elif d.kind in (FINISH, ABORT) and d.rid in self.routes:
-            route = self.routes.pop(d.rid)
+            done = self.unrouted.pop(d.rid, None)
+            if done is not None and self._push(route, done.table, 0, done.end) and done.done:
+                if self.is_last:
+                    self._sender(route.backend).send_first_token(route.room, done.first_token, done.end)
+                self._finish(route, done.end)
+        elif d.kind in (FINISH, ABORT):
+            self.unrouted.pop(d.rid, None)
+            route = self.routes.pop(d.rid, None)
+            if route is None:
+                return
             sender = self._sender(route.backend)
             if d.kind == ABORT:
                 sender.abort(route.room, "aborted by the prefill node")
@@ -81,22 +102,27 @@ class PrefillAgent(KVAgent):
         for rid, start, q_len, table, sample in zip(
             batch.rids, batch.starts, batch.q_lens, batch.page_tables, batch.sample
         ):
-            route = self.routes.get(rid)
-            if route is None:
-                continue
             end = start + q_len
-            first, last = start // self.page_size, (end - 1) // self.page_size + 1
-            sender = self._sender(route.backend)
-            if route.doomed:
-                sender.abort(route.room, INJECTED)
-                continue
-            try:
-                sender.push(route.room, table[first:last], route.page_ids[first:last], end)
-                self.metrics.transfer_bytes.labels(self.label).inc((last - first) * self.page_bytes)
-                if sample and not self.is_last:  # the last rank finishes after sending the first token
-                    self._finish(route, end)
-            except (ValueError, KeyError) as e:  # a registration that does not fit the prompt
-                sender.abort(route.room, str(e))
+            route = self.routes.get(rid)
+            if route is None:  # pushed once the route is known
+                self.unrouted[rid] = Unrouted(list(table), end, done=sample)
+            elif self._push(route, table, start, end) and sample and not self.is_last:
+                self._finish(route, end)  # (the last rank finishes after sending the first token)
+
+    def _push(self, route: Route, table, start: int, end: int) -> bool:
+        """Queue the pages holding prompt tokens [start, end); False when the room failed instead."""
+        first, last = start // self.page_size, (end - 1) // self.page_size + 1
+        sender = self._sender(route.backend)
+        if route.doomed:
+            sender.abort(route.room, INJECTED)
+            return False
+        try:
+            sender.push(route.room, table[first:last], route.page_ids[first:last], end)
+        except (ValueError, KeyError) as e:  # a registration that does not fit the prompt
+            sender.abort(route.room, str(e))
+            return False
+        self.metrics.transfer_bytes.labels(self.label).inc((last - first) * self.page_bytes)
+        return True
 
     def on_sampled(self, batch: ForwardBatch, tokens: list[int]) -> None:
         sampled = [(rid, s + q) for rid, s, q, smp in zip(batch.rids, batch.starts, batch.q_lens, batch.sample) if smp]
@@ -105,10 +131,11 @@ class PrefillAgent(KVAgent):
             if route is not None:
                 self._sender(route.backend).send_first_token(route.room, token, num_tokens)
                 self._finish(route, num_tokens)
+            elif rid in self.unrouted:
+                self.unrouted[rid].first_token = token
 
     def _finish(self, route: Route, num_tokens: int) -> None:
         route.finishing = True
-        self.chan.set_local(Stream.PREFILL_TRANSFERRED, route.rid, LocalStatus.PENDING)
         if self.faults.lose_notice():
             log_event(
                 log, "fault", logging.WARNING, rid=route.rid, room=route.room, rank=self.rank, fault="drop_notice"
@@ -120,9 +147,7 @@ class PrefillAgent(KVAgent):
 
     def _on_change(self, change: StatusChange) -> None:
         rid = change.rid
-        if change.state == KVPoll.WAITING_FOR_INPUT:
-            self.chan.set_local(Stream.PREFILL_BOOTSTRAPPED, rid, LocalStatus.READY)
-        elif change.state == KVPoll.SUCCESS:
+        if change.state == KVPoll.SUCCESS:
             route = self.routes.get(rid)
             if route is not None:
                 self.metrics.transfer_duration.labels(self.label).observe(time.perf_counter() - route.routed_s)
@@ -130,9 +155,7 @@ class PrefillAgent(KVAgent):
         elif change.state == KVPoll.FAILED:
             self._log_failure(rid, change.room, change.reason)
             self.metrics.transfer_failures.labels(self.label, failure_reason(change.reason)).inc()
-            route = self.routes.get(rid)
-            stream = Stream.PREFILL_TRANSFERRED if route and route.finishing else Stream.PREFILL_BOOTSTRAPPED
-            self.chan.set_local(stream, rid, LocalStatus.FAILED)
+            self.chan.set_local(Stream.PREFILL_TRANSFERRED, rid, LocalStatus.FAILED)
 
     def close(self) -> None:
         for sender in self.senders.values():

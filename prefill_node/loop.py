@@ -1,9 +1,14 @@
-"""Rank 0 of a prefill node: the colocated loop plus two queues around it.
+"""Rank 0 of a prefill node: the colocated loop plus two queues after it.
 
-    bootstrap queue --(D registered the room; consensus BOOTSTRAPPED)--> scheduler (chunked prefill)
-    --(first token sampled)--> inflight queue --(consensus TRANSFERRED)--> pages freed, response
+    scheduler (chunked prefill, at once) --(first token sampled)--> bootstrap queue, until the
+    decode node's registration arrived (a ROUTE decision) --> inflight queue --(consensus
+    TRANSFERRED)--> pages freed, response
 
-A failure on any rank (consensus FAILED) or an abort ends the request on every rank.
+Registration overlaps prefill: a request is scheduled as soon as it arrives, and the decode
+node's registration (where its KV goes) may come at any point. Each rank pushes what it
+computed before the route as soon as it learns it, and every later chunk right after its
+forward; the last rank holds the first token until then. A failure on any rank (consensus
+FAILED) or an abort ends the request on every rank.
 """
 
 from __future__ import annotations
@@ -29,8 +34,9 @@ class PrefillLeader(Leader):
         super().__init__(*args, **kwargs)
         self.chan = chan
         self.scheduler.hold_pages_on_finish = True  # pages live until every rank's pushes landed
-        self.bootstrap: dict[str, Request] = {}  # waiting for the decode node's registration / consensus
-        self.rooms: dict[int, str] = {}  # room -> rid of a request waiting in bootstrap
+        self.unrouted: set[str] = set()  # rids whose registration has not arrived (any phase)
+        self.bootstrap: dict[str, Request] = {}  # prefilled (first token out) and still unrouted
+        self.rooms: dict[int, str] = {}  # room -> rid of an unrouted request
         self.registrations: dict[int, tuple[float, dict]] = {}  # room -> (arrival, registration) without a request
         self.inflight_kv: dict[str, Request] = {}  # first token sampled, KV pushes not yet agreed done
         # agreed done before rank 0 post-processed the first token (its pushes can land that fast)
@@ -48,16 +54,17 @@ class PrefillLeader(Leader):
             req.room, req.finish_reason = room, "error"
             super()._retire(req, ABORT, error=f"room {room} is in use by another request", code="ALREADY_EXISTS")
             return
-        self.bootstrap[req.rid] = req
+        self.unrouted.add(req.rid)
         self.rooms[room] = req.rid
         req.room = room
         if room in self.registrations:
             self._route(req, self.registrations.pop(room)[1])
+        self.scheduler.add(req)
 
     def phase_of(self, req: Request) -> str:
         if req.rid in self.bootstrap:
             return "bootstrap"
-        return "transferring" if req.rid in self.inflight_kv else "prefilling"
+        return "transferring" if req.rid in self.inflight_kv else super().phase_of(req)
 
     def queues(self) -> dict[str, list[str]]:
         s = self.scheduler
@@ -90,11 +97,16 @@ class PrefillLeader(Leader):
         return True
 
     def _route(self, req: Request, registration: dict) -> None:
-        """Every rank learns where the KV goes (a ROUTE decision) and connects; consensus follows."""
+        """Every rank learns where the KV goes (a ROUTE decision), connects and pushes what it has."""
         req.peer = registration.get("decode_addr", "")
-        req.announced = True
-        self._decide(ADMIT, req.rid, replace(req.params, seed=req.seed))
+        self.unrouted.discard(req.rid)
+        self.rooms.pop(req.room, None)
+        if not req.announced:  # registered before its first chunk ran
+            req.announced = True
+            self._decide(ADMIT, req.rid, replace(req.params, seed=req.seed))
         self._decide(ROUTE, req.rid, info=registration)
+        if self.bootstrap.pop(req.rid, None) is not None:  # prefilled already: its pushes start now
+            self._await_transfer(req)
 
     def status(self) -> dict:
         st = super().status()
@@ -103,17 +115,15 @@ class PrefillLeader(Leader):
 
     # ---------------------------------------------------------------- consensus
 
+    def undecided(self) -> bool:
+        return self.chan.has_changes
+
     def _tick(self) -> None:
         for d in self.chan.take_decisions():
             req = self.requests.get(d.rid)
             if req is None:
                 continue
-            if d.verdict == Verdict.READY and d.stream == S.PREFILL_BOOTSTRAPPED and d.rid in self.bootstrap:
-                del self.bootstrap[d.rid]
-                self.rooms.pop(req.room, None)
-                self.scheduler.add(req)
-                self._set_phase(req, "prefilling")
-            elif d.verdict == Verdict.READY and d.stream == S.PREFILL_TRANSFERRED:
+            if d.verdict == Verdict.READY and d.stream == S.PREFILL_TRANSFERRED:
                 if d.rid in self.inflight_kv:
                     del self.inflight_since[d.rid]
                     self._transferred(self.inflight_kv.pop(d.rid))
@@ -133,7 +143,8 @@ class PrefillLeader(Leader):
         for room, (t, _) in list(self.registrations.items()):  # a registration whose Prefill call never came
             if now - t > config.bootstrap_timeout_s:
                 del self.registrations[room]
-        for req in [r for r in self.bootstrap.values() if now - r.arrival_s > config.bootstrap_timeout_s]:
+        unrouted = [self.requests[rid] for rid in self.unrouted]
+        for req in [r for r in unrouted if now - r.arrival_s > config.bootstrap_timeout_s]:
             why = f"the decode node did not register room {req.room} within {config.bootstrap_timeout_s:g} s"
             self._fail(req, "error", why, code="DEADLINE_EXCEEDED", timeout="bootstrap")
         for rid, since in list(self.inflight_since.items()):
@@ -145,15 +156,22 @@ class PrefillLeader(Leader):
 
     def _retire(self, req: Request, kind: str, **event) -> None:
         if kind == FINISH and req.finish_reason in ("length", "stop"):
-            if req.rid in self.transferred_early:
+            if req.rid in self.unrouted:  # its first token is out; where its KV goes is not known yet
+                self.bootstrap[req.rid] = req
+                self._set_phase(req, "bootstrap")
+            elif req.rid in self.transferred_early:
                 self.transferred_early.discard(req.rid)
                 self._transferred(req)
             else:
-                self.inflight_kv[req.rid] = req  # its first token is out; its pages wait for the pushes
-                self.inflight_since[req.rid] = time.perf_counter()
-                self._set_phase(req, "transferring")
+                self._await_transfer(req)
             return
         super()._retire(req, kind, **event)
+
+    def _await_transfer(self, req: Request) -> None:
+        """Its first token is out and its route known: its pages wait for every rank's pushes."""
+        self.inflight_kv[req.rid] = req
+        self.inflight_since[req.rid] = time.perf_counter()
+        self._set_phase(req, "transferring")
 
     def _transferred(self, req: Request) -> None:
         """Every rank's pushes landed: the pages are free again and the request is done here."""
@@ -168,6 +186,7 @@ class PrefillLeader(Leader):
         return per_layer * self.stage.config.num_hidden_layers
 
     def _fail(self, req: Request, reason: str, error: str, code: str = "", **event) -> None:
+        self.unrouted.discard(req.rid)
         self.bootstrap.pop(req.rid, None)
         self.rooms.pop(req.room, None)
         self.inflight_kv.pop(req.rid, None)

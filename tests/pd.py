@@ -48,14 +48,20 @@ def token_prompt(ids: list[int]) -> common_pb2.Prompt:
     return common_pb2.Prompt(token_ids=common_pb2.TokenIds(ids=ids))
 
 
-def pd_generate(p_addr: str, d_addr: str, prompt: common_pb2.Prompt, max_new_tokens: int, timeout: float = 120):
-    """What the router does for one request: D.Generate (stream) and P.Prefill at once.
+def pd_generate(
+    p_addr: str, d_addr: str, prompt: common_pb2.Prompt, max_new_tokens: int, timeout: float = 120, late: bool = False
+):
+    """What the router does for one request: D.Generate (stream) and P.Prefill at once (late: D only
+    once P has prefilled the prompt and holds its first token, waiting for the registration).
     Returns (tokens, decode responses, prefill response or the RpcError of either half)."""
     rid, room = secrets.token_hex(8), secrets.randbits(63)
     sampling = common_pb2.SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
     prefill = prefill_pb2_grpc.PrefillStub(rpc.make_channel(p_addr)).Prefill.future(
         prefill_pb2.PrefillRequest(rid=rid, room=room, prompt=prompt, sampling=sampling), timeout=timeout
     )
+    if late:  # prefilled: its first token sampled, its pages held
+        info = wait_phase(p_addr, rid, "bootstrap")
+        assert info.output_tokens == 1 and info.kv_pages > 0 and info.peer == "", info
     req = generation_pb2.GenerateRequest(
         rid=rid, prompt=prompt, sampling=sampling, prefill=generation_pb2.PrefillRoute(room=room, prefill_addr=p_addr)
     )
@@ -82,6 +88,17 @@ def wait_idle(addr: str, timeout: float = 30) -> admin_pb2.Status:
         if time.monotonic() > deadline:
             return st
         time.sleep(0.05)
+
+
+def wait_phase(addr: str, rid: str, phase: str, timeout: float = 60) -> admin_pb2.RequestInfo:
+    admin = admin_pb2_grpc.AdminStub(rpc.make_channel(addr))
+    deadline = time.monotonic() + timeout
+    while True:
+        found = [r for r in admin.ListRequests(admin_pb2.ListRequestsRequest(), timeout=10).requests if r.rid == rid]
+        if found and found[0].phase == phase:
+            return found[0]
+        assert time.monotonic() < deadline, f"{rid} never reached phase {phase} on {addr}: {found}"
+        time.sleep(0.01)
 
 
 def in_parallel(fn, args_list: list) -> list:

@@ -18,6 +18,9 @@ from engine.pp import dist as pp_dist
 from engine.pp.control import ControlChannel, GlooTransport
 
 STREAMS = (Stream.DECODE_PREALLOCATED, Stream.DECODE_TRANSFERRED)
+# rank 0's fallback round never comes within the test: rounds follow its own changes and the
+# other ranks' nudges only (without nudges, rids whose last change is on rank 1+ never decide)
+IDLE_POLL_S = 600.0
 
 
 def make_schedule(seed: int, pp_size: int, num_rids: int = 40):
@@ -40,7 +43,7 @@ def make_schedule(seed: int, pp_size: int, num_rids: int = 40):
 
 def rank_main(rank, pp_size, addr, seed, out, stop):
     _, control_group = pp_dist.init(rank, pp_size, addr, timeout_s=60)
-    chan = ControlChannel(rank, pp_size, GlooTransport(control_group, rank, pp_size), keep_log=True)
+    chan = ControlChannel(rank, pp_size, GlooTransport(control_group, rank, pp_size), IDLE_POLL_S, keep_log=True)
     events, _ = make_schedule(seed, pp_size)
     t0 = time.monotonic()
     status = {"pending": LocalStatus.PENDING, "ready": LocalStatus.READY, "failed": LocalStatus.FAILED}
@@ -112,3 +115,44 @@ def test_gloo_ring_ranks_apply_one_valid_log(pp_size):
         assert got == Verdict.ABORTED or (got == verdict and got_stream == stream), (rid, got, verdict)
     assert any(v == Verdict.READY for _, v in verdicts.values())
     assert any(v == Verdict.FAILED for _, v in verdicts.values())
+
+
+def nudged_rank(rank, addr, out, stop):
+    _, control_group = pp_dist.init(rank, 2, addr, timeout_s=60)
+    chan = ControlChannel(rank, 2, GlooTransport(control_group, rank, 2), IDLE_POLL_S, collect=rank == 0)
+    chan.set_local(Stream.DECODE_TRANSFERRED, "late", LocalStatus.PENDING)
+    if rank == 0:
+        chan.set_local(Stream.DECODE_TRANSFERRED, "late", LocalStatus.READY)
+        decided, deadline = [], time.monotonic() + 60
+        while not decided and time.monotonic() < deadline:
+            decided = chan.take_decisions()
+            time.sleep(0.01)
+        out.put([(d.rid, d.verdict) for d in decided])
+        chan.stop()
+        out.put(chan.nudges.is_alive())  # it ended: rank 1 said NUDGE_CLOSE when the ring closed
+    else:
+        time.sleep(1.0)  # rank 0 is long idle: only a nudge can start the round that decides
+        chan.set_local(Stream.DECODE_TRANSFERRED, "late", LocalStatus.READY)
+        stop.wait(60)
+        chan.thread.join(30)  # ends with the ring's close, once rank 0 stopped
+        out.put(("rank 1", chan.thread.is_alive(), chan.nudges.is_alive(), repr(chan.error)))
+
+
+def test_the_last_change_on_another_rank_nudges_an_idle_rank_zero():
+    ctx = mp.get_context("spawn")
+    out, stop = ctx.Queue(), ctx.Event()
+    addr = f"127.0.0.1:{pp_dist.free_port()}"
+    procs = [ctx.Process(target=nudged_rank, args=(r, addr, out, stop), daemon=True) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        assert out.get(timeout=90) == [("late", Verdict.READY)]
+        assert out.get(timeout=30) is False
+        stop.set()
+        assert out.get(timeout=60) == ("rank 1", False, False, "None")
+    finally:
+        stop.set()
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()

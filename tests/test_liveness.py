@@ -81,8 +81,8 @@ def test_decode_fails_requests_waiting_for_a_dead_prefill_node_and_frees_their_p
             time.sleep(0.02)
         assert admin.GetStatus(admin_pb2.GetStatusRequest()).ranks[0].kv_pages_used > 0
         p_admin = admin_pb2_grpc.AdminStub(rpc.make_channel(p_addr))
-        while sum(r.phase != "bootstrap" for r in p_admin.ListRequests(admin_pb2.ListRequestsRequest()).requests) < 3:
-            assert time.monotonic() < deadline, "the prefill node never started the requests"
+        while sum(r.peer != "" for r in p_admin.ListRequests(admin_pb2.ListRequestsRequest()).requests) < 3:
+            assert time.monotonic() < deadline, "the decode node never registered the requests"
             time.sleep(0.02)  # all three registered (no registration call in flight when it dies)
         victim.kill()
         t0 = time.monotonic()

@@ -54,3 +54,21 @@ def test_disaggregated_equals_colocated(fleet, reference, p_pp, d_pp, backend):
         st = wait_idle(node.address)
         assert [r.kv_pages_used for r in st.ranks] == [0] * len(st.ranks)
         assert not any(st.queues.values()), dict(st.queues)
+
+
+@pytest.mark.parametrize(("p_pp", "d_pp"), [(1, 1), (2, 1), (3, 2)])
+def test_a_prompt_prefilled_before_the_decode_node_registers_is_handed_off_at_the_route(fleet, reference, p_pp, d_pp):
+    """Registration overlaps prefill: P computes every chunk and its last rank holds the first
+    token before D has even asked; the ROUTE decision then pushes it all (pp 3: from every rank)."""
+    prefill, decode = fleet[f"p{p_pp}"], fleet[f"d{d_pp}-shm"]
+    prompts, expected = reference
+    for prompt, want in zip(prompts, expected):
+        tokens, responses, prefill_result = pd_generate(
+            prefill.address, decode.address, token_prompt(prompt), MAX_NEW, late=True
+        )
+        assert not isinstance(prefill_result, grpc.RpcError), prefill_result
+        assert tokens == want and prefill_result.first_token == want[0]
+        assert responses[0].transfer.kv_bytes > 0
+    for node in (prefill, decode):
+        st = wait_idle(node.address)
+        assert [r.kv_pages_used for r in st.ranks] == [0] * len(st.ranks)

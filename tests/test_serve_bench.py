@@ -102,6 +102,19 @@ def test_interference_mode_pins_the_nodes_and_reports_both_windows(capsys):
     }
 
 
+def test_handoff_mode_pairs_each_prompt_across_both_stacks_of_child_processes(capsys):
+    argv = ["--mode", "handoff", "--num-prompts", "6", "--random-input-len", "24", "--random-output-len", "3"]
+    rows = run_bench(capsys, argv)
+    runs, summary = rows[:-1], rows[-1]
+    assert [r["stack"] for r in runs] == ["colocated", "disaggregated"]
+    for r in runs:
+        assert r["mode"] == "handoff" and r["num_prompts"] == 6 and r["failed"] == 0, r
+        assert r["layout"]["processes"] == "kvbridge CLI children, unpinned" and r["median_ttft_ms"] > 0
+    assert summary["summary"] is True and summary["pairs"] == 6
+    assert isinstance(summary["ttft_overhead_ms"]["median"], float)
+    assert summary["median_ttft_ms"] == {r["stack"]: r["median_ttft_ms"] for r in runs}
+
+
 @pytest.mark.slow
 def test_pinned_nodes_and_their_ranks_run_on_their_cores():
     from bench.serve_stacks import start_pinned

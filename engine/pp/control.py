@@ -5,6 +5,12 @@
 consensus.RingDriver in a daemon thread, rounds back to back while there is something to
 agree on; the rank's loop calls `set_local` / `abort` and takes the decisions with
 `take_decisions()`.
+
+Wake-ups are event-driven. After a round that decided nothing, rank 0 waits for a change:
+its own (`set_local`, `abort`), or a nudge, a one-word message on a second gloo group that
+any other rank sends when one of its statuses becomes READY or FAILED (one nudge per burst
+of changes: a thread per rank sends them, so the caller never blocks). A lost nudge would
+cost latency only: rank 0 runs a round at least every `idle_poll_s` while anything is live.
 """
 
 from __future__ import annotations
@@ -24,11 +30,11 @@ from kvbridge.metrics import rank_metrics
 class GlooTransport:
     """One rank's ends of the control ring: length-prefixed byte payloads, async sends."""
 
-    def __init__(self, group, rank: int, pp_size: int, poll_s: float = 2e-4):
-        self.group = group
+    def __init__(self, groups, rank: int, pp_size: int, poll_s: float = 2e-4):
+        self.group, self.nudge_group = groups.ring, groups.nudge  # engine.pp.dist.ControlGroups
         self.next, self.prev = (rank + 1) % pp_size, (rank - 1) % pp_size
         self.poll_s = poll_s  # sleep between completion checks when recv has a timeout
-        self._sends = Sends(group)
+        self._sends = Sends(self.group)
         self._len = torch.empty(1, dtype=torch.int64)
         self._pending: dist.Work | None = None  # a posted receive of the next length
 
@@ -58,8 +64,19 @@ class GlooTransport:
         dist.recv(buf, self.prev, group=self.group)  # the payload follows its length at once
         return buf.numpy().tobytes()
 
+    def send_nudge(self, word: int) -> None:
+        """Ranks 1..P-1, from one thread: a word to rank 0 (NUDGE, or NUDGE_CLOSE once at the end)."""
+        dist.send(torch.tensor([word], dtype=torch.int64), 0, group=self.nudge_group)
+
+    def recv_nudge(self) -> int:
+        """Rank 0, from one thread: the next word any other rank sent."""
+        word = torch.empty(1, dtype=torch.int64)
+        dist.recv(word, None, group=self.nudge_group)
+        return int(word.item())
+
 
 CLOSE = b""  # sent around the ring once, at shutdown: every control thread forwards it and exits
+NUDGE, NUDGE_CLOSE = 1, 0  # words to rank 0: "a status of mine changed"; "no more nudges from me"
 
 
 class RingClosed(Exception):
@@ -83,68 +100,128 @@ class _ClosableRing:
 
 
 class ControlChannel:
-    """A rank's consensus driver in a background thread. `stop()` closes the ring (rank 0 sends the
-    sentinel round it; the others forward it) so that no thread is left inside a receive at exit."""
+    """A rank's consensus driver in a background thread (a ring of one: inline, in take_decisions).
+    `stop()` closes the ring (rank 0 sends the sentinel round it; the others forward it) so that no
+    thread is left inside a receive at exit."""
 
     def __init__(
         self,
         rank: int,
         pp_size: int,
         transport: GlooTransport | None,
-        idle_poll_s: float = 0.002,
+        idle_poll_s: float = 0.1,
         on_decisions: Callable[[], None] | None = None,
         collect: bool = True,
         keep_log: bool = False,
     ):
         self.state = RankState(rank, pp_size, keep_log=keep_log)  # the digest is kept either way
-        self.on_decisions = on_decisions  # called (no arguments, from the thread) after decisions arrive
+        self.on_decisions = on_decisions  # rank 0: wakes its loop (no arguments, any thread) when decisions wait
         self.collect = collect  # keep decisions for take_decisions(); ranks that only follow need not
         self.lock = threading.Lock()
         self.transport = transport
         self.driver = RingDriver(make_role(self.state), transport and _ClosableRing(transport), guard=self.lock)
-        self.idle_poll_s = idle_poll_s  # rank 0: pause after a round that decided nothing
-        self._wake = threading.Event()
+        # a ring of one needs no thread: its rounds run inside take_decisions, on the loop's thread
+        self.inline = transport is None
+        self._owner = threading.get_ident()  # the loop's thread (it made the channel)
+        self._changed = False  # inline: a status changed or a rid was aborted since the last round
+        self.idle_poll_s = idle_poll_s  # rank 0: the longest pause after a round that decided nothing
+        self._wake = threading.Event()  # rank 0: a change (local, or another rank's nudge) since the last round
+        self._nudge = threading.Event()  # ranks 1..P-1: a status became READY or FAILED; tell rank 0
         self._decided: list[Decision] = []  # issued (rank 0) or applied (rank k), not yet taken
         self._stop = False
+        self._closing = False  # ranks 1..P-1: the ring closed; the nudger sends NUDGE_CLOSE and ends
+        self._metrics = rank_metrics()
+        self._started: dict[int, float] = {}  # rank 0: round id -> when it was sent round the ring
         self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, name=f"kvbridge-consensus{rank}", daemon=True)
-        self.thread.start()
+        self.thread: threading.Thread | None = None  # the rounds (none inline)
+        self.nudges: threading.Thread | None = None  # rank 0: takes nudges; ranks 1..P-1: sends them
+        if not self.inline:
+            work = self._take_nudges if rank == 0 else self._send_nudges
+            self.nudges = threading.Thread(target=work, name=f"kvbridge-nudges{rank}", daemon=True)
+            self.nudges.start()
+            self.thread = threading.Thread(target=self._run, name=f"kvbridge-consensus{rank}", daemon=True)
+            self.thread.start()
+
+    @property
+    def has_changes(self) -> bool:
+        """Inline: a round may decide something (the loop calls take_decisions before it sleeps)."""
+        return self._changed
 
     def set_local(self, stream: Stream, rid: str, status: LocalStatus) -> None:
         with self.lock:
             self.state.set_local(stream, rid, status)
-        self._wake.set()
+        self._changed_here(status != LocalStatus.PENDING)
 
     def abort(self, rid: str) -> None:
         self.driver.abort(rid)
-        self._wake.set()
+        self._changed_here(True)
+
+    def _changed_here(self, decisive: bool) -> None:
+        if self.inline:
+            self._changed = True
+            if decisive and self.on_decisions is not None and threading.get_ident() != self._owner:
+                self.on_decisions()  # (a change made on the loop's thread is seen before it sleeps)
+        elif self.state.rank == 0:
+            self._wake.set()
+        elif decisive:  # (a registration alone decides nothing)
+            self._nudge.set()
 
     def take_decisions(self) -> list[Decision]:
+        if self.inline and self._changed:
+            self._changed = False
+            while (result := self.driver.step(timeout=0)).decisions:  # until a round decides nothing
+                self._count(result)
+                with self.lock:
+                    self._decided.extend(result.decisions)
         with self.lock:
             out, self._decided = self._decided, []
         return out
 
     def stop(self, timeout_s: float = 10.0) -> None:
+        if self.inline:
+            return
         self._stop = True
         self._wake.set()
         self.thread.join(timeout_s)
+        if self.state.rank == 0:  # its nudge thread ends once every other rank said NUDGE_CLOSE
+            self.nudges.join(timeout_s)
+
+    def _take_nudges(self) -> None:
+        """Rank 0: every nudge wakes the control thread; returns after every other rank closed."""
+        open_ranks = self.state.pp_size - 1
+        while open_ranks:
+            if self.transport.recv_nudge() == NUDGE_CLOSE:
+                open_ranks -= 1
+            self._wake.set()
+
+    def _send_nudges(self) -> None:
+        """Ranks 1..P-1: one nudge per burst of changes (the event coalesces them), then NUDGE_CLOSE."""
+        while True:
+            self._nudge.wait()
+            self._nudge.clear()
+            if self._closing:
+                self.transport.send_nudge(NUDGE_CLOSE)
+                return
+            self.transport.send_nudge(NUDGE)
+
+    def _count(self, result) -> None:
+        """Rank 0: round and verdict metrics."""
+        now = time.perf_counter()
+        if result.started is not None:
+            self._started[result.started] = now
+        if result.finished is not None and result.finished in self._started:
+            self._metrics.rounds.inc()
+            self._metrics.round_duration.observe(now - self._started.pop(result.finished))
+        for d in result.decisions:
+            stream = d.stream.name.lower() if d.stream is not None else "all"
+            self._metrics.verdicts.labels(stream, d.verdict.name.lower()).inc()
 
     def _run(self) -> None:
-        metrics = rank_metrics()
-        started: dict[int, float] = {}  # rank 0: round id -> when it was sent round the ring
         try:
             while not (self._stop and self.state.rank == 0):
                 result = self.driver.step(timeout=None)
                 if self.state.rank == 0:
-                    now = time.perf_counter()
-                    if result.started is not None:
-                        started[result.started] = now
-                    if result.finished is not None and result.finished in started:
-                        metrics.rounds.inc()
-                        metrics.round_duration.observe(now - started.pop(result.finished))
-                    for d in result.decisions:
-                        stream = d.stream.name.lower() if d.stream is not None else "all"
-                        metrics.verdicts.labels(stream, d.verdict.name.lower()).inc()
+                    self._count(result)
                 if result.decisions:
                     if self.collect:
                         with self.lock:
@@ -152,15 +229,18 @@ class ControlChannel:
                     if self.on_decisions is not None:
                         self.on_decisions()
                 elif self.state.rank == 0 and (result.idle or result.finished is not None):
-                    # nothing decided: wait for a local change, or poll the other ranks again soon
+                    # nothing decided: wait for a change here or a nudge from another rank
                     self._wake.wait(self.idle_poll_s)
                     self._wake.clear()
-            if self.transport is not None:  # rank 0, stopping: send the sentinel round the ring
-                self.transport.send(CLOSE)
-                while self.transport.recv(None) != CLOSE:
-                    pass
-        except RingClosed:  # ranks 1..P-1: pass the sentinel on, then stop
+            # rank 0, stopping: send the sentinel round the ring
+            self.transport.send(CLOSE)
+            while self.transport.recv(None) != CLOSE:
+                pass
+        except RingClosed:  # ranks 1..P-1: pass the sentinel on, then stop (and the nudger)
             self.transport.send(CLOSE)
             self.transport.flush()
+            self._closing = True
+            self._nudge.set()
+            self.nudges.join(10.0)
         except BaseException as e:  # surfaced to the rank's loop through .error
             self.error = e

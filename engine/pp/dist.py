@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import socket
 from collections import deque
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -20,12 +21,21 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+@dataclass(frozen=True)
+class ControlGroups:
+    """The consensus channel's gloo groups (of their own: nothing queues behind hidden states)."""
+
+    ring: object  # rounds, rank k -> k + 1
+    nudge: object  # ranks 1..P-1 -> rank 0: "my local status changed", so that an idle rank 0 starts a round
+
+
 def init(rank: int, world: int, init_addr: str, timeout_s: float) -> tuple:
-    """Join the node's process group; returns (data group, control group), both gloo on CPU."""
+    """Join the node's process group; returns (data group, ControlGroups), all gloo on CPU."""
     dist.init_process_group(
         "gloo", init_method=f"tcp://{init_addr}", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s)
     )
-    return dist.new_group(backend="gloo"), dist.new_group(backend="gloo")
+    data = dist.new_group(backend="gloo")
+    return data, ControlGroups(dist.new_group(backend="gloo"), dist.new_group(backend="gloo"))
 
 
 MAX_UNWAITED = 256  # sends kept before the oldest is waited for (see Sends)

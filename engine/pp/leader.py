@@ -78,7 +78,7 @@ class Leader:
 
     def run(self) -> DecisionLog:
         while not (self.stopping and not self.inflight):
-            idle = not self.inflight and not self.scheduler.num_unfinished and not self._unsent
+            idle = not (self.inflight or self.scheduler.num_unfinished or self._unsent or self.undecided())
             self._drain_inbox(block=idle)
             self._tick()
             step = None
@@ -203,6 +203,11 @@ class Leader:
 
     def _tick(self) -> None:
         """Once per turn, before scheduling: roles move their own queues here."""
+
+    def undecided(self) -> bool:
+        """Hook: a change this thread made that its role's consensus has not ruled on yet (the loop
+        takes another turn instead of sleeping)."""
+        return False
 
     def _admit_new(self, req: Request, add: Add) -> None:
         """A new request from the front; roles with queues before scheduling override this."""

@@ -254,7 +254,7 @@ class RankContext:
     model: LoadedModel
     stage: ModelStage  # this rank's layers
     data_group: object  # torch.distributed group for descriptions, hidden states, tokens
-    control_group: object  # torch.distributed group for consensus rounds
+    control_group: object  # engine.pp.dist.ControlGroups: consensus rounds and nudges
     inbox: object  # rank 0: requests from the front
     outbox: object  # rank 0: events to the front
     role_args: dict  # role-specific settings from the front
