@@ -268,6 +268,9 @@ class DecodeLeader(Leader):
             self.scheduler.release(req)
         super()._retire(req, kind, **event)
 
+    def fail_request(self, req: Request, error: str, code: str) -> None:
+        self._fail(req, error, code)
+
     def _fail(self, req: Request, error: str, code: str, reason: str = "error", **event) -> None:
         if req in self.prealloc:
             self.prealloc.remove(req)

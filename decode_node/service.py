@@ -152,7 +152,7 @@ class DecodeGenerationService(generation_pb2_grpc.GenerationServicer):
             )
         entry = (stub, route.room, backend)  # until rank 0 preallocated the pages (see _register)
         try:
-            ids = convert.prompt_ids(request.prompt, front.tokenizer)
+            ids = front.prompt_ids(request.prompt)
             params = convert.sampling_params(request.sampling)
             sources = [(s.rank, s.layer_start, s.layer_end) for s in kv_wire.sources_of(layout)]
             if self.pending.setdefault(rid, entry) is not entry:  # (the front would refuse it too, but later)

@@ -24,11 +24,14 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from engine.detok import TextStream
-from engine.pp.messages import Answer, Ask, Finish, Token
+from engine.pp.messages import Answer, Ask, Finish, Register, Token
 from engine.pp.node import PPNode
 from engine.request import SamplingParams
+from kvbridge import convert
+from kvbridge.limits import PROMPT_BYTES_PER_TOKEN, rid_problem
 from kvbridge.metrics import NodeMetrics, outcome_of
-from kvbridge.rpc import EventLoop
+from kvbridge.rpc import EventLoop, shown
+from kvbridge.v1 import common_pb2
 
 MAX_BATCH = 4096  # events handed to the loop in one call, at most
 
@@ -73,14 +76,35 @@ class NodeFront:
 
     # ------------------------------------------------------------------ on the loop
 
+    def prompt_ids(self, prompt: common_pb2.Prompt) -> list[int]:
+        """The prompt's token ids; ValueError for one that cannot fit the context, found before
+        the tokenizer runs on it (its UTF-8 bytes against max_context * PROMPT_BYTES_PER_TOKEN)."""
+        limit = self.node.max_context * PROMPT_BYTES_PER_TOKEN
+        kind = prompt.WhichOneof("kind")
+        if kind == "text":
+            size = len(prompt.text.encode())
+        elif kind == "chat":
+            size = sum(len(m.content.encode()) + len(m.role.encode()) for m in prompt.chat.messages)
+        else:
+            size = 0
+        if size > limit:
+            raise ValueError(
+                f"prompt.{kind} has {size} bytes; a prompt that fits the context of {self.node.max_context} "
+                f"tokens has at most {limit}"
+            )
+        return convert.prompt_ids(prompt, self.tokenizer)
+
     def submit(
         self, prompt_ids: list[int], params: SamplingParams, rid: str, extra: dict | None = None
     ) -> AsyncIterator[Delta]:
         """Start a request; iterate its deltas (the last has finish_reason). Raises ValueError on bad
         input, Overloaded when the node holds max_pending_requests already."""
         limit = self.node.config.max_pending_requests
+        problem = rid_problem(rid)
+        if problem:
+            raise ValueError(problem)
         if rid in self._streams:
-            raise ValueError(f"duplicate request id {rid!r}")
+            raise ValueError(f"duplicate request id {shown(rid)}")
         if len(self._streams) >= limit:
             raise Overloaded(f"the node holds {len(self._streams)} requests, its limit (--max-pending-requests)")
         self.node.add_request(prompt_ids, params, rid, extra)  # ValueError: nothing was registered yet
@@ -155,11 +179,16 @@ class NodeFront:
         """Rank 0's invariant check: {"problems": [...], "log": decisions made so far}."""
         return await self._ask("check", timeout)
 
-    async def _ask(self, op: str, timeout: float) -> dict:
+    async def register(self, room: int, registration: dict, timeout: float = 10.0) -> dict:
+        """Prefill node: hand a decode node's registration of `room` to rank 0; its verdict
+        {"code": gRPC status name or "", "error": why} (a room registered twice: ALREADY_EXISTS)."""
+        return await self._ask("register", timeout, lambda token: Register(room, registration, token))
+
+    async def _ask(self, op: str, timeout: float, message=None) -> dict:
         token = next(self._tokens)
         waiter = asyncio.get_running_loop().create_future()
         self._status[token] = waiter
-        self.node.inbox.put(Ask(op, token))
+        self.node.inbox.put(message(token) if message else Ask(op, token))
         try:
             return (await asyncio.wait_for(waiter, timeout)).body
         finally:

@@ -31,7 +31,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         front = self.server.node.front
         rid = request.rid or uuid.uuid4().hex
         try:
-            ids = convert.prompt_ids(request.prompt, front.tokenizer)
+            ids = front.prompt_ids(request.prompt)
             params = convert.sampling_params(request.sampling)
             deltas = front.submit(ids, params, rid)
         except ValueError as e:

@@ -20,7 +20,7 @@ from consensus import Stream as S
 from consensus import Verdict
 from engine.pp.control import ControlChannel
 from engine.pp.leader import Leader
-from engine.pp.messages import Abort, Add, Register, Shutdown
+from engine.pp.messages import Abort, Add, Answer, Register, Shutdown
 from engine.pp.wire import ABORT, ADMIT, FINISH, ROUTE
 from engine.request import Request
 
@@ -36,7 +36,7 @@ class PrefillLeader(Leader):
         self.scheduler.hold_pages_on_finish = True  # pages live until every rank's pushes landed
         self.unrouted: set[str] = set()  # rids whose registration has not arrived (any phase)
         self.bootstrap: dict[str, Request] = {}  # prefilled (first token out) and still unrouted
-        self.rooms: dict[int, str] = {}  # room -> rid of an unrouted request
+        self.rooms: dict[int, str] = {}  # room -> rid of every live request (one request per room)
         self.registrations: dict[int, tuple[float, dict]] = {}  # room -> (arrival, registration) without a request
         self.inflight_kv: dict[str, Request] = {}  # first token sampled, KV pushes not yet agreed done
         # agreed done before rank 0 post-processed the first token (its pushes can land that fast)
@@ -80,12 +80,8 @@ class PrefillLeader(Leader):
 
     def handle(self, msg) -> bool:
         match msg:
-            case Register(room, registration):
-                rid = self.rooms.get(room)
-                if rid is None:
-                    self.registrations[room] = (time.perf_counter(), registration)
-                else:
-                    self._route(self.requests[rid], registration)
+            case Register(room, registration, token):
+                self.outbox.put(Answer(token, self._register(room, registration)))
             case Abort(rid, reason) if rid in self.requests:
                 self._fail(self.requests[rid], "abort", reason or "aborted")
             case Shutdown():
@@ -96,11 +92,23 @@ class PrefillLeader(Leader):
                 return False
         return True
 
+    def _register(self, room: int, registration: dict) -> dict:
+        """A decode node's registration of `room`: routes its request, or waits for it; the verdict."""
+        rid = self.rooms.get(room)
+        if rid in self.unrouted:
+            self._route(self.requests[rid], registration)
+        elif rid is not None or room in self.registrations:  # a second registration would redirect its KV
+            return {"code": "ALREADY_EXISTS", "error": f"room {room} is registered already"}
+        elif len(self.registrations) >= self.scheduler.config.max_pending_requests:
+            return {"code": "RESOURCE_EXHAUSTED", "error": f"{len(self.registrations)} rooms wait for their requests"}
+        else:
+            self.registrations[room] = (time.perf_counter(), registration)
+        return {"code": "", "error": ""}
+
     def _route(self, req: Request, registration: dict) -> None:
         """Every rank learns where the KV goes (a ROUTE decision), connects and pushes what it has."""
         req.peer = registration.get("decode_addr", "")
         self.unrouted.discard(req.rid)
-        self.rooms.pop(req.room, None)
         if not req.announced:  # registered before its first chunk ran
             req.announced = True
             self._decide(ADMIT, req.rid, replace(req.params, seed=req.seed))
@@ -165,6 +173,7 @@ class PrefillLeader(Leader):
             else:
                 self._await_transfer(req)
             return
+        self._release_room(req)
         super()._retire(req, kind, **event)
 
     def _await_transfer(self, req: Request) -> None:
@@ -175,6 +184,7 @@ class PrefillLeader(Leader):
 
     def _transferred(self, req: Request) -> None:
         """Every rank's pushes landed: the pages are free again and the request is done here."""
+        self._release_room(req)
         pages = len(req.page_table.pages)
         self.scheduler.release(req)
         super()._retire(req, FINISH, kv_bytes=pages * self._page_bytes_all_layers())
@@ -185,10 +195,17 @@ class PrefillLeader(Leader):
         per_layer = pool.buffer[0].numel() * pool.buffer.element_size() // (pool.layer_end - pool.layer_start)
         return per_layer * self.stage.config.num_hidden_layers
 
+    def _release_room(self, req: Request) -> None:
+        if self.rooms.get(req.room) == req.rid:  # (a request refused for another's room never held it)
+            del self.rooms[req.room]
+
+    def fail_request(self, req: Request, error: str, code: str) -> None:
+        self._fail(req, "error", error, code)
+
     def _fail(self, req: Request, reason: str, error: str, code: str = "", **event) -> None:
         self.unrouted.discard(req.rid)
         self.bootstrap.pop(req.rid, None)
-        self.rooms.pop(req.room, None)
+        self._release_room(req)
         self.inflight_kv.pop(req.rid, None)
         self.inflight_since.pop(req.rid, None)
         self.transferred_early.discard(req.rid)

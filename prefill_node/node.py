@@ -8,7 +8,7 @@ from engine.model import stage_ranges
 from engine.pp import dist as pp_dist
 from engine.pp.control import ControlChannel, GlooTransport
 from engine.pp.follower import Follower
-from engine.pp.messages import Register, Wake
+from engine.pp.messages import Wake
 from engine.pp.node import PPNode, RankContext, RankRole
 from kv_transfer.factory import CPU_BACKENDS
 from kv_transfer.layout import RankInfo, engine_layout
@@ -52,9 +52,6 @@ class PrefillNode:
         ranges = stage_ranges(self.node.model.config.num_hidden_layers, pp.pp_size)
         ranks = tuple(RankInfo(i, lo, hi) for i, (lo, hi) in enumerate(ranges))
         self.layout = engine_layout(config, self.node.model, ranks, BACKENDS if backend == "auto" else (backend,))
-
-    def register(self, room: int, registration: dict) -> None:
-        self.node.inbox.put(Register(room, registration))
 
     def shutdown(self):
         self.front.close()

@@ -10,6 +10,7 @@ from engine.frontend import Overloaded
 from engine.server import NodeServer
 from kv_transfer.layout import incompatibility
 from kvbridge import convert
+from kvbridge.rpc import shown
 from kvbridge.v1 import prefill_pb2, prefill_pb2_grpc
 from prefill_node.node import PrefillNode
 
@@ -25,10 +26,10 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         front = self.server.node.front
         if not request.rid or not request.room:
             await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, f"rid and room are required, got {request.rid!r} {request.room}"
+                grpc.StatusCode.INVALID_ARGUMENT, f"rid and room are required, got {shown(request.rid)} {request.room}"
             )
         try:
-            ids = convert.prompt_ids(request.prompt, front.tokenizer)
+            ids = front.prompt_ids(request.prompt)
             params = convert.sampling_params(request.sampling)
             deltas = front.submit(ids, params, request.rid, {"room": request.room})
         except ValueError as e:
@@ -78,6 +79,8 @@ class BootstrapService(prefill_pb2_grpc.BootstrapServicer):
                 f"backend {request.backend!r} is not one of {', '.join(self.node.layout.backends)}",
             )
         bad = [p for p in request.page_ids if p >= decode.num_pages]
+        if len(set(request.page_ids)) != len(request.page_ids):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"room {request.room}: page ids repeat")
         if not request.room or not request.page_ids or bad:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -90,7 +93,9 @@ class BootstrapService(prefill_pb2_grpc.BootstrapServicer):
             "decode": convert.layout_to_dict(decode),
             "decode_addr": request.decode_addr,
         }
-        self.node.register(request.room, registration)
+        verdict = await self.node.front.register(request.room, registration)
+        if verdict["code"]:
+            await context.abort(getattr(grpc.StatusCode, verdict["code"]), verdict["error"])
         return prefill_pb2.RegisterResponse()
 
 

@@ -8,19 +8,17 @@ costs no upstream call. Each check raises ValueError naming the field and the ba
 from __future__ import annotations
 
 import math
-import re
 
+from kvbridge.limits import MAX_CLIENT_RID_CHARS, rid_problem
 from kvbridge.v1 import generation_pb2
 
 CHAT_ROLES = ("system", "user", "assistant")
-MAX_RID_CHARS = 128
 MAX_STOP_STRINGS = 16
-_RID = re.compile(r"[A-Za-z0-9._:-]+")
 
 
 def check_generate(req: generation_pb2.GenerateRequest) -> None:
-    if req.rid and (len(req.rid) > MAX_RID_CHARS or not _RID.fullmatch(req.rid)):
-        raise ValueError(f"rid must be 1..{MAX_RID_CHARS} characters of [A-Za-z0-9._:-], got {req.rid[:200]!r}")
+    if req.rid and (problem := rid_problem(req.rid, MAX_CLIENT_RID_CHARS)):
+        raise ValueError(problem)
     if req.HasField("prefill"):
         raise ValueError("prefill is set by the router; leave it unset")
     check_prompt(req)

@@ -404,6 +404,14 @@ class Expect:
         assert any(h in details for h in hints), f"{where}: {details!r} names none of {hints}"
 
 
+def prompt_bytes(prompt: common_pb2.Prompt) -> int:
+    if prompt.WhichOneof("kind") == "text":
+        return len(prompt.text.encode())
+    if prompt.WhichOneof("kind") == "chat":
+        return sum(len(m.content.encode()) + len(m.role.encode()) for m in prompt.chat.messages)
+    return 0
+
+
 def prompt_length(f: Fleet, prompt: common_pb2.Prompt) -> int | None:
     kind = prompt.WhichOneof("kind")
     if kind == "text":
@@ -427,6 +435,8 @@ def node_expect(f: Fleet, prompt: common_pb2.Prompt, s: common_pb2.SamplingParam
         e.add(bad, "no messages")
     elif kind == "chat" and any(m.role not in ("system", "user", "assistant") for m in prompt.chat.messages):
         e.add(bad, "role")
+    elif prompt_bytes(prompt) > MAX_CONTEXT * 32:  # refused before it is tokenized
+        e.add(bad, "bytes; a prompt that fits the context")
     else:
         n = prompt_length(f, prompt)
         if n == 0:
@@ -467,6 +477,13 @@ def router_checks(rid: str, prompt: common_pb2.Prompt, s: common_pb2.SamplingPar
         e.add(bad, "no messages")
     if kind == "chat" and any(m.role not in ("system", "user", "assistant") for m in prompt.chat.messages):
         e.add(bad, "role")
+    return e
+
+
+def node_rid_checks(rid: str, e: Expect) -> Expect:
+    """What every node's front refuses of a rid (kvbridge/limits.py), before anything else of the request."""
+    if rid and (len(rid) > 160 or not all(ch in string.ascii_letters + string.digits + "._:-" for ch in rid)):
+        e.add(C.INVALID_ARGUMENT, "rid must be 1..160 characters")
     return e
 
 
@@ -557,9 +574,9 @@ def test_generate_on_the_colocated_node(fleet, rid, prompt, sampling, duplicate)
     tried("generate@colocated")
     rid = unique(rid)
     req = generation_pb2.GenerateRequest(rid=rid, prompt=prompt, sampling=sampling)
-    e = node_expect(fleet, prompt, sampling)
+    e = node_rid_checks(rid, node_expect(fleet, prompt, sampling))
     holder = None
-    if duplicate and rid:
+    if duplicate and rid and node_rid_checks(rid, Expect()).ok:
         holder = Holder(fleet.c.address, holder_request(rid))
         e.add(C.INVALID_ARGUMENT, "duplicate request id")
     try:
@@ -607,9 +624,9 @@ def test_generate_on_the_decode_node(fleet, data, rid, prompt, sampling, duplica
         e.add(C.UNAVAILABLE, f"prefill node {route.prefill_addr}")
         e.add(C.FAILED_PRECONDITION, f"prefill node {route.prefill_addr}")
     else:
-        e = node_expect(fleet, prompt, sampling)
+        e = node_rid_checks(rid, node_expect(fleet, prompt, sampling))
     holder = None
-    if duplicate and rid and kind == "prefill" and route.room:
+    if duplicate and rid and kind == "prefill" and route.room and node_rid_checks(rid, Expect()).ok:
         hreq = holder_request(rid)
         hreq.prefill.CopyFrom(generation_pb2.PrefillRoute(room=secrets.randbits(62) + 1, prefill_addr=fleet.p.address))
         holder = Holder(fleet.d.address, hreq, list_at=fleet.d.address)
@@ -635,6 +652,7 @@ def test_generate_on_the_decode_node_group_is_healthy(fleet):
 # ---------------------------------------------------------------------- prefill and bootstrap
 
 REGISTER_ROOMS = mostly(st.integers(2**62, 2**64 - 1), st.just(0))  # apart from Prefill rooms (< 2**62)
+REGISTERED: set[int] = set()  # rooms registered without a Prefill call (a second Register: ALREADY_EXISTS)
 
 
 def mutate_layout(draw, layout: prefill_pb2.KVLayout) -> prefill_pb2.KVLayout:
@@ -758,7 +776,7 @@ def test_prefill_and_bootstrap_on_the_prefill_node(fleet, data):
         if not rid or not room:
             e.add(C.INVALID_ARGUMENT, "rid and room are required")
         else:
-            e = node_expect(fleet, prompt, sampling)
+            e = node_rid_checks(rid, node_expect(fleet, prompt, sampling))
         if e.ok and paired:  # a decode node registers the room: the prefill completes
             code, details, tokens, presult = pd_call(fleet, rid, room, prompt, sampling)
             assert code is None and tokens, details
@@ -790,11 +808,16 @@ def test_prefill_and_bootstrap_on_the_prefill_node(fleet, data):
     if e.ok:
         if backend not in ("shm", "torch", "grpc"):
             e.add(C.INVALID_ARGUMENT, f"backend {backend!r}")
+        elif len(set(pages)) != len(pages):
+            e.add(C.INVALID_ARGUMENT, "page ids repeat")
         elif not room or not pages or any(q >= layout.num_pages for q in pages):
             e.add(C.INVALID_ARGUMENT, "needs page ids in [0,")
+        elif room in REGISTERED:  # still waiting for its Prefill call, unless it expired meanwhile
+            e = Expect([(C.ALREADY_EXISTS, f"room {room} is registered already")], maybe_ok=True)
     try:
         _stub(prefill_pb2_grpc.BootstrapStub, p.address).Register(req, timeout=10)
         code, details = None, ""
+        REGISTERED.add(room)
     except grpc.RpcError as err:
         code, details = err.code(), err.details() or ""
     e.check(f"Register {req}", code, details)

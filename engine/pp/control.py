@@ -167,6 +167,11 @@ class ControlChannel:
             self._nudge.set()
 
     def take_decisions(self) -> list[Decision]:
+        """The decisions since the last call. RuntimeError once the channel's thread failed: the
+        ring can decide nothing any more, so the rank must not go on as if it could."""
+        if self.error is not None:
+            why = f"the consensus channel of rank {self.state.rank} failed: {self.error!r}"
+            raise RuntimeError(why) from self.error
         if self.inline and self._changed:
             self._changed = False
             while (result := self.driver.step(timeout=0)).decisions:  # until a round decides nothing

@@ -25,7 +25,7 @@ from engine.model import ModelStage
 from engine.pages import PageTable
 from engine.pp.agent import KVAgent
 from engine.pp.dist import Link
-from engine.pp.messages import Abort, Add, Answer, Ask, Finish, Shutdown, Token, Wake
+from engine.pp.messages import Abort, Add, Answer, Ask, Finish, Register, Shutdown, Token, Wake
 from engine.pp.wire import ABORT, ADMIT, CONTROL, FINISH, SHUTDOWN, STEP, Decision, DecisionLog, Message
 from engine.request import Request, SamplingParams
 from engine.sampler import sample
@@ -157,11 +157,33 @@ class Leader:
         except queue.Empty:
             return
         while True:
-            self._handle(msg)
+            self._handle_one(msg)
             try:
                 msg = self.inbox.get_nowait()
             except queue.Empty:
                 return
+
+    def _handle_one(self, msg) -> None:
+        """A message that breaks a rule no check caught fails its own request, not the rank."""
+        try:
+            self._handle(msg)
+        except Exception as e:
+            error = f"rank 0 of the {self.role} node could not handle {type(msg).__name__}: {type(e).__name__}: {e}"
+            log.exception("%s", error)
+            rid = getattr(msg, "rid", None)
+            if rid in self.requests:
+                self.fail_request(self.requests[rid], error, "INTERNAL")
+            elif isinstance(msg, Add):  # refused before it was registered: its stream still ends
+                self.outbox.put(Finish(rid, "error", (), "", len(msg.prompt_ids), error=error, code="INTERNAL"))
+            elif isinstance(msg, Register):
+                self.outbox.put(Answer(msg.token, {"code": "INTERNAL", "error": error}))
+
+    def fail_request(self, req: Request, error: str, code: str) -> None:
+        """End a live request with `error` on every rank and free what it holds (roles: their queues too)."""
+        self.scheduler.finish(req, "abort")
+        self.scheduler.release(req)
+        req.finish_reason, req.finish_s = "error", time.perf_counter()
+        self._retire(req, ABORT, error=error, code=code)
 
     def _handle(self, msg) -> None:
         """A message from the front (engine/pp/messages.py); roles handle theirs first (`handle`)."""

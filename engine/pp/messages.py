@@ -57,6 +57,7 @@ class Register:
 
     room: int
     registration: dict  # room, backend, page_ids, decode (layout as a dict), decode_addr
+    token: int  # rank 0 answers with an Answer carrying it: {"code": "" or a gRPC status name, "error"}
 
 
 @dataclass(frozen=True)

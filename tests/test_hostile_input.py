@@ -1,0 +1,158 @@
+"""Requests that used to take a node down, sent straight to the node (not through the router):
+each gets its own status, and the node goes on serving."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import replace
+
+import grpc
+import pytest
+
+from engine.request import SamplingParams
+from kv_transfer import wire as kv_wire
+from kvbridge import rpc
+from kvbridge.v1 import (
+    admin_pb2,
+    admin_pb2_grpc,
+    common_pb2,
+    generation_pb2,
+    generation_pb2_grpc,
+    prefill_pb2,
+    prefill_pb2_grpc,
+)
+from tests.conftest import make_llm
+from tests.pd import TINY, pd_generate, start_nodes, stop_nodes, token_prompt, wait_idle
+
+PROMPT = list(range(5, 69))  # 64 tokens: 4 chunks of 16
+MAX_NEW = 8
+
+
+@pytest.fixture(scope="module")
+def fleet():
+    """P pp 2 (each step 150 ms late: a request stays in prefill long enough to be caught there)
+    and D pp 1."""
+    slow = replace(TINY, fault_inject="step_delay_ms=150")
+    nodes = start_nodes({"p": ("prefill", 2, slow), "d": ("decode", 1, "shm")})
+    yield nodes["p"], nodes["d"]
+    stop_nodes(nodes)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+    llm = make_llm(tiny_model, chunked_prefill_size=TINY.chunked_prefill_size)
+    [c] = llm.generate([PROMPT], SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True))
+    return c.output_ids
+
+
+def serving(addr: str) -> bool:
+    return admin_pb2_grpc.AdminStub(rpc.make_channel(addr)).GetStatus(admin_pb2.GetStatusRequest(), timeout=10).serving
+
+
+def listed(addr: str, rid: str) -> admin_pb2.RequestInfo | None:
+    admin = admin_pb2_grpc.AdminStub(rpc.make_channel(addr))
+    requests = admin.ListRequests(admin_pb2.ListRequestsRequest(), timeout=10).requests
+    return next((r for r in requests if r.rid == rid), None)
+
+
+def sampling() -> common_pb2.SamplingParams:
+    return common_pb2.SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)
+
+
+@pytest.mark.parametrize("rid", ["r" * 70_000, "a b", "rid\n", "é"])
+def test_a_bad_rid_straight_to_a_prefill_node_is_invalid_argument_and_the_node_serves_on(fleet, reference, rid):
+    p, d = fleet
+    req = prefill_pb2.PrefillRequest(rid=rid, room=secrets.randbits(62) + 1, prompt=token_prompt([1, 2, 3]))
+    with pytest.raises(grpc.RpcError) as e:
+        prefill_pb2_grpc.PrefillStub(rpc.make_channel(p.address)).Prefill(req, timeout=30)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details().startswith("rid must be 1..160 characters of [A-Za-z0-9._:-], got ")
+    assert len(e.value.details()) < 200  # the rid is shown cut short, not echoed whole
+    tokens, _, result = pd_generate(p.address, d.address, token_prompt(PROMPT), MAX_NEW)
+    assert tokens == reference and not isinstance(result, grpc.RpcError)
+    assert serving(p.address) and serving(d.address)
+
+
+@pytest.mark.parametrize("node", ["d", "colocated"])
+def test_a_bad_rid_straight_to_a_generation_node_is_invalid_argument(fleet, colocated, node):
+    p, d = fleet
+    addr = d.address if node == "d" else colocated.address
+    req = generation_pb2.GenerateRequest(rid="x" * 70_000, prompt=token_prompt([1, 2, 3]), sampling=sampling())
+    if node == "d":
+        req.prefill.CopyFrom(generation_pb2.PrefillRoute(room=secrets.randbits(62) + 1, prefill_addr=p.address))
+    with pytest.raises(grpc.RpcError) as e:
+        list(generation_pb2_grpc.GenerationStub(rpc.make_channel(addr)).Generate(req, timeout=30))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith("rid must be")
+    assert serving(addr)
+
+
+@pytest.fixture(scope="module")
+def colocated():
+    from engine.config import PPConfig
+    from engine.service import start_colocated
+
+    node = start_colocated(TINY, PPConfig(pp_size=2))
+    yield node
+    node.stop()
+
+
+def test_a_prompt_too_long_for_the_context_is_refused_before_it_is_tokenized(colocated):
+    text = "word " * 200_000  # 1 MB: the tiny model's context is far smaller
+    req = generation_pb2.GenerateRequest(prompt=common_pb2.Prompt(text=text), sampling=sampling())
+    with pytest.raises(grpc.RpcError) as e:
+        list(generation_pb2_grpc.GenerationStub(rpc.make_channel(colocated.address)).Generate(req, timeout=30))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details().startswith("prompt.text has 1000000 bytes; a prompt that fits the context of ")
+
+
+def test_a_second_register_for_a_routed_room_is_already_exists_and_the_first_request_completes(fleet, reference):
+    p, d = fleet
+    rid, room = secrets.token_hex(8), secrets.randbits(62) + 1
+    prefill = prefill_pb2_grpc.PrefillStub(rpc.make_channel(p.address)).Prefill.future(
+        prefill_pb2.PrefillRequest(rid=rid, room=room, prompt=token_prompt(PROMPT), sampling=sampling()), timeout=60
+    )
+    route = generation_pb2.PrefillRoute(room=room, prefill_addr=p.address)
+    gen = generation_pb2.GenerateRequest(rid=rid, prompt=token_prompt(PROMPT), sampling=sampling(), prefill=route)
+    stream = generation_pb2_grpc.GenerationStub(rpc.make_channel(d.address)).Generate(gen, timeout=60)
+    deadline = time.monotonic() + 30
+    while not ((info := listed(p.address, rid)) and info.peer and info.phase == "prefilling"):
+        assert time.monotonic() < deadline, f"never caught registered and prefilling: {info}"
+        time.sleep(0.01)
+    forged = prefill_pb2.RegisterRequest(
+        rid="forger", room=room, backend="shm", decode_layout=kv_wire.layout_to_proto(d.node.layout),
+        page_ids=[0, 1, 2, 3], decode_addr="127.0.0.1:1",
+    )  # fmt: skip
+    bootstrap = prefill_pb2_grpc.BootstrapStub(rpc.make_channel(p.address))
+    with pytest.raises(grpc.RpcError) as e:
+        bootstrap.Register(forged, timeout=30)
+    assert (e.value.code(), e.value.details()) == (grpc.StatusCode.ALREADY_EXISTS, f"room {room} is registered already")
+    assert [t for r in stream for t in r.token_ids] == reference
+    assert prefill.result().first_token == reference[0]
+    for node in (p, d):
+        assert {r.kv_pages_used for r in wait_idle(node.address).ranks} == {0}
+
+
+def test_a_register_twice_before_its_request_is_already_exists(fleet):
+    p, d = fleet
+    room = secrets.randbits(62) + 1
+    reg = prefill_pb2.RegisterRequest(
+        rid="early", room=room, backend="shm", decode_layout=kv_wire.layout_to_proto(d.node.layout),
+        page_ids=[0, 1], decode_addr=d.address,
+    )  # fmt: skip
+    bootstrap = prefill_pb2_grpc.BootstrapStub(rpc.make_channel(p.address))
+    bootstrap.Register(reg, timeout=30)  # waits for its Prefill call (expires after --bootstrap-timeout-s)
+    with pytest.raises(grpc.RpcError) as e:
+        bootstrap.Register(reg, timeout=30)
+    assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS
+
+
+def test_repeated_page_ids_in_a_registration_are_invalid_argument(fleet):
+    p, d = fleet
+    reg = prefill_pb2.RegisterRequest(
+        rid="r", room=secrets.randbits(62) + 1, backend="shm", decode_layout=kv_wire.layout_to_proto(d.node.layout),
+        page_ids=[3, 3], decode_addr=d.address,
+    )  # fmt: skip
+    with pytest.raises(grpc.RpcError) as e:
+        prefill_pb2_grpc.BootstrapStub(rpc.make_channel(p.address)).Register(reg, timeout=30)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "page ids repeat" in e.value.details()
