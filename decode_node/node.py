@@ -14,7 +14,7 @@ from engine.pp.control import ControlChannel, GlooTransport
 from engine.pp.follower import Follower
 from engine.pp.messages import Fail, Wake
 from engine.pp.node import PPNode, RankContext, RankRole
-from kv_transfer import KVReceiverEndpoint, ReceiverConfig
+from kv_transfer import KVReceiverEndpoint, ReceiverConfig, remove_stale_segments
 from kv_transfer import wire as kv_wire
 from kv_transfer.factory import CPU_BACKENDS
 from kv_transfer.layout import dtype_name, engine_layout
@@ -42,6 +42,7 @@ def decode_role(ctx: RankContext) -> RankRole:
             dtype=dtype_name(ctx.stage.dtype),
             device=str(ctx.stage.device),
             host=ctx.role_args.get("host", "127.0.0.1"),
+            torch_store=ctx.role_args.get("torch_store", True),
             awaits_first_token=ctx.rank == 0,
         ),
         on_change=agent.on_change,
@@ -68,15 +69,21 @@ def decode_role(ctx: RankContext) -> RankRole:
 class DecodeNode:
     """The rank processes, the front, and this node's KV layout (with every rank's receiver)."""
 
-    def __init__(self, config: EngineConfig, pp: PPConfig, host: str = "127.0.0.1", progress: bool = False):
-        self.node = PPNode(config, pp, progress=progress, role="decode_node.node:decode_role", role_args={"host": host})
+    def __init__(
+        self, config: EngineConfig, pp: PPConfig, host: str = "127.0.0.1", progress: bool = False, backend: str = "auto"
+    ):
+        remove_stale_segments()  # pools of decode ranks killed before they could unlink them
+        # a TCPStore per rank only where the torch engine may be used
+        role_args = {"host": host, "torch_store": backend in ("auto", "torch")}
+        self.node = PPNode(config, pp, progress=progress, role="decode_node.node:decode_role", role_args=role_args)
         self.front = NodeFront(self.node)
         self.device = resolve_device(config.device)
         ranks = tuple(
             kv_wire.rank_from_proto(json_format.ParseDict(self.node.endpoints[r], prefill_pb2.RankEndpoint()))
             for r in range(pp.pp_size)
         )
-        self.layout = engine_layout(config, self.node.model, ranks, CPU_BACKENDS)
+        backends = tuple(b for b in CPU_BACKENDS if b != "torch" or role_args["torch_store"])
+        self.layout = engine_layout(config, self.node.model, ranks, backends)
 
     def fail(self, rid: str, code: str, error: str) -> None:
         self.node.inbox.put(Fail(rid, code, error))

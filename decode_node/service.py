@@ -260,4 +260,4 @@ def start_decode(
     progress: bool = False,
 ) -> DecodeServer:
     server = DecodeServer(host, port, metrics_port, {"model": config.model, "transfer_backend": backend})
-    return server.load(lambda: DecodeNode(config, pp, host, progress=progress))
+    return server.load(lambda: DecodeNode(config, pp, host, progress=progress, backend=backend))

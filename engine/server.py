@@ -31,6 +31,7 @@ import grpc
 from grpc_health.v1 import health_pb2
 from prometheus_client import CollectorRegistry
 
+from kv_transfer import remove_segments_of
 from kvbridge import __version__, rpc
 from kvbridge.logs import log_event
 from kvbridge.metrics import MetricsServer, NodeMetrics, StatusCollector
@@ -56,6 +57,9 @@ class NodeServer:
         self.settings = dict(settings or {})  # role flags, for GetConfig
         self.draining = False
         self.dead: list[int] = []  # ranks found dead
+        # called (from the watcher thread) once a rank died: `kvbridge serve|prefill|decode` exits
+        # non-zero then, so that a supervisor restarts the node; in-process users read .dead
+        self.on_death: Callable[[], None] | None = None
         self.started = time.monotonic()
         self.registry = CollectorRegistry()
         self.metrics = NodeMetrics(self.registry)
@@ -125,7 +129,14 @@ class NodeServer:
         LIVE.discard(self)
         self.health.enter_graceful_shutdown()
         self._close_servers(grace_s)
-        return self.node.shutdown() if self.node is not None else []
+        if self.node is None:
+            return []
+        if self.dead:  # rank 0 may be gone: nobody would order the others to stop
+            self.node.front.close()
+            for pid in self.node.node.kill():
+                remove_segments_of(pid)  # the pools of ranks that could not close them
+            return []
+        return self.node.shutdown()
 
     def _close_servers(self, grace_s: float) -> None:
         self.server.stop(grace_s)
@@ -181,6 +192,8 @@ class NodeServer:
                 error = f"pipeline rank {dead[0]} of the {self.role} node died"
                 failed = self.node.front.fail_all(error)
                 log_event(log, "rank_died", logging.ERROR, role=self.role, ranks=dead, failed_requests=failed)
+                if self.on_death is not None:
+                    self.on_death()
 
     # ------------------------------------------------------------------ state
 

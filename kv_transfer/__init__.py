@@ -32,6 +32,8 @@ Decode rank (one KVReceiverEndpoint per rank process; ReceiverConfig):
       at shutdown: stops the service, unlinks the pool's segment.
   remove_segments_of(pid)
       the node daemon, when a rank process died without close(): unlinks its segments.
+  remove_stale_segments()
+      a starting decode node: unlinks every kvbridge segment whose creating process is gone.
 
 Prefill rank (one Sender per engine per rank process; make_sender(name, pool, rank)):
   choose_backend(prefill_layout, decode_layout, device)
@@ -61,7 +63,7 @@ Every engine's TransferDone and FirstToken notices go over gRPC to the decode ra
 KVReceiver, which checks every page id, layer and byte count it is told about.
 """
 
-from kv_transfer.engines.shm import remove_segments_of
+from kv_transfer.engines.shm import remove_segments_of, remove_stale_segments
 from kv_transfer.factory import BACKENDS, CHOICES, choose_backend, make_sender
 from kv_transfer.layers import overlap, overlaps
 from kv_transfer.layout import NodeLayout, PageGeometry, RankInfo, incompatibility, local_host_id
@@ -92,4 +94,5 @@ __all__ = [
     "overlap",
     "overlaps",
     "remove_segments_of",
+    "remove_stale_segments",
 ]

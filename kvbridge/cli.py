@@ -258,7 +258,7 @@ def cmd_node(args: argparse.Namespace) -> int:
             from decode_node.service import DecodeServer
 
             server = DecodeServer(*bind)
-            make_node = partial(DecodeNode, config, pp, args.host, progress=progress)
+            make_node = partial(DecodeNode, config, pp, args.host, progress=progress, backend=args.transfer_backend)
     except (ValueError, FileNotFoundError) as e:  # a bad value, or the port is taken
         raise UsageError(str(e)) from None
     stop = stop_on_signal()
@@ -269,7 +269,12 @@ def cmd_node(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as e:
         raise UsageError(str(e)) from None
     print(f"kvbridge {args.command}: listening on {server.address}{metrics}", file=sys.stderr, flush=True)
+    server.on_death = stop.set
     stop.wait()
+    if server.dead:  # its streams are failed already; a supervisor restarts a node that exits non-zero
+        print(f"kvbridge {args.command}: error: pipeline rank {server.dead[0]} died", file=sys.stderr, flush=True)
+        server.stop(grace_s=0)
+        return 1
     server.shutdown_gracefully(args.shutdown_grace_s)
     return 0
 

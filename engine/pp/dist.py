@@ -6,6 +6,7 @@ receives block. Byte payloads are length-prefixed.
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 from collections import deque
 from dataclasses import dataclass
@@ -29,13 +30,51 @@ class ControlGroups:
     nudge: object  # ranks 1..P-1 -> rank 0: "my local status changed", so that an idle rank 0 starts a round
 
 
-def init(rank: int, world: int, init_addr: str, timeout_s: float) -> tuple:
-    """Join the node's process group; returns (data group, ControlGroups), all gloo on CPU."""
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://{init_addr}", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s)
+def listening_store(host: str, port: int, timeout: timedelta, world_size: int | None = None) -> dist.TCPStore:
+    """A TCPStore server listening on `host` only. (Given just a host name, torch's own listens on
+    every interface: anyone who reaches the machine could write keys.)"""
+    bare = host.strip("[]")
+    family = socket.AF_INET6 if ":" in bare else socket.AF_INET
+    sock = socket.create_server((bare, port), family=family, backlog=1024)
+    bound = sock.getsockname()[1]
+    fd = sock.detach()  # the store owns the descriptor from here on
+    return dist.TCPStore(
+        bare, bound, world_size, is_master=True, timeout=timeout, wait_for_workers=False, master_listen_fd=fd
     )
-    data = dist.new_group(backend="gloo")
-    return data, ControlGroups(dist.new_group(backend="gloo"), dist.new_group(backend="gloo"))
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def gloo_options(host: str, timeout: timedelta):
+    """Gloo group options whose transport listens on `host` (torch's default: the address the
+    machine's host name resolves to, which may be any interface)."""
+    opts = dist.ProcessGroupGloo._Options()
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host.strip("[]"))]
+    opts._timeout = timeout
+    return opts
+
+
+def init(rank: int, world: int, init_addr: str, timeout_s: float) -> tuple:
+    """Join the node's process group; returns (data group, ControlGroups), all gloo on CPU. Rank 0
+    serves the rendezvous store, listening on init_addr's host only."""
+    host, _, port = init_addr.rpartition(":")
+    timeout = timedelta(seconds=timeout_s)
+    if rank == 0:
+        store = listening_store(host, int(port), timeout, world)
+    else:
+        store = dist.TCPStore(host.strip("[]"), int(port), world, is_master=False, timeout=timeout)
+    # every group's pairs listen on loopback too when the ranks meet there; across hosts each rank
+    # listens on the address of its own host name (init_addr is rank 0's)
+    opts = gloo_options("127.0.0.1" if is_loopback(host) else socket.gethostname(), timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout, pg_options=opts)
+    data = dist.new_group(backend="gloo", pg_options=opts)
+    ring, nudge = (dist.new_group(backend="gloo", pg_options=opts) for _ in range(2))
+    return data, ControlGroups(ring, nudge)
 
 
 MAX_UNWAITED = 256  # sends kept before the oldest is waited for (see Sends)

@@ -236,12 +236,14 @@ class PPNode:
             self.kill()
         return sorted(reports, key=lambda r: r.rank)
 
-    def kill(self) -> None:
+    def kill(self) -> list[int]:
+        """Kill every rank still alive; returns the pids of all of them (their shared memory may be left)."""
         for p in self.procs:
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
         self.rank_files.close()
+        return [p.pid for p in self.procs if p.pid is not None]
 
 
 @dataclass

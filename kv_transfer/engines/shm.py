@@ -84,6 +84,27 @@ def remove_segments_of(pid: int) -> list[str]:
     return removed
 
 
+def remove_stale_segments() -> list[str]:
+    """Unlink every kvbridge segment whose creating process is gone (killed before it could clean
+    up); run by a starting decode node. Returns the names removed."""
+    removed = []
+    for path in SHM_DIR.glob(f"{NAME_PREFIX}*"):
+        pid = path.name.removeprefix(NAME_PREFIX).split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            removed += remove_segments_of(int(pid))
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
 class _Conn:
     def __init__(self, info: RankInfo, decode: NodeLayout):
         g = decode.geometry

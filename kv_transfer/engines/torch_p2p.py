@@ -15,6 +15,7 @@ closes (the prefill side reopens one for its next room).
 from __future__ import annotations
 
 import logging
+import socket
 import struct
 import threading
 import time
@@ -25,6 +26,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from engine.pp.dist import gloo_options, is_loopback, listening_store
 from kv_transfer.blocks import gather, scatter
 from kv_transfer.layers import LayerRange, plan_chunks
 from kv_transfer.layout import NodeLayout, RankInfo
@@ -70,9 +72,9 @@ def _nccl_possible(device: torch.device) -> bool:
     return device.type == "cuda" and dist.is_nccl_available()
 
 
-def _groups(store, n: int, rank: int, backend: str, timeout: timedelta, device: torch.device):
-    """(control gloo group, data group) of pair n."""
-    ctrl = dist.ProcessGroupGloo(dist.PrefixStore(f"kvpair/{n}/gloo/", store), rank, 2, timeout)
+def _groups(store, n: int, rank: int, backend: str, timeout: timedelta, device: torch.device, host: str):
+    """(control gloo group, data group) of pair n; this side's gloo transport listens on `host`."""
+    ctrl = dist.ProcessGroupGloo(dist.PrefixStore(f"kvpair/{n}/gloo/", store), rank, 2, gloo_options(host, timeout))
     if backend != "nccl":
         return ctrl, ctrl
     torch.cuda.set_device(device)  # this thread's current device: where NCCL puts the pair's communicator
@@ -99,7 +101,9 @@ class PairClient:
             raise ConnectionError(f"torch pair with {addr} refused: {answer[6:]}")
         self.backend = answer  # "gloo" | "nccl"
         self.device = device
-        self._ctrl, self._data = _groups(self._store, self.n, 1, answer, timeout, device)
+        # a decode rank on loopback is reached from loopback; elsewhere the host name's address
+        local = "127.0.0.1" if is_loopback(host) else socket.gethostname()
+        self._ctrl, self._data = _groups(self._store, self.n, 1, answer, timeout, device, local)
         self._in_flight: list[torch.Tensor] = []  # NCCL sources kept alive until sync()
 
     def send(self, room: int, src_rank: int, lo: int, hi: int, dst: Sequence[int], block: torch.Tensor) -> int:
@@ -180,7 +184,8 @@ class TorchReceiverPort:
         self._block = layer_block_bytes  # bytes of one layer of one page
         self._max_bytes = max_chunk_bytes  # largest message accepted (bounds the staging buffer)
         self._timeout = timedelta(seconds=timeout_s)
-        self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=self._timeout)
+        self._host = host  # where the store and this side of every pair listen
+        self._store = listening_store(host, 0, self._timeout)  # on `host` only, not every interface
         self.addr = f"{host}:{self._store.port}"
         self._stop = threading.Event()
         self._acceptor = threading.Thread(target=self._accept_loop, name="kv-torch-accept", daemon=True)
@@ -226,7 +231,7 @@ class TorchReceiverPort:
     def _serve_pair(self, n: int, src_rank: int, backend: str) -> None:
         staging = torch.empty(0, dtype=torch.uint8, device=self._pool.device if backend == "nccl" else "cpu")
         try:
-            ctrl, data = _groups(self._store, n, 0, backend, self._timeout, self._pool.device)
+            ctrl, data = _groups(self._store, n, 0, backend, self._timeout, self._pool.device, self._host)
             while True:
                 raw = torch.empty(HEADER_LEN, dtype=torch.int64)
                 ctrl.recv([raw], 1, 0).wait()
