@@ -28,7 +28,7 @@ from kvbridge.v1 import (
 )
 
 SERVICES = ("kvbridge.v1.Generation", "kvbridge.v1.Admin")
-CALL_DEADLINE_S = 10.0  # GetLayout and Register on the prefill node
+CALL_DEADLINE_S = 10.0  # GetLayout on the prefill node
 WATCH_DEADLINE_S = 60.0  # a peer's health stream is re-opened this often
 WATCH_RETRY_S = 0.1  # pause before re-opening a health stream the peer cancelled
 
@@ -215,7 +215,8 @@ class DecodeGenerationService(generation_pb2_grpc.GenerationServicer):
             decode_addr=self.server.address,
         )
         try:
-            await stub.Register(req, timeout=CALL_DEADLINE_S)
+            # answered once the prefill node's rank 0 ruled on it: under a burst, behind its queue
+            await stub.Register(req, timeout=self.node.node.config.transfer_timeout_s)
         except grpc.RpcError as e:
             self.node.fail(rid, e.code().name, f"registration with the prefill node failed: {e.details()}")
 

@@ -93,7 +93,12 @@ class BootstrapService(prefill_pb2_grpc.BootstrapServicer):
             "decode": convert.layout_to_dict(decode),
             "decode_addr": request.decode_addr,
         }
-        verdict = await self.node.front.register(request.room, registration)
+        wait_s = self.node.node.config.bootstrap_timeout_s  # rank 0 answers between steps, behind its queue
+        try:
+            verdict = await self.node.front.register(request.room, registration, timeout=wait_s)
+        except TimeoutError:
+            why = f"rank 0 did not rule on the registration of room {request.room} within {wait_s:g} s"
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, why)
         if verdict["code"]:
             await context.abort(getattr(grpc.StatusCode, verdict["code"]), verdict["error"])
         return prefill_pb2.RegisterResponse()
