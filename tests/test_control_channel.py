@@ -6,6 +6,7 @@ each) and aborts, at real times; the test checks the decision logs the ranks app
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import random
 import time
@@ -70,28 +71,36 @@ def rank_main(rank, pp_size, addr, seed, out, stop):
     stop.wait(60)
 
 
-@pytest.mark.parametrize("pp_size", [2, 3])
-def test_gloo_ring_ranks_apply_one_valid_log(pp_size):
-    faulthandler.dump_traceback_later(120, exit=True)
-    seed = 100 + pp_size
+@contextlib.contextmanager
+def ranks(n: int, args, target):
+    """n spawned rank processes running target(*args(rank, addr, out, stop)); yields (out, stop)
+    and stops (then kills) them at the end."""
     ctx = mp.get_context("spawn")
     out, stop = ctx.Queue(), ctx.Event()
     addr = f"127.0.0.1:{pp_dist.free_port()}"
-    procs = [
-        ctx.Process(target=rank_main, args=(r, pp_size, addr, seed, out, stop), daemon=True) for r in range(pp_size)
-    ]
+    procs = [ctx.Process(target=target, args=args(r, addr, out, stop), daemon=True) for r in range(n)]
     for p in procs:
         p.start()
     try:
-        first = out.get(timeout=60)  # rank 0 reports once quiescent
-        stop.set()
-        reports = sorted([first] + [out.get(timeout=30) for _ in range(pp_size - 1)], key=lambda r: r["rank"])
+        yield out, stop
     finally:
         stop.set()
         for p in procs:
             p.join(timeout=5)
             if p.is_alive():
                 p.kill()
+
+
+@pytest.mark.parametrize("pp_size", [2, 3])
+def test_gloo_ring_ranks_apply_one_valid_log(pp_size):
+    faulthandler.dump_traceback_later(120, exit=True)
+    seed = 100 + pp_size
+    try:
+        with ranks(pp_size, lambda r, addr, out, stop: (r, pp_size, addr, seed, out, stop), rank_main) as (out, stop):
+            first = out.get(timeout=60)  # rank 0 reports once quiescent
+            stop.set()
+            reports = sorted([first] + [out.get(timeout=30) for _ in range(pp_size - 1)], key=lambda r: r["rank"])
+    finally:
         faulthandler.cancel_dump_traceback_later()
     assert [r["error"] for r in reports] == [""] * pp_size
     assert [r["live"] for r in reports] == [0] * pp_size  # no orphan on any rank
@@ -139,20 +148,8 @@ def nudged_rank(rank, addr, out, stop):
 
 
 def test_the_last_change_on_another_rank_nudges_an_idle_rank_zero():
-    ctx = mp.get_context("spawn")
-    out, stop = ctx.Queue(), ctx.Event()
-    addr = f"127.0.0.1:{pp_dist.free_port()}"
-    procs = [ctx.Process(target=nudged_rank, args=(r, addr, out, stop), daemon=True) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
+    with ranks(2, lambda r, addr, out, stop: (r, addr, out, stop), nudged_rank) as (out, stop):
         assert out.get(timeout=90) == [("late", Verdict.READY)]
         assert out.get(timeout=30) is False
         stop.set()
         assert out.get(timeout=60) == ("rank 1", False, False, "None")
-    finally:
-        stop.set()
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
