@@ -77,11 +77,14 @@ class Memcpy:
         return time.perf_counter() - t0
 
 
+KEY = bytes(range(16))  # every room's write key (both sides are the benchmark's own)
+
+
 def decode_main(engine: str, cfg: BenchConfig, out, stop) -> None:
     rc = ReceiverConfig(0, 0, cfg.num_layers, cfg.num_pages, cfg.page_size, cfg.kv_heads, cfg.head_dim, cfg.dtype)
     with KVReceiverEndpoint(rc) as receiver:
         for room in range(cfg.repeats + 1):
-            receiver.expect(room, f"bench-{room}", cfg.page_ids(1), [Source(0, 0, cfg.num_layers)], engine)
+            receiver.expect(room, f"bench-{room}", cfg.page_ids(1), [Source(0, 0, cfg.num_layers)], engine, KEY)
         e = receiver.endpoint
         out.put((e.rank, e.layer_start, e.layer_end, e.receiver_addr, e.shm_name, e.torch_addr))
         stop.wait(600)
@@ -111,7 +114,7 @@ def run_engine(engine: str, cfg: BenchConfig, memcpy: Memcpy) -> list[tuple[floa
         times = []
         with sender:
             for room in range(cfg.repeats + 1):
-                sender.connect(room, layout, dst)
+                sender.connect(room, layout, dst, KEY)
                 t_memcpy = memcpy.seconds()
                 t0 = time.perf_counter()
                 sender.push(room, src, dst, cfg.num_pages * cfg.page_size)

@@ -21,6 +21,7 @@ from engine.pp.agent import KVAgent
 from engine.pp.control import ControlChannel
 from engine.pp.wire import ABORT, ADMIT, FINISH, RESUME, RETRACT, Decision
 from kv_transfer import KVPoll, KVReceiverEndpoint, Source, StatusChange
+from kvbridge.limits import room_tag
 from kvbridge.logs import log_event
 from kvbridge.metrics import failure_reason, rank_metrics
 
@@ -46,7 +47,8 @@ class DecodeAgent(KVAgent):
             self.chan.set_local(Stream.DECODE_TRANSFERRED, d.rid, LocalStatus.PENDING)
             sources = [Source(*s) for s in info["sources"]]
             try:
-                self.receiver.expect(room, d.rid, info["page_ids"], sources, info["backend"])
+                secret = bytes.fromhex(info["secret"])
+                self.receiver.expect(room, d.rid, info["page_ids"], sources, info["backend"], secret)
                 self.rooms[d.rid] = room  # (only once it is ours: a room in use stays its owner's)
             except ValueError as e:
                 self._log_failure(d.rid, room, str(e))
@@ -90,4 +92,4 @@ class DecodeAgent(KVAgent):
             self.chan.set_local(Stream.DECODE_TRANSFERRED, change.rid, LocalStatus.FAILED)
 
     def _log_failure(self, rid: str, room: int, reason: str) -> None:
-        log_event(log, "transfer_failed", logging.WARNING, rid=rid, room=room, rank=self.rank, reason=reason)
+        log_event(log, "transfer_failed", logging.WARNING, rid=rid, room=room_tag(room), rank=self.rank, reason=reason)

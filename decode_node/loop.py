@@ -230,6 +230,7 @@ class DecodeLeader(Leader):
                 "page_ids": list(req.page_table.pages),
                 "sources": [list(s) for s in extra.sources],
                 "backend": extra.backend,
+                "secret": extra.secret,
                 "first_sample_index": 1,  # the prefill node sampled token 0
             }
             self._decide(ADMIT, req.rid, replace(req.params, seed=req.seed), info)

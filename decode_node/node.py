@@ -10,7 +10,7 @@ from engine.config import EngineConfig, PPConfig
 from engine.frontend import NodeFront
 from engine.llm import resolve_device
 from engine.pp import dist as pp_dist
-from engine.pp.control import ControlChannel, GlooTransport
+from engine.pp.control import ControlChannel, GlooTransport, end_rank
 from engine.pp.follower import Follower
 from engine.pp.messages import Fail, Wake
 from engine.pp.node import PPNode, RankContext, RankRole
@@ -27,7 +27,9 @@ def decode_role(ctx: RankContext) -> RankRole:
     pp, config, mc = ctx.pp, ctx.config, ctx.model.config
     transport = GlooTransport(ctx.control_group, ctx.rank, pp.pp_size) if pp.pp_size > 1 else None
     wake = (lambda: ctx.inbox.put(Wake())) if ctx.rank == 0 else None
-    chan = ControlChannel(ctx.rank, pp.pp_size, transport, on_decisions=wake, collect=ctx.rank == 0)
+    # a failed channel: rank 0's loop wakes and take_decisions raises; any other rank ends at once
+    fail = (lambda e: wake()) if ctx.rank == 0 else end_rank
+    chan = ControlChannel(ctx.rank, pp.pp_size, transport, on_decisions=wake, collect=ctx.rank == 0, on_failure=fail)
     agent = DecodeAgent(ctx.rank, None, chan)
     lo, hi = ctx.stage.layer_range
     receiver = KVReceiverEndpoint(

@@ -5,6 +5,7 @@ transfer engine, and registers each preallocated room with the prefill node."""
 from __future__ import annotations
 
 import asyncio
+import secrets
 import uuid
 from collections.abc import Callable
 
@@ -19,6 +20,7 @@ from engine.server import NodeServer
 from kv_transfer import NodeLayout, choose_backend, incompatibility
 from kv_transfer import wire as kv_wire
 from kvbridge import convert, rpc
+from kvbridge.limits import normalized_address
 from kvbridge.v1 import (
     common_pb2,
     generation_pb2,
@@ -28,6 +30,8 @@ from kvbridge.v1 import (
 )
 
 SERVICES = ("kvbridge.v1.Generation", "kvbridge.v1.Admin")
+ROOM_SECRET_BYTES = 16
+MAX_PEERS = 256  # prefill nodes known at once (each holds a channel and a health watch)
 CALL_DEADLINE_S = 10.0  # GetLayout on the prefill node
 WATCH_DEADLINE_S = 60.0  # a peer's health stream is re-opened this often
 WATCH_RETRY_S = 0.1  # pause before re-opening a health stream the peer cancelled
@@ -39,7 +43,11 @@ class PrefillPeers:
     resets at once; its host vanished: keepalive notices within ~15 s) is forgotten, and
     `on_down(addr)` fails the requests still waiting for its KV. Draining (NOT_SERVING) is not
     down: a draining prefill node still finishes the rooms it has. Lives on the server's loop:
-    every channel is an aio channel and every watch a task."""
+    every channel is an aio channel and every watch a task.
+
+    Addresses come from clients (GenerateRequest.prefill.prefill_addr): they are keyed in one
+    spelling (kvbridge.limits.normalized_address), and at most MAX_PEERS are kept, the least
+    recently used forgotten first."""
 
     def __init__(self, on_down: Callable[[str], None] = lambda addr: None):
         self.on_down = on_down
@@ -50,8 +58,10 @@ class PrefillPeers:
         self._closed = False
 
     async def get(self, addr: str) -> tuple[prefill_pb2_grpc.BootstrapStub, NodeLayout]:
-        """Raises grpc.RpcError (unreachable) or ValueError (a malformed layout)."""
+        """Raises grpc.RpcError (unreachable) or ValueError (a malformed address or layout)."""
+        addr = normalized_address(addr, "prefill_addr")
         if addr in self._peers:
+            self._peers[addr] = self._peers.pop(addr)  # the most recently used goes last
             return self._peers[addr]
         fetch = self._fetching.get(addr)
         if fetch is None:
@@ -74,7 +84,18 @@ class PrefillPeers:
         self._peers[addr] = (stub, layout)
         self._channels[addr] = channel
         self._watches[addr] = asyncio.ensure_future(self._watch(addr, channel))
+        while len(self._peers) > MAX_PEERS:
+            await self._evict(next(iter(self._peers)))
         return self._peers[addr]
+
+    async def _evict(self, addr: str) -> None:
+        """Forget a peer (its next request fetches it again); calls on its channel end CANCELLED."""
+        self._peers.pop(addr, None)
+        watch, channel = self._watches.pop(addr, None), self._channels.pop(addr, None)
+        if watch is not None:
+            watch.cancel()
+        if channel is not None:
+            await channel.close()
 
     async def _watch(self, addr: str, channel: grpc.aio.Channel) -> None:
         health = health_pb2_grpc.HealthStub(channel)
@@ -114,7 +135,7 @@ class DecodeGenerationService(generation_pb2_grpc.GenerationServicer):
     def __init__(self, server: NodeServer, backend: str = "auto"):
         self.server, self.backend = server, backend
         self.peers = PrefillPeers(on_down=self._peer_down)
-        self.pending: dict[str, tuple] = {}  # rid -> (bootstrap stub, room, backend) until registered
+        self.pending: dict[str, tuple] = {}  # rid -> (bootstrap stub, room, backend, secret) until registered
         self._registering: set[asyncio.Task] = set()  # Register calls in flight (held: tasks are weakly kept)
 
     @property
@@ -132,15 +153,17 @@ class DecodeGenerationService(generation_pb2_grpc.GenerationServicer):
                 f"got {route.room} {rpc.shown(route.prefill_addr)}",
             )
         try:
-            stub, layout = await self.peers.get(route.prefill_addr)
+            prefill_addr = normalized_address(route.prefill_addr, "prefill.prefill_addr")
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        try:
+            stub, layout = await self.peers.get(prefill_addr)
         except grpc.RpcError as e:
             await context.abort(
-                grpc.StatusCode.UNAVAILABLE, f"prefill node {route.prefill_addr[:120]}: {(e.details() or '')[:200]}"
+                grpc.StatusCode.UNAVAILABLE, f"prefill node {prefill_addr}: {(e.details() or '')[:200]}"
             )
         except ValueError as e:
-            await context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION, f"prefill node {route.prefill_addr[:120]}: {str(e)[:200]}"
-            )
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"prefill node {prefill_addr}: {str(e)[:200]}")
         problem = incompatibility(layout, self.node.layout)
         if problem:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
@@ -150,14 +173,17 @@ class DecodeGenerationService(generation_pb2_grpc.GenerationServicer):
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"transfer backend {backend!r} is not one the prefill node drives ({', '.join(layout.backends)})",
             )
-        entry = (stub, route.room, backend)  # until rank 0 preallocated the pages (see _register)
+        # the room's write key: only the prefill node it is registered with can write its pages
+        secret = secrets.token_hex(ROOM_SECRET_BYTES)
+        entry = (stub, route.room, backend, secret)  # until rank 0 preallocated the pages (see _register)
         try:
             ids = front.prompt_ids(request.prompt)
             params = convert.sampling_params(request.sampling)
             sources = [(s.rank, s.layer_start, s.layer_end) for s in kv_wire.sources_of(layout)]
             if self.pending.setdefault(rid, entry) is not entry:  # (the front would refuse it too, but later)
                 raise ValueError(f"duplicate request id {rpc.shown(rid)}")
-            extra = {"room": route.room, "sources": sources, "backend": backend, "peer": route.prefill_addr}
+            extra = {"room": route.room, "sources": sources, "backend": backend, "peer": prefill_addr}
+            extra["secret"] = secret
             deltas = front.submit(ids, params, rid, extra)
         except ValueError as e:
             self._forget(rid, entry)
@@ -203,7 +229,7 @@ class DecodeGenerationService(generation_pb2_grpc.GenerationServicer):
 
     async def _register(self, ev: Preallocated) -> None:
         rid = ev.rid
-        stub, room, backend = self.pending.pop(rid, (None, 0, ""))
+        stub, room, backend, secret = self.pending.pop(rid, (None, 0, "", ""))
         if stub is None:
             return
         req = prefill_pb2.RegisterRequest(
@@ -213,6 +239,7 @@ class DecodeGenerationService(generation_pb2_grpc.GenerationServicer):
             decode_layout=kv_wire.layout_to_proto(self.node.layout),
             page_ids=ev.page_ids,
             decode_addr=self.server.address,
+            secret=bytes.fromhex(secret),
         )
         try:
             # answered once the prefill node's rank 0 ruled on it: under a burst, behind its queue

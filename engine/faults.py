@@ -12,6 +12,9 @@ failure can hit one rank of a pipeline and not the others. Keys:
   fail their pushes; decode ranks fail the arrival), with reason "injected transfer failure";
 - drop_notice: probability that a prefill rank never sends a request's "all pages sent"
   notice (a lost message: the hand-off hangs until the transfer timeout ends it);
+- consensus_fail_after: the rank's consensus channel fails at its first round after this many
+  status changes of the rank's own (a broken control ring: the rank ends, so the node fails
+  its streams and exits);
 - seed: the random stream of the probabilities (per rank: seed + rank).
 
 Rank processes call `init(spec, rank)` once; the code paths ask `current()`.
@@ -25,7 +28,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-KEYS = {"step_delay_ms": float, "transfer_delay_ms": float, "transfer_fail": float, "drop_notice": float, "seed": int}
+KEYS = {
+    "step_delay_ms": float, "transfer_delay_ms": float, "transfer_fail": float, "drop_notice": float,
+    "consensus_fail_after": int, "seed": int,
+}  # fmt: skip
 PROBABILITIES = ("transfer_fail", "drop_notice")
 INJECTED = "injected transfer failure"
 
@@ -36,12 +42,16 @@ class Faults:
     transfer_delay_ms: float = 0.0
     transfer_fail: float = 0.0
     drop_notice: float = 0.0
+    consensus_fail_after: int = 0  # 0 = never
     seed: int = 0
     rng: random.Random = field(default_factory=random.Random, repr=False)
 
     @property
     def active(self) -> bool:
-        return bool(self.step_delay_ms or self.transfer_delay_ms or self.transfer_fail or self.drop_notice)
+        return bool(
+            self.step_delay_ms or self.transfer_delay_ms or self.transfer_fail or self.drop_notice
+            or self.consensus_fail_after
+        )  # fmt: skip
 
     def after_step(self) -> None:
         if self.step_delay_ms:

@@ -33,6 +33,7 @@ from prometheus_client import CollectorRegistry
 
 from kv_transfer import remove_segments_of
 from kvbridge import __version__, rpc
+from kvbridge.limits import listed_room
 from kvbridge.logs import log_event
 from kvbridge.metrics import MetricsServer, NodeMetrics, StatusCollector
 from kvbridge.v1 import admin_pb2, admin_pb2_grpc
@@ -300,8 +301,9 @@ class NodeAdminService(admin_pb2_grpc.AdminServicer):
         reqs = sorted((r for r in reqs if not request.phase or r["phase"] == request.phase), key=lambda r: -r["age_s"])
         page = reqs[start : start + size]
         more = start + size < len(reqs)
+        full = bool(rpc.security().admin_key)  # the caller passed the admin key check
         return admin_pb2.ListRequestsResponse(
-            requests=[admin_pb2.RequestInfo(**r) for r in page],
+            requests=[admin_pb2.RequestInfo(**(r | {"room": listed_room(r["room"], full)})) for r in page],
             next_page_token=str(start + size) if more else "",
             total=len(reqs),
         )

@@ -76,6 +76,7 @@ class RankInfo:
     shm_name: str = ""  # the rank's pool segment in /dev/shm ("" when not shared)
     torch_addr: str = ""  # host:port of the rank's TCPStore for torch pairs ("" when none)
     cuda_ipc_handle: bytes = b""  # the rank's pool as a CUDA IPC handle (engines/cuda_ipc.py); b"" when none
+    torch_key: str = ""  # the secret prefix of every key of its TCPStore that a torch pair uses (hex)
 
     @property
     def layers(self) -> LayerRange:

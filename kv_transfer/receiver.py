@@ -23,7 +23,7 @@ from kv_transfer.layout import PageGeometry, RankInfo, dtype_from_name
 from kv_transfer.poll import KVPoll, StatusBoard, StatusChange
 from kv_transfer.rooms import RoomTable, Source
 from kv_transfer.service import KVReceiverServicer
-from kvbridge.rpc import make_server
+from kvbridge.rpc import KV_MESSAGE_BYTES, make_server
 from kvbridge.v1 import kv_transfer_pb2_grpc
 
 SERVICE_NAME = "kvbridge.v1.KVReceiver"
@@ -77,6 +77,7 @@ class KVReceiverEndpoint:
                 0,
                 [(kv_transfer_pb2_grpc.add_KVReceiverServicer_to_server, KVReceiverServicer(self))],
                 [SERVICE_NAME],
+                max_message_bytes=KV_MESSAGE_BYTES,
             )
             self._server.start()
             if config.torch_store:
@@ -94,6 +95,7 @@ class KVReceiverEndpoint:
             receiver_addr=f"{config.host}:{port}",
             shm_name=self._segment.name if self._segment else "",
             torch_addr=self._torch.addr if self._torch else "",
+            torch_key=self._torch.key if self._torch else "",
             cuda_ipc_handle=ipc_handle,
         )  # what the daemon publishes in its KVLayout (kv_transfer.wire.rank_to_proto)
 
@@ -112,10 +114,13 @@ class KVReceiverEndpoint:
 
     # ---- the daemon ----
 
-    def expect(self, room: int, rid: str, page_ids: Sequence[int], sources: Sequence[Source], backend: str) -> None:
+    def expect(
+        self, room: int, rid: str, page_ids: Sequence[int], sources: Sequence[Source], backend: str, secret: bytes
+    ) -> None:
         """Before registering `room` with the prefill node: its destination pages here, the prefill
-        ranks (with their layer ranges; non-overlapping ones are ignored) and the chosen engine."""
-        self.rooms.expect(room, rid, page_ids, sources, backend)
+        ranks (with their layer ranges; non-overlapping ones are ignored), the chosen engine and the
+        room's write key (what the prefill node gets in the registration)."""
+        self.rooms.expect(room, rid, page_ids, sources, backend, secret)
 
     def forget(self, room: int) -> None:
         """Done with the room (terminal, or aborted): waits for copies into its pages in flight."""
@@ -160,9 +165,11 @@ class KVReceiverEndpoint:
 
     # ---- the grpc engine's data path ----
 
-    def write_bytes(self, room: int, src: int, lo: int, hi: int, page_ids: list[int], data: bytes) -> int:
+    def write_bytes(
+        self, room: int, secret: bytes, src: int, lo: int, hi: int, page_ids: list[int], data: bytes
+    ) -> int:
         """Check, then copy a PageChunk's bytes into layers [lo, hi) of pages page_ids; returns len(data)."""
-        ticket = self.rooms.begin_write(room, src, lo, hi, page_ids, len(data))
+        ticket = self.rooms.begin_write(room, secret, src, lo, hi, page_ids, len(data))
         error = ""
         try:
             _copy_bytes(self.pool.buffer, self.config.layers, page_ids, lo, hi, data)

@@ -1,10 +1,13 @@
 """The decode rank's bookkeeping: which rooms it expects, from which prefill ranks, into which
 pages, and what has landed. Every write and notice is checked here before a byte moves; a bad
 one fails its room (never the process) and raises a TransferError whose code is the gRPC status.
-No torch, no sockets."""
+Each carries the room's write key first: one without it is refused (PERMISSION_DENIED) and
+changes nothing, so a party that knows a room's number but is not its prefill node can neither
+write its pages nor fail it. No torch, no sockets."""
 
 from __future__ import annotations
 
+import hmac
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -33,6 +36,10 @@ class BadTransfer(TransferError):
 
 class RoomClosed(TransferError):
     code = "FAILED_PRECONDITION"
+
+
+class WrongKey(TransferError):
+    code = "PERMISSION_DENIED"
 
 
 @dataclass(frozen=True)
@@ -74,6 +81,7 @@ class Room:
     page_ids: tuple[int, ...]  # destination pages, in prompt order
     position: dict[int, int]  # page id -> index in page_ids
     sources: dict[int, SourceProgress]  # prefill rank -> progress
+    secret: bytes  # its write key (16 bytes, minted by the decode node, known to its prefill node)
     first_token: tuple[int, int] | None = None  # (token, prompt_tokens), rank 0 only
     writers: int = 0  # copies into its pages in flight; forget() waits for none
 
@@ -121,9 +129,13 @@ class RoomTable:
 
     # ---- the daemon ----
 
-    def expect(self, room: int, rid: str, page_ids: Sequence[int], sources: Sequence[Source], backend: str) -> None:
-        """Register a room: its destination pages and the prefill ranks (any; those overlapping this
-        rank are kept) that will write them. ValueError on a bad registration."""
+    def expect(
+        self, room: int, rid: str, page_ids: Sequence[int], sources: Sequence[Source], backend: str, secret: bytes
+    ) -> None:
+        """Register a room: its destination pages, the prefill ranks (any; those overlapping this
+        rank are kept) that will write them, and its write key. ValueError on a bad registration."""
+        if len(secret) != 16:
+            raise ValueError(f"room {room}: a write key has 16 bytes, got {len(secret)}")
         if backend not in DATA_PATH_BACKENDS | DIRECT_BACKENDS:
             raise ValueError(f"unknown backend {backend!r}")
         bad = [p for p in page_ids if not 0 <= p < self.num_pages]
@@ -141,7 +153,7 @@ class RoomTable:
         ids = tuple(page_ids)
         with self._locked():
             self.board.add(room, rid, KVPoll.WAITING_FOR_INPUT)
-            self._rooms[room] = Room(room, rid, backend, ids, {p: i for i, p in enumerate(ids)}, progress)
+            self._rooms[room] = Room(room, rid, backend, ids, {p: i for i, p in enumerate(ids)}, progress, secret)
 
     def forget(self, room: int, timeout_s: float = 30.0) -> None:
         """Drop a room, once no copy into its pages is in flight (its pages may then be reused)."""
@@ -159,12 +171,20 @@ class RoomTable:
         with self._cv:
             return self._get(room).first_token
 
+    def authentic(self, room: int, secret: bytes) -> bool:
+        """`secret` is the write key of `room`, a room expected here."""
+        with self._cv:
+            r = self._rooms.get(room)
+            return r is not None and hmac.compare_digest(r.secret, secret)
+
     # ---- the data path (grpc, torch) ----
 
-    def begin_write(self, room: int, src: int, lo: int, hi: int, page_ids: Sequence[int], nbytes: int) -> WriteTicket:
+    def begin_write(
+        self, room: int, secret: bytes, src: int, lo: int, hi: int, page_ids: Sequence[int], nbytes: int
+    ) -> WriteTicket:
         """Check a write before its bytes are copied into the pool."""
         with self._locked():
-            r = self._open_room(room)
+            r = self._open_room(room, secret)
             problem = self._write_problem(r, src, lo, hi, page_ids, nbytes)
             if problem:
                 self.board.fail(room, problem)
@@ -190,10 +210,10 @@ class RoomTable:
 
     # ---- notices ----
 
-    def done(self, n: Notice, room: int) -> None:
+    def done(self, n: Notice, room: int, secret: bytes) -> None:
         """A prefill rank's TransferDone."""
         with self._locked():
-            r = self._open_room(room)
+            r = self._open_room(room, secret)
             s = r.sources.get(n.src_rank)
             if n.error:
                 self.board.fail(room, f"prefill rank {n.src_rank}: {n.error}")
@@ -209,11 +229,11 @@ class RoomTable:
             if self.board.poll(room) == KVPoll.FAILED:  # the accounting failed: tell the sender why
                 raise BadTransfer(self.board.reason(room))
 
-    def set_first_token(self, room: int, token: int, prompt_tokens: int) -> None:
+    def set_first_token(self, room: int, secret: bytes, token: int, prompt_tokens: int) -> None:
         with self._locked():
             if not self.awaits_first_token:
                 raise RoomClosed(f"decode rank {self.rank} takes no first tokens (rank 0 does)")
-            r = self._open_room(room)
+            r = self._open_room(room, secret)
             self._take_first_token(r, token, prompt_tokens)
             self._try_complete(r)
             if self.board.poll(room) == KVPoll.FAILED:
@@ -235,8 +255,10 @@ class RoomTable:
             raise RoomNotFound(f"room {room} is not expected on decode rank {self.rank}")
         return self._rooms[room]
 
-    def _open_room(self, room: int) -> Room:
+    def _open_room(self, room: int, secret: bytes) -> Room:
         r = self._get(room)
+        if not hmac.compare_digest(r.secret, secret):  # before anything that could change the room
+            raise WrongKey(f"room {room}: the write key is not the room's (only its prefill node has it)")
         state = self.board.poll(room)
         if state.is_terminal:
             why = f": {self.board.reason(room)}" if state == KVPoll.FAILED else ""

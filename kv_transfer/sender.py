@@ -22,10 +22,13 @@ from engine.kv_pool import KVPool
 from kv_transfer.layers import overlap
 from kv_transfer.layout import NodeLayout, PageGeometry, RankInfo
 from kv_transfer.poll import IllegalTransition, KVPoll, StatusBoard, StatusChange
-from kvbridge.rpc import make_channel
+from kvbridge.rpc import KV_MESSAGE_BYTES, make_channel
 from kvbridge.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 
 log = logging.getLogger(__name__)
+
+
+MAX_STUBS = 64  # KVReceiver channels one sender keeps (decode ranks it writes to, across its rooms)
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,7 @@ class SenderRoom:
     targets: tuple[Target, ...]  # overlapping decode ranks, in rank order
     first_rank: RankInfo  # decode rank 0: where the first token goes
     dst_pages: frozenset[int]  # destination page ids the decode node registered
+    secret: bytes  # the room's write key, minted by the decode node: every write and notice carries it
     bytes_sent: dict[int, int] = field(default_factory=dict)  # decode rank -> page bytes written so far
     first_token: int | None = None  # held for the TransferNotice to decode rank 0 (when it is a target)
 
@@ -97,8 +101,8 @@ class Sender:
 
     # ---- the daemon's calls (non-blocking) ----
 
-    def connect(self, room: int, decode: NodeLayout, page_ids: Sequence[int], rid: str = "") -> None:
-        """The decode node registered `room`: its layout and destination pages. The room starts
+    def connect(self, room: int, decode: NodeLayout, page_ids: Sequence[int], secret: bytes, rid: str = "") -> None:
+        """The decode node registered `room`: its layout, destination pages and write key. The room starts
         BOOTSTRAPPING and becomes WAITING_FOR_INPUT once every overlapping decode rank is reachable."""
         targets = tuple(
             Target(info, *both) for info in decode.ranks if (both := overlap(self.layers, info.layers)) is not None
@@ -106,13 +110,13 @@ class Sender:
         self.board.add(room, rid)
         with self._lock:
             first = decode.ranks[0] if decode.ranks else RankInfo(0, 0, 0)
-            self._rooms[room] = SenderRoom(room, decode, targets, first, frozenset(page_ids))
+            r = self._rooms[room] = SenderRoom(room, decode, targets, first, frozenset(page_ids), secret)
         problem = self._registration_problem(decode, page_ids, targets)
         if problem:
             self.board.fail(room, problem)
-            self._jobs.put(("notify_error", room, problem))  # the decode ranks would wait in vain
+            self._jobs.put(("notify_error", r, problem))  # the decode ranks would wait in vain
         else:
-            self._jobs.put(("connect", room))
+            self._jobs.put(("connect", r))
         self.board.flush()
 
     def push(self, room: int, src_page_ids: Sequence[int], dst_page_ids: Sequence[int], num_tokens: int) -> None:
@@ -127,32 +131,35 @@ class Sender:
         unknown = [q for q in dst_page_ids if q not in r.dst_pages]
         if unknown:
             raise ValueError(f"push of room {room}: destination page {unknown[0]} was not registered")
-        self._jobs.put(("push", room, tuple(src_page_ids), tuple(dst_page_ids), num_tokens))
+        self._jobs.put(("push", r, tuple(src_page_ids), tuple(dst_page_ids), num_tokens))
 
     def finish(self, room: int, num_tokens: int) -> None:
         """All pushes of the room are queued: once they landed, send TransferDone to every overlapping
         decode rank; SUCCESS when every one acknowledged."""
-        self._room(room)
-        self._jobs.put(("finish", room, num_tokens))
+        self._jobs.put(("finish", self._room(room), num_tokens))
 
     def send_first_token(self, room: int, token: int, prompt_tokens: int) -> None:
         """Last prefill rank only, before finish(): the sampled first token, to decode rank 0. When
         this rank writes layers of decode rank 0 the token rides that rank's TransferNotice (one
         message on the critical path); otherwise it goes at once in a FirstToken call."""
-        self._room(room)
-        self._jobs.put(("first_token", room, token, prompt_tokens))
+        self._jobs.put(("first_token", self._room(room), token, prompt_tokens))
 
     def abort(self, room: int, reason: str) -> None:
         """Fail the room here now, and tell its decode ranks (TransferDone with the error)."""
-        self._room(room)
+        r = self._room(room)
         if self.board.fail(room, reason):
-            self._jobs.put(("notify_error", room, reason))
+            self._jobs.put(("notify_error", r, reason))
         self.board.flush()
 
     def forget(self, room: int) -> None:
-        """The daemon is done with the room (it is terminal, or abandoned)."""
+        """The daemon is done with the room (it is terminal, or abandoned). Its number may be
+        connected again at once: jobs of the old room still queued are skipped (every job carries
+        its SenderRoom), except an error notice, which still goes out."""
         self.board.remove(room)
-        self._jobs.put(("forget", room))
+        with self._lock:
+            r = self._rooms.pop(room, None)
+        if r is not None:
+            self._jobs.put(("forget", r))
 
     def poll(self, room: int) -> KVPoll:
         return self.board.poll(room)
@@ -184,8 +191,8 @@ class Sender:
     def _open(self, info: RankInfo, decode: NodeLayout) -> object:
         raise NotImplementedError
 
-    def _write(self, conn, room: int, target: Target, src: Sequence[int], dst: Sequence[int]) -> int:
-        """Write layers [target.lo, target.hi) of pages src -> dst; returns the page bytes written."""
+    def _write(self, conn, r: SenderRoom, target: Target, src: Sequence[int], dst: Sequence[int]) -> int:
+        """Write layers [target.lo, target.hi) of room r's pages src -> dst; returns the page bytes written."""
         raise NotImplementedError
 
     def _sync(self, conn) -> None:
@@ -237,16 +244,17 @@ class Sender:
             channel.close()
 
     def _do(self, job: tuple) -> None:
-        kind, room = job[0], job[1]
+        kind, r = job[0], job[1]
+        room = r.room
         with self._lock:
-            r = self._rooms.get(room)
+            current = self._rooms.get(room) is r  # (not forgotten, nor its number connected anew)
         if kind == "forget":
-            self._forget(room)
-            return
-        if r is None:
+            self._forget(r)
             return
         if kind == "notify_error":  # sent even when the daemon forgot the room right after abort()
             self._notify(r, 0, job[2])
+            return
+        if not current:
             return
         try:
             if room in self.board and not self.board.poll(room).is_terminal:
@@ -269,7 +277,7 @@ class Sender:
             key = self._key(t.info)
             conn = self._peer(t.info, r)
             try:
-                n = self._write(conn, r.room, t, src, dst)
+                n = self._write(conn, r, t, src, dst)
             except Exception:
                 self._drop_peer(key)  # a broken connection is reopened by the next room
                 raise
@@ -289,7 +297,7 @@ class Sender:
         if any(t.info == r.first_rank for t in r.targets):
             r.first_token = token  # its prompt_tokens are the notice's num_tokens
             return
-        msg = kv_transfer_pb2.FirstTokenNotice(room=r.room, token=token, prompt_tokens=prompt_tokens)
+        msg = kv_transfer_pb2.FirstTokenNotice(room=r.room, token=token, prompt_tokens=prompt_tokens, secret=r.secret)
         self._stub(r.first_rank.receiver_addr).FirstToken(msg, timeout=self.config.deadline_s)
 
     def _notify(self, r: SenderRoom, num_tokens: int, error: str) -> list[str]:
@@ -305,6 +313,7 @@ class Sender:
                 bytes=r.bytes_sent.get(t.info.rank, 0),
                 error=error,
                 first_token=r.first_token if t.info == r.first_rank and not error else None,
+                secret=r.secret,
             )
             try:
                 self._stub(t.info.receiver_addr).TransferDone(notice, timeout=self.config.deadline_s)
@@ -331,9 +340,15 @@ class Sender:
         return self._scratch_buf
 
     def _stub(self, addr: str) -> kv_transfer_pb2_grpc.KVReceiverStub:
-        if addr not in self._stubs:
-            channel = make_channel(addr)
+        """The KVReceiver at `addr` (an address a registration named): at most MAX_STUBS channels
+        are kept, the least recently used closed first (the worker is done with it by then)."""
+        if addr in self._stubs:
+            self._stubs[addr] = self._stubs.pop(addr)  # the most recently used goes last
+        else:
+            channel = make_channel(addr, KV_MESSAGE_BYTES)
             self._stubs[addr] = (channel, kv_transfer_pb2_grpc.KVReceiverStub(channel))
+            while len(self._stubs) > MAX_STUBS:
+                self._stubs.pop(next(iter(self._stubs)))[0].close()
         return self._stubs[addr][1]
 
     def _peer(self, info: RankInfo, r: SenderRoom):
@@ -350,11 +365,12 @@ class Sender:
             with contextlib.suppress(Exception):  # closing a broken connection may fail too; it is gone anyway
                 self._close(peer.conn)
 
-    def _forget(self, room: int) -> None:
+    def _forget(self, r: SenderRoom) -> None:
         with self._lock:
-            self._rooms.pop(room, None)
-        for peer in self._peers.values():
-            peer.rooms.discard(room)
+            reused = r.room in self._rooms  # a new room of the same number uses the connections now
+        if not reused:
+            for peer in self._peers.values():
+                peer.rooms.discard(r.room)
 
     def _maintain(self) -> None:
         """Ping connections idle for a quarter of the torch timeout; close unused ones."""

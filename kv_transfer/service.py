@@ -19,7 +19,7 @@ class KVReceiverServicer(kv_transfer_pb2_grpc.KVReceiverServicer):
         try:
             for c in request_iterator:
                 landed += self._receiver.write_bytes(
-                    c.room, c.src_rank, c.layer_start, c.layer_end, list(c.page_ids), c.data
+                    c.room, c.secret, c.src_rank, c.layer_start, c.layer_end, list(c.page_ids), c.data
                 )
         except TransferError as e:
             context.abort(grpc.StatusCode[e.code], str(e))
@@ -30,14 +30,14 @@ class KVReceiverServicer(kv_transfer_pb2_grpc.KVReceiverServicer):
         first = n.first_token if n.HasField("first_token") else None
         notice = Notice(n.src_rank, n.layer_start, n.layer_end, n.num_tokens, n.bytes, n.error, first)
         try:
-            self._receiver.rooms.done(notice, n.room)
+            self._receiver.rooms.done(notice, n.room, n.secret)
         except TransferError as e:
             context.abort(grpc.StatusCode[e.code], str(e))
         return kv_transfer_pb2.TransferAck(bytes=n.bytes)
 
     def FirstToken(self, request, context):
         try:
-            self._receiver.rooms.set_first_token(request.room, request.token, request.prompt_tokens)
+            self._receiver.rooms.set_first_token(request.room, request.secret, request.token, request.prompt_tokens)
         except TransferError as e:
             context.abort(grpc.StatusCode[e.code], str(e))
         return kv_transfer_pb2.TransferAck()

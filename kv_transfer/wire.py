@@ -22,6 +22,7 @@ def rank_to_proto(info: RankInfo) -> prefill_pb2.RankEndpoint:
         receiver_addr=info.receiver_addr,
         shm_name=shm,
         torch_addr=info.torch_addr,
+        torch_key=info.torch_key,
     )
 
 
@@ -29,7 +30,7 @@ def rank_from_proto(m: prefill_pb2.RankEndpoint) -> RankInfo:
     shm, handle = m.shm_name, b""
     if shm.startswith(CUDA_IPC_PREFIX):
         shm, handle = "", bytes.fromhex(shm[len(CUDA_IPC_PREFIX) :])
-    return RankInfo(m.rank, m.layer_start, m.layer_end, m.receiver_addr, shm, m.torch_addr, handle)
+    return RankInfo(m.rank, m.layer_start, m.layer_end, m.receiver_addr, shm, m.torch_addr, handle, m.torch_key)
 
 
 def layout_to_proto(layout: NodeLayout) -> prefill_pb2.KVLayout:

@@ -19,6 +19,7 @@ import math
 import sys
 from typing import TYPE_CHECKING
 
+from kvbridge.security import add_tls_flags
 from kvbridge.v1 import admin_pb2  # grpc itself is imported when a command runs: `kvbridge --help` stays fast
 
 if TYPE_CHECKING:
@@ -180,6 +181,8 @@ def add_admin_parser(subparsers) -> argparse.ArgumentParser:
     common.add_argument("--target", required=True, metavar="HOST:PORT", help="the node's or router's gRPC address")
     common.add_argument("--timeout", default="10", metavar="SECONDS", help="deadline of each call (default: 10)")
     common.add_argument("--json", action="store_true", help="print one JSON object")
+    add_tls_flags(common, admin_key=False)
+    common.add_argument("--key-file", default="", metavar="FILE", help="the target's admin key (its --admin-key-file)")
 
     parser = subparsers.add_parser("admin", help="operate a running node or router (its Admin service)")
     actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
@@ -219,15 +222,20 @@ def run_admin(args: argparse.Namespace) -> int:
     """Parse the values, make the call(s), print the result. Exit status 0, 1 (gRPC error) or 2 (bad value)."""
     import grpc
 
-    from kvbridge import rpc
+    from kvbridge import rpc, security
     from kvbridge.v1 import admin_pb2_grpc
 
     try:
         target = host_port(args.target, "--target")
         timeout = seconds(args.timeout, "--timeout", zero_ok=False)
         call = ACTIONS[args.action]
+        try:
+            key = security.read_key(args.key_file, "--key-file") if args.key_file else ""
+            rpc.configure(security.from_flags(args))
+        except ValueError as e:
+            raise ArgumentError(str(e)) from None
         with rpc.make_channel(target) as channel:
-            out = call(admin_pb2_grpc.AdminStub(channel), args, timeout)
+            out = call(Keyed(admin_pb2_grpc.AdminStub(channel), security.auth_metadata(key)), args, timeout)
     except ArgumentError as e:
         print(f"kvbridge admin: error: {e}", file=sys.stderr)
         return 2
@@ -237,6 +245,17 @@ def run_admin(args: argparse.Namespace) -> int:
         return 1
     print(json.dumps(out) if args.json else out)
     return 0
+
+
+class Keyed:
+    """A stub whose every call carries `metadata` (the admin key's bearer)."""
+
+    def __init__(self, stub, metadata: tuple[tuple[str, str], ...]):
+        self._stub, self._metadata = stub, metadata
+
+    def __getattr__(self, name: str):
+        method = getattr(self._stub, name)
+        return lambda request, **kw: method(request, metadata=self._metadata, **kw)
 
 
 # Each action: (stub, args, timeout) -> a dict with --json, else the text to print.

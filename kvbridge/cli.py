@@ -10,6 +10,7 @@ from functools import partial
 
 from engine.config import EngineConfig, PPConfig
 from engine.request import SamplingParams
+from kvbridge.security import add_tls_flags
 
 _ENGINE_HELP = {
     "model": "preset (smollm2-135m-instruct, tiny-random), .gguf file, or Hugging Face directory",
@@ -123,6 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
             help="on SIGTERM: admit nothing, let requests in flight finish this long, fail the rest (default: 30)",
         )  # fmt: skip
         node.add_argument("--quiet", action="store_true", help="no progress output")
+        add_tls_flags(node)
 
     from kvbridge.admin_cli import add_admin_parser
     from kvbridge.demo import add_demo_parser
@@ -226,8 +228,12 @@ def stop_on_signal():
 def cmd_node(args: argparse.Namespace) -> int:
     """`kvbridge serve|prefill|decode`: a node with its gRPC server, until SIGINT or SIGTERM.
     The server is bound first (health NOT_SERVING, Admin answering) and serves once the ranks are up."""
-    from kvbridge import logs
+    from kvbridge import logs, rpc, security
 
+    try:  # before any server or channel exists; the ranks get it from the node
+        rpc.configure(security.from_flags(args))
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     if not args.shutdown_grace_s >= 0:
         raise UsageError(f"--shutdown-grace-s must be >= 0, got {args.shutdown_grace_s}")
     for flag, port in (("--port", args.port), ("--metrics-port", args.metrics_port)):

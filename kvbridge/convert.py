@@ -125,4 +125,8 @@ def layout_to_dict(layout: NodeLayout) -> dict:
 
 
 def layout_from_dict(d: dict) -> NodeLayout:
-    return layout_from_proto(json_format.ParseDict(d, prefill_pb2.KVLayout()))
+    """ValueError for a dict that is not a layout."""
+    try:
+        return layout_from_proto(json_format.ParseDict(d, prefill_pb2.KVLayout()))
+    except json_format.ParseError as e:
+        raise ValueError(f"not a layout: {e}") from None

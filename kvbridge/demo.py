@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from engine.config import EngineConfig, PPConfig
 from engine.progress import Progress
+from kvbridge.security import add_tls_flags
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -39,6 +40,7 @@ def add_demo_parser(sub) -> None:
     demo.add_argument("--json", action="store_true", help="one JSON object per answer, then the summary")
     demo.add_argument("--metrics", action="store_true", help="serve /metrics on every process (free ports, printed)")
     demo.add_argument("--log-level", default="warning", help="debug | info | warning | error (default: warning)")
+    add_tls_flags(demo, admin_key=False)
 
 
 def ask(port: int, question: str, max_new_tokens: int) -> dict:
@@ -99,8 +101,13 @@ def run_traffic(port: int, requests: int, max_new_tokens: int, progress: bool = 
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    from kvbridge import logs
+    from kvbridge import logs, rpc, security
 
+    try:  # every server and channel of the demo's processes, their ranks included
+        rpc.configure(security.from_flags(args))
+    except ValueError as e:
+        print(f"kvbridge demo: error: {e}", file=sys.stderr)
+        return 2
     if not 1 <= args.requests <= len(QUESTIONS):
         print(
             f"kvbridge demo: error: --requests must be in [1, {len(QUESTIONS)}], got {args.requests}", file=sys.stderr

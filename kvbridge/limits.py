@@ -21,3 +21,36 @@ def rid_problem(rid: str, limit: int = MAX_RID_CHARS) -> str:
     if 1 <= len(rid) <= limit and _RID.fullmatch(rid):
         return ""
     return f"rid must be 1..{limit} characters of [{RID_CHARS}], got {shown(rid)}"
+
+
+def parse_address(addr: str, flag: str = "address") -> tuple[str, int]:
+    """host:port (IPv6 as [::1]:port) -> (host, port); ValueError naming the bad value."""
+    host, sep, port = addr.rpartition(":")
+    if not sep or not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
+        raise ValueError(f"{flag}: expected HOST:PORT with a port in [1, 65535], got {shown(addr)}")
+    if host.startswith("[") != host.endswith("]") or ("[" not in host and ":" in host):
+        raise ValueError(f"{flag}: bad host in {shown(addr)} (write IPv6 as [::1]:PORT)")
+    return host, int(port)
+
+
+def normalized_address(addr: str, flag: str = "address") -> str:
+    """The one spelling of host:port that the pool keys nodes by (host lower case, port without
+    leading zeros): `Localhost:050051` and `localhost:50051` are one node. ValueError as parse_address."""
+    host, port = parse_address(addr, flag)
+    if len(host) > 255:
+        raise ValueError(f"{flag}: host over 255 characters in {shown(addr)}")
+    return f"{host.lower()}:{port}"
+
+
+ROOM_SHOWN_BITS = 24  # of a room number, in logs and in Admin listings of a process without an admin key
+
+
+def room_tag(room: int) -> str:
+    """A room as logs show it: its low 24 bits in hex, enough to follow one hand-off across the
+    processes' logs; the room's number is not a secret (writes need its key), but stays unpublished."""
+    return f"{room & ((1 << ROOM_SHOWN_BITS) - 1):06x}" if room else "0"
+
+
+def listed_room(room: int, full: bool) -> int:
+    """A room in an Admin listing: whole where Admin needs the admin key (`full`), else its low 24 bits."""
+    return room if full else room & ((1 << ROOM_SHOWN_BITS) - 1)

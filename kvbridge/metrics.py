@@ -35,6 +35,8 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kvbridge import rpc
+
 disable_created_metrics()  # no `_created` series: start times say nothing a dashboard uses
 
 # seconds
@@ -263,10 +265,13 @@ class StatusCollector(Collector):
 
 
 class MetricsServer:
-    """GET /metrics (the registry's text format) on host:port; port 0 picks a free one."""
+    """GET /metrics (the registry's text format) on host:port; port 0 picks a free one. HTTPS with
+    the process's TLS (kvbridge/security.py), asking for a client certificate under mutual TLS."""
 
     def __init__(self, host: str, port: int, registry: CollectorRegistry):
         class Handler(BaseHTTPRequestHandler):
+            timeout = 10  # seconds a connection may take per read (the TLS handshake included)
+
             def do_GET(self) -> None:
                 if self.path.split("?")[0] != "/metrics":
                     self.send_error(404, "only /metrics is served here")
@@ -281,11 +286,16 @@ class MetricsServer:
             def log_message(self, format, *args) -> None:
                 pass
 
-        server_cls = type("Server", (ThreadingHTTPServer,), {"daemon_threads": True})
+        # a refused handshake (plaintext, no or a foreign certificate) only ends its connection
+        quiet = {"daemon_threads": True, "handle_error": lambda self, request, address: None}
+        server_cls = type("Server", (ThreadingHTTPServer,), quiet)
         try:
             self.server = server_cls((host, port), Handler)
         except OSError as e:
             raise ValueError(f"cannot bind {host}:{port} for metrics: {e.strerror or e}") from None
+        tls = rpc.security().server_context()
+        if tls is not None:  # the handshake runs on the connection's thread, not the accepting one
+            self.server.socket = tls.wrap_socket(self.server.socket, server_side=True, do_handshake_on_connect=False)
         self.port = self.server.server_address[1]
         self.address = f"{host}:{self.port}"
         self._thread = threading.Thread(target=self.server.serve_forever, name="kvbridge-metrics", daemon=True)

@@ -1,5 +1,8 @@
-"""Every gRPC server and channel of kvbridge is made here, so that TLS and token
-authentication (planned) land in one place. Servers get health checking and reflection.
+"""Every gRPC server and channel of kvbridge is made here, so that TLS and keys apply to all
+of them: `configure(security)` once per process (kvbridge/security.py), and every server
+presents the process's certificate (asking for a client one under mutual TLS) and checks
+bearer keys in one interceptor; every channel presents it and trusts the process's CA.
+Servers get health checking and reflection.
 
 The request plane (node fronts, the router) serves on asyncio: an `AioServer` runs a
 `grpc.aio` server on its own event loop thread, so a stream costs a coroutine, never a
@@ -30,7 +33,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-MAX_MESSAGE_BYTES = 64 << 20  # page chunks stay far below; this bounds a hostile peer's message
+from kvbridge.security import Security, bearer
+
+MAX_MESSAGE_BYTES = 8 << 20  # every request and answer but KV pages stays far below
+KV_MESSAGE_BYTES = 64 << 20  # the KV plane (KVReceiver): page chunks of up to SenderConfig.grpc_chunk_bytes
 DEFAULT_DEADLINE_S = 30.0  # unary calls between kvbridge processes
 
 
@@ -96,9 +102,84 @@ class Health:
             done.set()
 
 
+_security = Security()
+
+
+def configure(security: Security) -> None:
+    """This process's TLS and keys, for every server and channel made from now on."""
+    global _security
+    _security = security
+
+
+def security() -> Security:
+    return _security
+
+
+class KeyCheck(grpc.aio.ServerInterceptor):
+    """Calls of the guarded services need `authorization: Bearer KEY`: Admin the admin key and,
+    on the router, Generation the API key. Refused calls never reach the servicer."""
+
+    def __init__(self, keys: dict[str, str]):
+        self.keys = {f"/{service}/": key for service, key in keys.items() if key}  # method prefix -> key
+
+    async def intercept_service(self, continuation, details):
+        key = next((k for prefix, k in self.keys.items() if details.method.startswith(prefix)), "")
+        refusal = bearer(details.invocation_metadata, key) if key else ""
+        handler = await continuation(details)
+        if not refusal or handler is None:
+            return handler
+        code = grpc.StatusCode[refusal]
+        message = "this call needs an authorization: Bearer key" if refusal == "UNAUTHENTICATED" else "wrong key"
+
+        async def deny(request, context):
+            await context.abort(code, message)
+
+        if handler.request_streaming and handler.response_streaming:
+            return grpc.stream_stream_rpc_method_handler(
+                deny, handler.request_deserializer, handler.response_serializer
+            )
+        if handler.request_streaming:
+            return grpc.stream_unary_rpc_method_handler(deny, handler.request_deserializer, handler.response_serializer)
+        if handler.response_streaming:
+            return grpc.unary_stream_rpc_method_handler(deny, handler.request_deserializer, handler.response_serializer)
+        return grpc.unary_unary_rpc_method_handler(deny, handler.request_deserializer, handler.response_serializer)
+
+
+def _bind(server, host: str, port: int) -> int:
+    """Add the listening port (TLS under `configure`); its number, 0 when it cannot be bound."""
+    addr = f"{host}:{port}"
+    try:
+        if not _security.tls:
+            return server.add_insecure_port(addr)
+        cert, key, ca = _security.pem()
+        creds = grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
+        return server.add_secure_port(addr, creds)
+    except RuntimeError:  # grpcio >= 1.6x raises instead of returning 0
+        return 0
+
+
+def _channel_credentials() -> grpc.ChannelCredentials:
+    cert, key, ca = _security.pem()
+    return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+
+
+def server_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+        *SERVER_OPTIONS,
+    ]
+
+
+def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+        *CHANNEL_OPTIONS,
+    ]
+
+
 SERVER_OPTIONS = [
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.so_reuseport", 0),
     # let peers' keepalive pings through (see make_channel): a silent dead host is found in seconds
     ("grpc.keepalive_permit_without_calls", 1),
@@ -106,8 +187,6 @@ SERVER_OPTIONS = [
     ("grpc.http2.max_ping_strikes", 0),
 ]
 CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     # a peer whose host vanished (no reset) is declared dead within ~15 s: a ping every 10 s, also
     # while no call is sending data (health watches), answered within 5 s
     ("grpc.keepalive_time_ms", 10_000),
@@ -244,7 +323,8 @@ class AioServer:
         self.health = AioHealth(servicer, self.loop)
 
     async def _start(self, host, port, services, service_names, serving):
-        server = grpc.aio.server(options=SERVER_OPTIONS)
+        keys = {"kvbridge.v1.Admin": _security.admin_key, "kvbridge.v1.Generation": _security.api_key}
+        server = grpc.aio.server(options=server_options(), interceptors=[KeyCheck(keys)])
         for add, servicer in services:
             add(servicer, server)
         health_servicer = health.aio.HealthServicer()
@@ -253,10 +333,7 @@ class AioServer:
         for name in ("", *service_names):
             await health_servicer.set(name, initial)
         reflection.enable_server_reflection((*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-        try:
-            bound = server.add_insecure_port(f"{host}:{port}")
-        except RuntimeError:
-            bound = 0
+        bound = _bind(server, host, port)
         if bound == 0:
             raise ValueError(f"cannot bind {host}:{port}")
         await server.start()
@@ -279,12 +356,13 @@ def make_server(
     service_names: Sequence[str],
     max_workers: int = 32,
     serving: bool = True,
+    max_message_bytes: int = MAX_MESSAGE_BYTES,
 ) -> tuple[grpc.Server, int, Health]:
     """A started-later server bound to host:port (0 = a free port); returns it, the bound port, and
     its health (every named service and "" start SERVING, or NOT_SERVING with serving=False)."""
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="kvbridge-grpc"),
-        options=SERVER_OPTIONS,
+        options=server_options(max_message_bytes),
     )
     for add, servicer in services:
         add(servicer, server)
@@ -294,22 +372,24 @@ def make_server(
     for name in ("", *service_names):
         health_servicer.set(name, initial)  # no Watch stream yet: nothing can block
     reflection.enable_server_reflection((*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    try:
-        bound = server.add_insecure_port(f"{host}:{port}")
-    except RuntimeError:  # grpcio >= 1.6x raises instead of returning 0
-        bound = 0
+    bound = _bind(server, host, port)
     if bound == 0:
         raise ValueError(f"cannot bind {host}:{port}")
     return server, bound, Health(health_servicer)
 
 
-def make_channel(addr: str) -> grpc.Channel:
-    return grpc.insecure_channel(addr, options=CHANNEL_OPTIONS)
+def make_channel(addr: str, max_message_bytes: int = MAX_MESSAGE_BYTES) -> grpc.Channel:
+    options = channel_options(max_message_bytes)
+    if _security.tls:
+        return grpc.secure_channel(addr, _channel_credentials(), options=options)
+    return grpc.insecure_channel(addr, options=options)
 
 
 def make_aio_channel(addr: str) -> grpc.aio.Channel:
     """A channel for coroutines (call it on the event loop that will use it)."""
-    return grpc.aio.insecure_channel(addr, options=CHANNEL_OPTIONS)
+    if _security.tls:
+        return grpc.aio.secure_channel(addr, _channel_credentials(), options=channel_options())
+    return grpc.aio.insecure_channel(addr, options=channel_options())
 
 
 def shown(value: object, limit: int = 80) -> str:

@@ -24,6 +24,7 @@ from engine.pp.control import ControlChannel
 from engine.pp.wire import ABORT, FINISH, ROUTE, Decision
 from kv_transfer import KVPoll, StatusChange, make_sender
 from kvbridge.convert import layout_from_dict
+from kvbridge.limits import room_tag
 from kvbridge.logs import log_event
 from kvbridge.metrics import failure_reason, rank_metrics
 
@@ -80,7 +81,8 @@ class PrefillAgent(KVAgent):
             route.doomed = self.faults.fail_transfer()
             self.routes[d.rid] = route
             self.chan.set_local(Stream.PREFILL_TRANSFERRED, d.rid, LocalStatus.PENDING)
-            self._sender(route.backend).connect(route.room, layout_from_dict(info["decode"]), route.page_ids, d.rid)
+            decode, secret = layout_from_dict(info["decode"]), bytes.fromhex(info["secret"])
+            self._sender(route.backend).connect(route.room, decode, route.page_ids, secret, d.rid)
             done = self.unrouted.pop(d.rid, None)
             if done is not None and self._push(route, done.table, 0, done.end) and done.done:
                 if self.is_last:
@@ -162,4 +164,4 @@ class PrefillAgent(KVAgent):
             sender.close()
 
     def _log_failure(self, rid: str, room: int, reason: str) -> None:
-        log_event(log, "transfer_failed", logging.WARNING, rid=rid, room=room, rank=self.rank, reason=reason)
+        log_event(log, "transfer_failed", logging.WARNING, rid=rid, room=room_tag(room), rank=self.rank, reason=reason)

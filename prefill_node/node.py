@@ -6,7 +6,7 @@ from engine.config import EngineConfig, PPConfig
 from engine.frontend import NodeFront
 from engine.model import stage_ranges
 from engine.pp import dist as pp_dist
-from engine.pp.control import ControlChannel, GlooTransport
+from engine.pp.control import ControlChannel, GlooTransport, end_rank
 from engine.pp.follower import Follower
 from engine.pp.messages import Wake
 from engine.pp.node import PPNode, RankContext, RankRole
@@ -23,7 +23,9 @@ def prefill_role(ctx: RankContext) -> RankRole:
     pool = ctx.stage.new_kv_pool(ctx.config.total_pages, ctx.config.page_size)
     transport = GlooTransport(ctx.control_group, ctx.rank, pp.pp_size) if pp.pp_size > 1 else None
     wake = (lambda: ctx.inbox.put(Wake())) if ctx.rank == 0 else None
-    chan = ControlChannel(ctx.rank, pp.pp_size, transport, on_decisions=wake, collect=ctx.rank == 0)
+    # a failed channel: rank 0's loop wakes and take_decisions raises; any other rank ends at once
+    fail = (lambda e: wake()) if ctx.rank == 0 else end_rank
+    chan = ControlChannel(ctx.rank, pp.pp_size, transport, on_decisions=wake, collect=ctx.rank == 0, on_failure=fail)
     agent = PrefillAgent(ctx.rank, ctx.rank == pp.pp_size - 1, pool, chan)
     link = pp_dist.Link(ctx.data_group)
 

@@ -86,8 +86,14 @@ class BootstrapService(prefill_pb2_grpc.BootstrapServicer):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"room {request.room} needs page ids in [0, {decode.num_pages}), got {list(request.page_ids)[:8]}",
             )
+        if len(request.secret) != 16:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"room {request.room}: secret must be 16 bytes, got {len(request.secret)}",
+            )
         registration = {
             "room": request.room,
+            "secret": request.secret.hex(),
             "backend": request.backend,
             "page_ids": list(request.page_ids),
             "decode": convert.layout_to_dict(decode),

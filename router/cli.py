@@ -9,6 +9,7 @@ import threading
 from dataclasses import fields
 
 from kvbridge.logs import LEVELS
+from kvbridge.security import add_tls_flags
 from router.config import RouterConfig
 
 _HELP = {
@@ -55,6 +56,11 @@ def add_router_parser(subparsers) -> argparse.ArgumentParser:
             "--" + f.name.replace("_", "-"), default=str(default), metavar=metavar, help=_HELP[f.name] + shown
         )
     parser.add_argument("--log-level", default="info", choices=LEVELS, help="log level (default: info)")
+    add_tls_flags(parser)
+    parser.add_argument(
+        "--api-key-file", default="", metavar="FILE",
+        help="Generation (gRPC) and the HTTP API need Authorization: Bearer KEY with this file's key; off when absent",
+    )  # fmt: skip
     parser.set_defaults(func=run_router)
     return parser
 
@@ -86,10 +92,12 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
 
 def run_router(args: argparse.Namespace) -> int:
     """Serve until SIGINT or SIGTERM. Bad flag values: one line on stderr, exit status 2."""
+    from kvbridge import rpc, security
     from kvbridge.logs import setup as setup_logs
     from router.server import start_router
 
     try:
+        rpc.configure(security.from_flags(args, api_key_file=args.api_key_file))
         setup_logs(args.log_level)
         config = config_from_args(args)
         router = start_router(config)

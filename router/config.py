@@ -5,17 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import combinations
 
-from kvbridge.rpc import shown
-
-
-def parse_address(addr: str, flag: str = "address") -> tuple[str, int]:
-    """host:port (IPv6 as [::1]:port) -> (host, port); ValueError naming the bad value."""
-    host, sep, port = addr.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"{flag}: expected HOST:PORT with a port in [1, 65535], got {shown(addr)}")
-    if host.startswith("[") != host.endswith("]") or ("[" not in host and ":" in host):
-        raise ValueError(f"{flag}: bad host in {shown(addr)} (write IPv6 as [::1]:PORT)")
-    return host, int(port)
+from kvbridge.limits import parse_address
 
 
 @dataclass(frozen=True)
@@ -36,7 +26,8 @@ class RouterConfig:
     startup_wait_s: float = 5.0  # start_router waits this long at most for every node's first health report
     metrics_port: int = -1  # Prometheus /metrics port; -1 = off, 0 = a free one
     max_concurrent_requests: int = 4096  # HTTP requests handled at once; one more is answered 503 at once
-    max_body_bytes: int = 16 << 20  # the largest HTTP request body; a larger one is answered 413
+    # the largest HTTP request body; a larger one is answered 413 (its prompt must fit one 8 MiB gRPC message)
+    max_body_bytes: int = 4 << 20
     http_header_timeout_s: float = 10.0  # a request's headers must be in this long after connect / the last response
     http_body_timeout_s: float = 30.0  # a request body must be in this long after its headers, else 408
     http_keep_alive_s: float = 5.0  # an HTTP connection idle this long after a response is closed
@@ -74,6 +65,8 @@ class RouterConfig:
         for name in ("max_concurrent_requests", "max_body_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_body_bytes > 7 << 20:  # a body's prompt goes to the nodes in one gRPC message of at most 8 MiB
+            raise ValueError(f"max_body_bytes must be <= {7 << 20}, got {self.max_body_bytes}")
         for name in ("http_header_timeout_s", "http_body_timeout_s", "http_keep_alive_s"):
             if not 0 < getattr(self, name) < float("inf"):
                 raise ValueError(f"{name} must be > 0 and finite, got {getattr(self, name)}")

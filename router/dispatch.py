@@ -66,6 +66,7 @@ from collections.abc import AsyncIterator, Collection, Coroutine
 
 import grpc
 
+from kvbridge.limits import room_tag
 from kvbridge.logs import log_event
 from kvbridge.metrics import outcome_of
 from kvbridge.v1 import generation_pb2, generation_pb2_grpc, prefill_pb2, prefill_pb2_grpc
@@ -516,4 +517,4 @@ class Routed:
         self.output_tokens += len(resp.token_ids)
 
     def _log(self, phase: str, **fields) -> None:
-        log_event(log, "phase", rid=self.rid, room=self.room, phase=phase, **fields)
+        log_event(log, "phase", rid=self.rid, room=room_tag(self.room), phase=phase, **fields)

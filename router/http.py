@@ -33,6 +33,7 @@ import json
 import logging
 import re
 import socket
+import ssl
 import sys
 from collections.abc import AsyncIterator
 
@@ -47,7 +48,8 @@ from starlette.routing import Route
 from starlette.types import Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import STATUS_PHRASES, H11Protocol
 
-from kvbridge import __version__
+from kvbridge import __version__, rpc
+from kvbridge.security import check_bearer
 from kvbridge.v1 import generation_pb2
 from router.config import RouterConfig
 from router.dispatch import DRAINING, Dispatcher, Routed, RouteError
@@ -85,6 +87,13 @@ class HTTPFront:
         self.port = self.sock.getsockname()[1]
         limits = {"header_timeout_s": config.http_header_timeout_s, "max_body_bytes": config.max_body_bytes}
         protocol = type("H11Protocol", (_H11Protocol,), limits)
+        security = rpc.security()
+        self.api_key = security.api_key  # "" = the API is open
+        tls = {}
+        if security.tls:  # mutual TLS too when there is a CA: clients present a certificate it signed
+            tls = {"ssl_certfile": security.cert_file, "ssl_keyfile": security.key_file}
+            if security.mutual:
+                tls |= {"ssl_ca_certs": security.ca_file, "ssl_cert_reqs": ssl.CERT_REQUIRED}
         self.server = uvicorn.Server(
             uvicorn.Config(
                 self,
@@ -100,6 +109,7 @@ class HTTPFront:
                 timeout_keep_alive=config.http_keep_alive_s,
                 timeout_graceful_shutdown=STOP_WAIT_S,
                 h11_max_incomplete_event_size=MAX_HEADER_BYTES,
+                **tls,
             )
         )
         self._serving: asyncio.Task | None = None
@@ -137,6 +147,9 @@ class HTTPFront:
         if _header_bytes(scope) > MAX_HEADER_BYTES:  # (h11 counts only headers that arrive in pieces)
             await _json(431, _HEADERS_TOO_LARGE, {"Connection": "close"})(scope, receive, out)
             return
+        if self.api_key and scope["path"].startswith("/v1/") and (refused := self._refusal(scope)):
+            await refused(scope, receive, out)
+            return
         if self.requests_in_flight >= self.config.max_concurrent_requests:
             message = f"the router is handling {self.requests_in_flight} requests, its limit; retry later"
             status, body = error_body(grpc.StatusCode.UNAVAILABLE, message)
@@ -149,6 +162,18 @@ class HTTPFront:
             log.exception("HTTP %s %s failed", scope["method"], scope["path"])
         finally:
             self.requests_in_flight -= 1
+
+    def _refusal(self, scope: Scope) -> Response | None:
+        """401 (OpenAI's body) unless the request carries `Authorization: Bearer <the API key>`."""
+        header = next((v for k, v in scope["headers"] if k == b"authorization"), None)
+        verdict = check_bearer(header.decode("latin-1") if header is not None else None, self.api_key)
+        if not verdict:
+            return None
+        message = "missing API key: send Authorization: Bearer KEY" if verdict == "UNAUTHENTICATED" else "wrong API key"
+        body = {
+            "error": {"message": message, "type": "invalid_request_error", "param": None, "code": "invalid_api_key"}
+        }
+        return _json(401, body, {"WWW-Authenticate": "Bearer"})
 
     # ------------------------------------------------------------------ routes
 

@@ -28,9 +28,14 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvbridge import rpc
+from kvbridge.limits import normalized_address
 from kvbridge.rpc import shown
 from kvbridge.v1 import generation_pb2, generation_pb2_grpc
-from router.config import parse_address
+
+
+class PoolFull(ValueError):
+    """The pool holds MAX_NODES nodes."""
+
 
 SERVICE_OF_ROLE = {
     "colocated": "kvbridge.v1.Generation",
@@ -40,6 +45,7 @@ SERVICE_OF_ROLE = {
 ROLES = tuple(SERVICE_OF_ROLE)
 WATCH_DEADLINE_S = 60.0  # a health stream is re-opened this often (every call has a deadline)
 MODEL_INFO_DEADLINE_S = 5.0
+MAX_NODES = 1024  # nodes in one pool (AddNode past it: RESOURCE_EXHAUSTED)
 CLOSE_WAIT_S = 5.0  # aclose() waits this long at most for the watchers to end, and again for the channels
 
 
@@ -95,7 +101,7 @@ class NodePool:
         role or address, or a (role, address) already in the pool."""
         if role not in SERVICE_OF_ROLE:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
-        parse_address(address, role)
+        address = normalized_address(address, role)
         with self._lock:
             self._check_addable(role, address)
         channel = self._make_channel(address) if self.connect else None
@@ -122,7 +128,7 @@ class NodePool:
         ambiguous (the address is in the pool under two roles)."""
         if role and role not in SERVICE_OF_ROLE:
             raise ValueError(f"role must be one of {', '.join(ROLES)} (or empty), got {shown(role)}")
-        parse_address(address)
+        address = normalized_address(address)
         with self._lock:
             found = [n for n in self.nodes if n.address == address and (not role or n.role == role)]
             if not found:
@@ -243,6 +249,8 @@ class NodePool:
             raise ValueError("the node pool is closed")
         if any(n.role == role and n.address == address for n in self.nodes):
             raise ValueError(f"a {role} node {address!r} is already in the pool")
+        if len(self.nodes) >= MAX_NODES:
+            raise PoolFull(f"the pool holds {len(self.nodes)} nodes, its limit; remove one first")
 
     def _retire_all(self) -> list[Node]:
         with self._lock:

@@ -14,12 +14,13 @@ from dataclasses import asdict
 import grpc
 
 from kvbridge import __version__, rpc
+from kvbridge.limits import listed_room, room_tag
 from kvbridge.logs import log_event
 from kvbridge.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
 from router.checks import check_generate
 from router.config import RouterConfig
 from router.dispatch import OPERATOR_ABORTED, PHASES, Dispatcher, Routed, RouteError
-from router.pool import Node
+from router.pool import Node, PoolFull
 
 SERVICES = ("kvbridge.v1.Generation", "kvbridge.v1.Admin")
 DEFAULT_PAGE = 100  # ListRequests page_size 0
@@ -109,7 +110,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, message)
         phase = routed.phase
         routed.cancel(OPERATOR_ABORTED)
-        log_event(log, "abort", rid=routed.rid, room=routed.room, phase=phase, source="admin")
+        log_event(log, "abort", rid=routed.rid, room=room_tag(routed.room), phase=phase, source="admin")
         return admin_pb2.AbortRequestResponse(rid=routed.rid, phase=phase)
 
     async def Drain(self, request, context):
@@ -139,6 +140,8 @@ class AdminService(admin_pb2_grpc.AdminServicer):
     async def AddNode(self, request, context):
         try:
             node = self.pool.add(request.role, request.address)
+        except PoolFull as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         log_event(log, "node_added", role=node.role, address=node.address)
@@ -170,7 +173,7 @@ def node_info(n: Node) -> admin_pb2.NodeInfo:
 def request_info(r: Routed) -> admin_pb2.RequestInfo:
     return admin_pb2.RequestInfo(
         rid=r.rid,
-        room=r.room,
+        room=listed_room(r.room, bool(rpc.security().admin_key)),
         phase=r.phase,
         age_s=r.age_s(),
         peer=r.peer,

@@ -212,9 +212,10 @@ def router_peers(router) -> list[admin_pb2.RequestInfo]:
 
 
 def test_a_killed_prefill_node_has_its_requests_retried_and_the_decode_node_frees_their_pages(retry_lines):
-    # P: 0.1 s a step (a prompt prefills in two), and each request held 1.5 s in `transferring`;
+    # P: 0.3 s a step (a prompt prefills in two: a wide window to catch some prefilling), and each
+    # request held 1.5 s in `transferring`;
     # D: 0.05 s a step, so that requests stay in flight
-    slow_p = ("--fault-inject", "step_delay_ms=100,transfer_delay_ms=1500")
+    slow_p = ("--fault-inject", "step_delay_ms=300,transfer_delay_ms=1500")
     nodes = start_processes(
         {"p1": ("prefill", *slow_p), "p2": ("prefill", *slow_p), "d": ("decode", "--fault-inject", "step_delay_ms=50")}
     )

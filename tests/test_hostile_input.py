@@ -19,11 +19,13 @@ from kvbridge.v1 import (
     common_pb2,
     generation_pb2,
     generation_pb2_grpc,
+    kv_transfer_pb2,
+    kv_transfer_pb2_grpc,
     prefill_pb2,
     prefill_pb2_grpc,
 )
 from tests.conftest import make_llm
-from tests.pd import TINY, pd_generate, start_nodes, stop_nodes, token_prompt, wait_idle
+from tests.pd import TINY, pd_generate, start_nodes, stop_nodes, token_prompt, wait_idle, wait_phase
 
 PROMPT = list(range(5, 69))  # 64 tokens: 4 chunks of 16
 MAX_NEW = 8
@@ -106,8 +108,8 @@ def test_a_prompt_too_long_for_the_context_is_refused_before_it_is_tokenized(col
     assert e.value.details().startswith("prompt.text has 1000000 bytes; a prompt that fits the context of ")
 
 
-def test_a_second_register_for_a_routed_room_is_already_exists_and_the_first_request_completes(fleet, reference):
-    p, d = fleet
+def start_pair(p, d):
+    """PROMPT's two halves, as the router sends them: (rid, room, the Prefill future, the Generate stream)."""
     rid, room = secrets.token_hex(8), secrets.randbits(62) + 1
     prefill = prefill_pb2_grpc.PrefillStub(rpc.make_channel(p.address)).Prefill.future(
         prefill_pb2.PrefillRequest(rid=rid, room=room, prompt=token_prompt(PROMPT), sampling=sampling()), timeout=60
@@ -115,13 +117,19 @@ def test_a_second_register_for_a_routed_room_is_already_exists_and_the_first_req
     route = generation_pb2.PrefillRoute(room=room, prefill_addr=p.address)
     gen = generation_pb2.GenerateRequest(rid=rid, prompt=token_prompt(PROMPT), sampling=sampling(), prefill=route)
     stream = generation_pb2_grpc.GenerationStub(rpc.make_channel(d.address)).Generate(gen, timeout=60)
+    return rid, room, prefill, stream
+
+
+def test_a_second_register_for_a_routed_room_is_already_exists_and_the_first_request_completes(fleet, reference):
+    p, d = fleet
+    rid, room, prefill, stream = start_pair(p, d)
     deadline = time.monotonic() + 30
     while not ((info := listed(p.address, rid)) and info.peer and info.phase == "prefilling"):
         assert time.monotonic() < deadline, f"never caught registered and prefilling: {info}"
         time.sleep(0.01)
     forged = prefill_pb2.RegisterRequest(
         rid="forger", room=room, backend="shm", decode_layout=kv_wire.layout_to_proto(d.node.layout),
-        page_ids=[0, 1, 2, 3], decode_addr="127.0.0.1:1",
+        page_ids=[0, 1, 2, 3], decode_addr="127.0.0.1:1", secret=bytes(16),
     )  # fmt: skip
     bootstrap = prefill_pb2_grpc.BootstrapStub(rpc.make_channel(p.address))
     with pytest.raises(grpc.RpcError) as e:
@@ -138,7 +146,7 @@ def test_a_register_twice_before_its_request_is_already_exists(fleet):
     room = secrets.randbits(62) + 1
     reg = prefill_pb2.RegisterRequest(
         rid="early", room=room, backend="shm", decode_layout=kv_wire.layout_to_proto(d.node.layout),
-        page_ids=[0, 1], decode_addr=d.address,
+        page_ids=[0, 1], decode_addr=d.address, secret=bytes(16),
     )  # fmt: skip
     bootstrap = prefill_pb2_grpc.BootstrapStub(rpc.make_channel(p.address))
     bootstrap.Register(reg, timeout=30)  # waits for its Prefill call (expires after --bootstrap-timeout-s)
@@ -151,8 +159,32 @@ def test_repeated_page_ids_in_a_registration_are_invalid_argument(fleet):
     p, d = fleet
     reg = prefill_pb2.RegisterRequest(
         rid="r", room=secrets.randbits(62) + 1, backend="shm", decode_layout=kv_wire.layout_to_proto(d.node.layout),
-        page_ids=[3, 3], decode_addr=d.address,
+        page_ids=[3, 3], decode_addr=d.address, secret=bytes(16),
     )  # fmt: skip
     with pytest.raises(grpc.RpcError) as e:
         prefill_pb2_grpc.BootstrapStub(rpc.make_channel(p.address)).Register(reg, timeout=30)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "page ids repeat" in e.value.details()
+
+
+def test_forged_kv_writes_for_a_registered_room_are_permission_denied_and_its_request_completes(fleet, reference):
+    """Whoever knows a room's number but is not its prefill node (no write key) can neither write
+    its pages, nor end its transfer (a failing notice), nor give it a first token."""
+    p, d = fleet
+    rid, room, prefill, stream = start_pair(p, d)
+    wait_phase(d.address, rid, "transferring")  # every decode rank expects the room: its pages are reserved
+    receiver = kv_transfer_pb2_grpc.KVReceiverStub(rpc.make_channel(d.node.layout.ranks[0].receiver_addr))
+    for key in (b"", secrets.token_bytes(16)):  # none, and a guess
+        chunk = kv_transfer_pb2.PageChunk(room=room, layer_end=1, page_ids=[0], data=b"\0" * 4096, secret=key)
+        notice = kv_transfer_pb2.TransferNotice(room=room, layer_end=1, num_tokens=4, error="forged", secret=key)
+        token = kv_transfer_pb2.FirstTokenNotice(room=room, token=reference[0] + 1, prompt_tokens=64, secret=key)
+        forged = {"WritePages": iter([chunk]), "TransferDone": notice, "FirstToken": token}
+        for method, request in forged.items():
+            with pytest.raises(grpc.RpcError) as e:
+                getattr(receiver, method)(request, timeout=10)
+            assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED, method
+            assert e.value.details() == f"room {room}: the write key is not the room's (only its prefill node has it)"
+    assert not prefill.done()  # (the forgeries came while the room still waited for its KV)
+    assert [t for r in stream for t in r.token_ids] == reference
+    assert prefill.result().first_token == reference[0]
+    for node in (p, d):
+        assert {r.kv_pages_used for r in wait_idle(node.address).ranks} == {0}

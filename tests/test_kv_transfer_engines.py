@@ -40,6 +40,8 @@ from kv_transfer.wire import sources_of
 from kvbridge.rpc import make_channel
 from kvbridge.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 
+KEY = bytes(range(16))  # the rooms' write key (the decode node mints one per room)
+
 TIMEOUT_S = 150
 GEOMETRY = PageGeometry(page_size=4, num_kv_heads=2, head_dim=8, dtype="float32")
 NUM_LAYERS, NUM_PAGES, PS = 6, 32, 4
@@ -184,7 +186,7 @@ def decode_main(engine: str, device: str, settle: dict, out, go) -> None:
     rooms = [(plan.room, plan.dst) for plan in PLANS] + [(b, BAD_PAGES) for b in (B1, B2, B3, B4)]
     for room, dst in rooms:
         for r in receivers:
-            r.expect(room, f"rid-{room:x}", dst, sources_of(prefill), engine)
+            r.expect(room, f"rid-{room:x}", dst, sources_of(prefill), engine, KEY)
     out.put(("endpoints", [dataclasses.astuple(r.endpoint) for r in receivers]))
     go.wait(TIMEOUT_S)
     wait_until(lambda: all(receivers[j].poll(room).is_terminal for room, ranks in settle.items() for j in ranks))
@@ -233,7 +235,7 @@ def prefill_main(engine: str, device: str, endpoints: list, out) -> None:
 def run_plans(layout: NodeLayout, senders) -> dict:
     for plan in PLANS:
         for s in senders:
-            s.connect(plan.room, layout, plan.dst, rid=f"rid-{plan.room:x}")
+            s.connect(plan.room, layout, plan.dst, KEY, rid=f"rid-{plan.room:x}")
     senders[0].abort(ABORTED.room, "aborted by test")
     schedules = {plan.room: pushes(plan) for plan in GOOD}
     for step in range(max(len(s) for s in schedules.values())):  # rooms interleaved, chunk by chunk
@@ -252,7 +254,7 @@ def run_plans(layout: NodeLayout, senders) -> dict:
 def bad_grpc(layout, senders, stub) -> dict:
     def chunk(room, src, lo, hi, pages, nbytes=None):
         n = len(pages) * (hi - lo) * BLOCK if nbytes is None else nbytes
-        c = kv_transfer_pb2.PageChunk(room=room, src_rank=src, layer_start=lo, layer_end=hi, page_ids=pages)
+        c = kv_transfer_pb2.PageChunk(secret=KEY, room=room, src_rank=src, layer_start=lo, layer_end=hi, page_ids=pages)
         c.data = b"\1" * n
         return call(stub.WritePages, iter([c]))
 
@@ -261,28 +263,33 @@ def bad_grpc(layout, senders, stub) -> dict:
 
 
 def bad_torch(layout, senders, stub) -> dict:
-    pair = PairClient(layout.ranks[1].torch_addr, 0, torch.device("cpu"), 30)
+    pair = PairClient(layout.ranks[1].torch_addr, layout.ranks[1].torch_key, 0, torch.device("cpu"), 30)
     one = torch.ones(1, 1, 2, PS, 2, 8)
     for room, lo, hi, page in ((B1, 2, 3, 32), (B2, 2, 3, 9), (B3, 3, 4, 6), (B5, 2, 3, 6)):
-        pair.send(room, 0, lo, hi, [page], one)
-    pair.send_header(Header(DATA, B4, 0, 2, 3, 1, 100))  # sizes that do not add up: the decode rank closes the pair
-    notice = kv_transfer_pb2.TransferNotice(room=B5, src_rank=0, layer_start=2, layer_end=3, num_tokens=4, bytes=512)
+        pair.send(room, KEY, 0, lo, hi, [page], one)
+    # sizes that do not add up: the decode rank closes the pair
+    pair.send_header(Header(DATA, B4, 0, 2, 3, 1, 100, KEY))
+    notice = kv_transfer_pb2.TransferNotice(
+        secret=KEY, room=B5, src_rank=0, layer_start=2, layer_end=3, num_tokens=4, bytes=512
+    )
     return {B5: call(stub.TransferDone, notice)}
 
 
 def bad_direct(layout, senders, stub) -> dict:
     out = {}
-    senders[1].connect(B1, layout, [32])
+    senders[1].connect(B1, layout, [32], KEY)
     wait_until(lambda: senders[1].poll(B1).is_terminal)
     out[B1] = f"{senders[1].poll(B1).name}: {senders[1].reason(B1)}"
-    senders[0].connect(B2, layout, BAD_PAGES)
+    senders[0].connect(B2, layout, BAD_PAGES, KEY)
     try:
         senders[0].push(B2, [0], [9], 4)
     except ValueError as e:
         out[B2] = f"ValueError: {e}"
 
     def notice(room, src, lo, hi, nbytes):
-        msg = kv_transfer_pb2.TransferNotice(room=room, src_rank=src, layer_start=lo, layer_end=hi, num_tokens=4)
+        msg = kv_transfer_pb2.TransferNotice(
+            secret=KEY, room=room, src_rank=src, layer_start=lo, layer_end=hi, num_tokens=4
+        )
         msg.bytes = nbytes
         return call(stub.TransferDone, msg)
 

@@ -18,6 +18,8 @@ from kv_transfer.rooms import Notice
 from kvbridge.rpc import make_channel
 from kvbridge.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 
+KEY = bytes(range(16))  # the rooms' write key (the decode node mints one per room)
+
 SOURCES = [Source(0, 0, 3), Source(1, 3, 6)]
 SHM = Path("/dev/shm")
 
@@ -46,7 +48,9 @@ def stub(receiver):
 def chunk(room, src=0, lo=2, hi=3, pages=(1,), nbytes=None) -> kv_transfer_pb2.PageChunk:
     block = 2 * 4 * 2 * 8 * 4  # one layer of one page, float32
     data = bytes(range(256)) * (block * len(pages) * (hi - lo) // 256) if nbytes is None else b"\1" * nbytes
-    return kv_transfer_pb2.PageChunk(room=room, src_rank=src, layer_start=lo, layer_end=hi, page_ids=pages, data=data)
+    return kv_transfer_pb2.PageChunk(
+        secret=KEY, room=room, src_rank=src, layer_start=lo, layer_end=hi, page_ids=pages, data=data
+    )
 
 
 def call_error(fn, *args) -> grpc.RpcError:
@@ -58,9 +62,11 @@ def call_error(fn, *args) -> grpc.RpcError:
 def test_unknown_room_is_not_found_on_every_call(stub):
     e = call_error(stub.WritePages, iter([chunk(77)]))
     assert (e.code(), e.details()) == (grpc.StatusCode.NOT_FOUND, "room 77 is not expected on decode rank 1")
-    e = call_error(stub.TransferDone, kv_transfer_pb2.TransferNotice(room=77, src_rank=0, layer_start=2, layer_end=3))
+    e = call_error(
+        stub.TransferDone, kv_transfer_pb2.TransferNotice(secret=KEY, room=77, src_rank=0, layer_start=2, layer_end=3)
+    )
     assert e.code() == grpc.StatusCode.NOT_FOUND
-    e = call_error(stub.FirstToken, kv_transfer_pb2.FirstTokenNotice(room=77, token=1, prompt_tokens=1))
+    e = call_error(stub.FirstToken, kv_transfer_pb2.FirstTokenNotice(secret=KEY, room=77, token=1, prompt_tokens=1))
     assert e.code() == grpc.StatusCode.FAILED_PRECONDITION  # rank 1 takes no first tokens at all
 
 
@@ -74,8 +80,8 @@ def test_unknown_room_is_not_found_on_every_call(stub):
     ],
 )
 def test_bad_chunk_is_invalid_argument_and_fails_only_its_room(receiver, stub, bad, details):
-    receiver.expect(5, "bad", [1, 2], SOURCES, "grpc")
-    receiver.expect(6, "good", [3], SOURCES, "grpc")
+    receiver.expect(5, "bad", [1, 2], SOURCES, "grpc", KEY)
+    receiver.expect(6, "good", [3], SOURCES, "grpc", KEY)
     e = call_error(stub.WritePages, iter([chunk(5, pages=(1,)), bad]))
     assert (e.code(), e.details()) == (grpc.StatusCode.INVALID_ARGUMENT, details)
     assert (receiver.poll(5), receiver.reason(5)) == (KVPoll.FAILED, details)
@@ -86,7 +92,7 @@ def test_bad_chunk_is_invalid_argument_and_fails_only_its_room(receiver, stub, b
     assert ack.bytes == 2 * 512
     for src, (lo, hi) in ((0, (2, 3)), (1, (3, 4))):
         notice = kv_transfer_pb2.TransferNotice(
-            room=6, src_rank=src, layer_start=lo, layer_end=hi, num_tokens=3, bytes=512
+            secret=KEY, room=6, src_rank=src, layer_start=lo, layer_end=hi, num_tokens=3, bytes=512
         )
         stub.TransferDone(notice, timeout=10)
     assert receiver.poll(6) == KVPoll.SUCCESS
@@ -124,12 +130,12 @@ def test_segment_is_gone_when_the_with_block_raises():
 def test_callback_sees_every_change_of_rank_zero_room():
     seen: list[StatusChange] = []
     with KVReceiverEndpoint(make_config(0, (0, 2), torch_store=False, awaits_first_token=True), seen.append) as r:
-        r.expect(9, "rid9", [0], SOURCES, "shm")
-        r.rooms.done(Notice(0, 0, 2, 4, 2 * 512), 9)
+        r.expect(9, "rid9", [0], SOURCES, "shm", KEY)
+        r.rooms.done(Notice(0, 0, 2, 4, 2 * 512), 9, KEY)
         assert r.poll(9) == KVPoll.WAITING_FOR_INPUT  # the first token is still missing
         channel = make_channel(r.endpoint.receiver_addr)
         kv_transfer_pb2_grpc.KVReceiverStub(channel).FirstToken(
-            kv_transfer_pb2.FirstTokenNotice(room=9, token=17, prompt_tokens=4), timeout=10
+            kv_transfer_pb2.FirstTokenNotice(secret=KEY, room=9, token=17, prompt_tokens=4), timeout=10
         )
         channel.close()
         assert r.first_token(9) == (17, 4)
@@ -160,3 +166,20 @@ def test_segments_of_a_dead_rank_process_can_be_removed_by_pid():
     assert proc.exitcode == 3 and (SHM / name).exists()
     assert remove_segments_of(proc.pid) == [name]
     assert not (SHM / name).exists()
+
+
+def test_a_torch_pair_opens_only_with_the_stores_key():
+    """The torch store takes any writer: pairs live under the key the layout publishes, so a peer
+    without it finds no acceptor (its hello is never answered) and a peer with it gets a pair."""
+    import torch.distributed
+
+    from kv_transfer.engines.torch_p2p import PairClient
+
+    with KVReceiverEndpoint(make_config(torch_store=True)) as r:
+        addr, key = r.endpoint.torch_addr, r.endpoint.torch_key
+        assert len(key) == 32 and key != "0" * 32
+        with pytest.raises(torch.distributed.DistStoreError, match="wait timeout after 2000ms"):
+            PairClient(addr, "0" * 32, 0, torch.device("cpu"), timeout_s=2)
+        pair = PairClient(addr, key, 0, torch.device("cpu"), timeout_s=30)
+        assert pair.backend == "gloo"
+        pair.close()

@@ -11,6 +11,8 @@ import pytest
 from kv_transfer.poll import KVPoll, StatusBoard
 from kv_transfer.rooms import BadTransfer, Notice, RoomClosed, RoomNotFound, RoomTable, Source
 
+KEY = bytes(range(16))  # the rooms' write key (the decode node mints one per room)
+
 BLOCK = 64  # bytes of one layer of one page
 PAGE_SIZE = 4
 P_SOURCES = [Source(0, 0, 3), Source(1, 3, 6)]  # prefill pp 2 over 6 layers
@@ -22,7 +24,7 @@ def make_table(rank=1, layers=(2, 4), first_token=False) -> RoomTable:
 
 
 def write(t: RoomTable, room, src, lo, hi, pages, nbytes=None):
-    ticket = t.begin_write(room, src, lo, hi, pages, len(pages) * (hi - lo) * BLOCK if nbytes is None else nbytes)
+    ticket = t.begin_write(room, KEY, src, lo, hi, pages, len(pages) * (hi - lo) * BLOCK if nbytes is None else nbytes)
     t.end_write(ticket)
 
 
@@ -33,23 +35,23 @@ def notice(src, num_tokens, nbytes, layers=None, error=""):
 
 def test_data_path_room_succeeds_once_notices_and_bytes_agree():
     t = make_table()
-    t.expect(5, "r", [7, 8, 9], P_SOURCES, "grpc")
+    t.expect(5, "r", [7, 8, 9], P_SOURCES, "grpc", KEY)
     assert t.board.poll(5) == KVPoll.WAITING_FOR_INPUT
     write(t, 5, 0, 2, 3, [7, 8])
     write(t, 5, 0, 2, 3, [8, 9])  # the partial page 8 again
     assert t.board.poll(5) == KVPoll.TRANSFERRING
-    t.done(notice(0, 10, 4 * BLOCK), 5)
+    t.done(notice(0, 10, 4 * BLOCK), 5, KEY)
     write(t, 5, 1, 3, 4, [7, 8, 9])
     assert t.board.poll(5) == KVPoll.TRANSFERRING
-    t.done(notice(1, 10, 3 * BLOCK), 5)
+    t.done(notice(1, 10, 3 * BLOCK), 5, KEY)
     assert t.board.poll(5) == KVPoll.SUCCESS
 
 
 def test_bytes_landing_after_the_notice_complete_the_room():
     t = make_table()
-    t.expect(5, "r", [7, 8], P_SOURCES, "torch")
-    t.done(notice(0, 8, 2 * BLOCK), 5)
-    t.done(notice(1, 8, 2 * BLOCK), 5)
+    t.expect(5, "r", [7, 8], P_SOURCES, "torch", KEY)
+    t.done(notice(0, 8, 2 * BLOCK), 5, KEY)
+    t.done(notice(1, 8, 2 * BLOCK), 5, KEY)
     assert t.board.poll(5) == KVPoll.WAITING_FOR_INPUT
     write(t, 5, 0, 2, 3, [7, 8])
     write(t, 5, 1, 3, 4, [7, 8])
@@ -58,14 +60,14 @@ def test_bytes_landing_after_the_notice_complete_the_room():
 
 def test_direct_room_counts_notice_bytes_against_the_prompt_pages():
     t = make_table()
-    t.expect(5, "r", [7, 8, 9], P_SOURCES, "shm")
-    t.done(notice(0, 9, 3 * BLOCK), 5)
-    t.done(notice(1, 9, 3 * BLOCK), 5)
+    t.expect(5, "r", [7, 8, 9], P_SOURCES, "shm", KEY)
+    t.done(notice(0, 9, 3 * BLOCK), 5, KEY)
+    t.done(notice(1, 9, 3 * BLOCK), 5, KEY)
     assert t.board.poll(5) == KVPoll.SUCCESS
-    t.expect(6, "r", [1, 2, 3], P_SOURCES, "shm")
-    t.done(notice(0, 9, 2 * BLOCK), 6)  # 9 tokens need 3 pages
+    t.expect(6, "r", [1, 2, 3], P_SOURCES, "shm", KEY)
+    t.done(notice(0, 9, 2 * BLOCK), 6, KEY)  # 9 tokens need 3 pages
     with pytest.raises(BadTransfer, match="prefill rank 0 reports"):  # the sender learns why
-        t.done(notice(1, 9, 3 * BLOCK), 6)
+        t.done(notice(1, 9, 3 * BLOCK), 6, KEY)
     assert t.board.poll(6) == KVPoll.FAILED
     assert t.board.reason(6) == f"prefill rank 0 reports {2 * BLOCK} bytes; 3 pages need {3 * BLOCK}"
 
@@ -83,10 +85,10 @@ def test_direct_room_counts_notice_bytes_against_the_prompt_pages():
 )
 def test_bad_write_fails_its_room_and_names_the_value(src, lo, hi, pages, nbytes, reason):
     t = make_table()
-    t.expect(5, "r", [7, 8], P_SOURCES, "grpc")
-    t.expect(6, "other", [1, 2], P_SOURCES, "grpc")
+    t.expect(5, "r", [7, 8], P_SOURCES, "grpc", KEY)
+    t.expect(6, "other", [1, 2], P_SOURCES, "grpc", KEY)
     with pytest.raises(BadTransfer, match=f"^{re.escape(reason)}$"):
-        t.begin_write(5, src, lo, hi, pages, len(pages) * (hi - lo) * BLOCK if nbytes is None else nbytes)
+        t.begin_write(5, KEY, src, lo, hi, pages, len(pages) * (hi - lo) * BLOCK if nbytes is None else nbytes)
     assert t.board.poll(5) == KVPoll.FAILED
     assert t.board.reason(5) == reason
     assert t.board.poll(6) == KVPoll.WAITING_FOR_INPUT  # the other room is untouched
@@ -97,14 +99,14 @@ def test_bad_write_fails_its_room_and_names_the_value(src, lo, hi, pages, nbytes
 def test_unknown_room_is_not_found_and_terminal_room_is_closed():
     t = make_table()
     with pytest.raises(RoomNotFound, match="room 99 is not expected on decode rank 1") as e:
-        t.begin_write(99, 0, 2, 3, [7], BLOCK)
+        t.begin_write(99, KEY, 0, 2, 3, [7], BLOCK)
     assert e.value.code == "NOT_FOUND"
     with pytest.raises(RoomNotFound):
-        t.done(notice(0, 4, BLOCK), 99)
-    t.expect(5, "r", [7], P_SOURCES, "grpc")
+        t.done(notice(0, 4, BLOCK), 99, KEY)
+    t.expect(5, "r", [7], P_SOURCES, "grpc", KEY)
     t.fail(5, "decode timeout")
     with pytest.raises(RoomClosed, match="room 5 is already FAILED: decode timeout") as e:
-        t.begin_write(5, 0, 2, 3, [7], BLOCK)
+        t.begin_write(5, KEY, 0, 2, 3, [7], BLOCK)
     assert e.value.code == "FAILED_PRECONDITION"
 
 
@@ -122,126 +124,126 @@ def test_unknown_room_is_not_found_and_terminal_room_is_closed():
 )
 def test_bad_notice_fails_the_room(n, reason):
     t = make_table()
-    t.expect(5, "r", [7, 8], P_SOURCES, "shm")
+    t.expect(5, "r", [7, 8], P_SOURCES, "shm", KEY)
     with pytest.raises(BadTransfer):
-        t.done(n, 5)
+        t.done(n, 5, KEY)
     assert t.board.reason(5) == reason
 
 
 def test_notice_with_error_fails_the_room_without_raising():
     t = make_table()
-    t.expect(5, "r", [7, 8], P_SOURCES, "torch")
-    t.done(notice(1, 4, 0, error="prefill aborted"), 5)
+    t.expect(5, "r", [7, 8], P_SOURCES, "torch", KEY)
+    t.done(notice(1, 4, 0, error="prefill aborted"), 5, KEY)
     assert (t.board.poll(5), t.board.reason(5)) == (KVPoll.FAILED, "prefill rank 1: prefill aborted")
 
 
 def test_more_bytes_than_the_notice_says_fails():
     t = make_table()
-    t.expect(5, "r", [7, 8], P_SOURCES, "grpc")
+    t.expect(5, "r", [7, 8], P_SOURCES, "grpc", KEY)
     write(t, 5, 0, 2, 3, [7, 8])
     write(t, 5, 1, 3, 4, [7, 8])
-    t.done(notice(1, 8, 2 * BLOCK), 5)
+    t.done(notice(1, 8, 2 * BLOCK), 5, KEY)
     with pytest.raises(BadTransfer):
-        t.done(notice(0, 8, BLOCK), 5)
+        t.done(notice(0, 8, BLOCK), 5, KEY)
     assert t.board.reason(5) == f"prefill rank 0: {2 * BLOCK} bytes landed, its notice says {BLOCK}"
 
 
 def test_pages_never_written_fail_even_when_bytes_add_up():
     t = make_table()
-    t.expect(5, "r", [7, 8], P_SOURCES, "grpc")
+    t.expect(5, "r", [7, 8], P_SOURCES, "grpc", KEY)
     write(t, 5, 0, 2, 3, [7])
     write(t, 5, 0, 2, 3, [7])  # page 8 never written
     write(t, 5, 1, 3, 4, [7, 8])
-    t.done(notice(1, 8, 2 * BLOCK), 5)
+    t.done(notice(1, 8, 2 * BLOCK), 5, KEY)
     with pytest.raises(BadTransfer):
-        t.done(notice(0, 8, 2 * BLOCK), 5)
+        t.done(notice(0, 8, 2 * BLOCK), 5, KEY)
     assert t.board.reason(5) == "prefill rank 0 never wrote pages [8] of the prompt"
 
 
 def test_sources_must_agree_on_num_tokens():
     t = make_table()
-    t.expect(5, "r", [7, 8], P_SOURCES, "shm")
-    t.done(notice(0, 8, 2 * BLOCK), 5)
+    t.expect(5, "r", [7, 8], P_SOURCES, "shm", KEY)
+    t.done(notice(0, 8, 2 * BLOCK), 5, KEY)
     with pytest.raises(BadTransfer):
-        t.done(notice(1, 7, 2 * BLOCK), 5)
+        t.done(notice(1, 7, 2 * BLOCK), 5, KEY)
     assert t.board.reason(5) == "prefill ranks disagree on num_tokens: [7, 8]"
 
 
 def test_rank_zero_waits_for_the_first_token():
     t = make_table(rank=0, layers=(0, 2), first_token=True)
-    t.expect(5, "r", [7], P_SOURCES, "shm")  # only prefill rank 0 overlaps [0, 2)
-    t.done(Notice(0, 0, 2, 3, 2 * BLOCK), 5)
+    t.expect(5, "r", [7], P_SOURCES, "shm", KEY)  # only prefill rank 0 overlaps [0, 2)
+    t.done(Notice(0, 0, 2, 3, 2 * BLOCK), 5, KEY)
     assert t.board.poll(5) == KVPoll.WAITING_FOR_INPUT
-    t.set_first_token(5, 42, 3)
+    t.set_first_token(5, KEY, 42, 3)
     assert t.board.poll(5) == KVPoll.SUCCESS
     assert t.first_token(5) == (42, 3)
 
 
 def test_first_token_disagreeing_with_notices_fails():
     t = make_table(rank=0, layers=(0, 2), first_token=True)
-    t.expect(5, "r", [7], P_SOURCES, "shm")
-    t.set_first_token(5, 42, 4)
+    t.expect(5, "r", [7], P_SOURCES, "shm", KEY)
+    t.set_first_token(5, KEY, 42, 4)
     with pytest.raises(BadTransfer):
-        t.done(Notice(0, 0, 2, 3, 2 * BLOCK), 5)
+        t.done(Notice(0, 0, 2, 3, 2 * BLOCK), 5, KEY)
     assert t.board.reason(5) == "first token says 4 prompt tokens, notices 3"
 
 
 def test_first_token_on_another_rank_is_a_failed_precondition():
     t = make_table()
-    t.expect(5, "r", [7], P_SOURCES, "shm")
+    t.expect(5, "r", [7], P_SOURCES, "shm", KEY)
     with pytest.raises(RoomClosed, match="decode rank 1 takes no first tokens"):
-        t.set_first_token(5, 1, 1)
+        t.set_first_token(5, KEY, 1, 1)
 
 
 def test_a_first_token_riding_the_notice_completes_rank_zero_in_one_message():
     t = make_table(rank=0, layers=(0, 2), first_token=True)
-    t.expect(5, "r", [7], P_SOURCES, "shm")
-    t.done(Notice(0, 0, 2, 3, 2 * BLOCK, first_token=42), 5)
+    t.expect(5, "r", [7], P_SOURCES, "shm", KEY)
+    t.done(Notice(0, 0, 2, 3, 2 * BLOCK, first_token=42), 5, KEY)
     assert t.board.poll(5) == KVPoll.SUCCESS
     assert t.first_token(5) == (42, 3)  # its prompt length is the notice's num_tokens
 
 
 def test_a_notice_whose_first_token_differs_from_the_first_token_call_fails_the_room():
     t = make_table(rank=0, layers=(0, 2), first_token=True)
-    t.expect(5, "r", [7], P_SOURCES, "shm")
-    t.set_first_token(5, 42, 3)
+    t.expect(5, "r", [7], P_SOURCES, "shm", KEY)
+    t.set_first_token(5, KEY, 42, 3)
     with pytest.raises(BadTransfer):
-        t.done(Notice(0, 0, 2, 3, 2 * BLOCK, first_token=43), 5)
+        t.done(Notice(0, 0, 2, 3, 2 * BLOCK, first_token=43), 5, KEY)
     assert t.board.poll(5) == KVPoll.FAILED
     assert t.board.reason(5) == "second first token (43, 3) after (42, 3) for room 5"
 
 
 def test_a_first_token_in_a_notice_to_another_rank_is_refused():
     t = make_table()
-    t.expect(5, "r", [7], P_SOURCES, "shm")
+    t.expect(5, "r", [7], P_SOURCES, "shm", KEY)
     with pytest.raises(RoomClosed, match="decode rank 1 takes no first tokens"):
-        t.done(Notice(0, 2, 3, 3, BLOCK, first_token=1), 5)
+        t.done(Notice(0, 2, 3, 3, BLOCK, first_token=1), 5, KEY)
     assert t.board.poll(5) == KVPoll.WAITING_FOR_INPUT  # nothing recorded: the sender fails the room itself
 
 
 def test_expect_rejects_bad_registrations():
     t = make_table()
     with pytest.raises(ValueError, match="page id 16 out of range"):
-        t.expect(5, "r", [16], P_SOURCES, "grpc")
+        t.expect(5, "r", [16], P_SOURCES, "grpc", KEY)
     with pytest.raises(ValueError, match="repeated page ids"):
-        t.expect(5, "r", [1, 1], P_SOURCES, "grpc")
+        t.expect(5, "r", [1, 1], P_SOURCES, "grpc", KEY)
     with pytest.raises(ValueError, match="no source overlaps"):
-        t.expect(5, "r", [1], [Source(0, 4, 6)], "grpc")
+        t.expect(5, "r", [1], [Source(0, 4, 6)], "grpc", KEY)
     with pytest.raises(ValueError, match="unknown backend 'nixl'"):
-        t.expect(5, "r", [1], P_SOURCES, "nixl")
+        t.expect(5, "r", [1], P_SOURCES, "nixl", KEY)
 
 
 def test_forget_waits_for_copies_in_flight():
     t = make_table()
-    t.expect(5, "r", [7], P_SOURCES, "grpc")
-    ticket = t.begin_write(5, 0, 2, 3, [7], BLOCK)
+    t.expect(5, "r", [7], P_SOURCES, "grpc", KEY)
+    ticket = t.begin_write(5, KEY, 0, 2, 3, [7], BLOCK)
     done = threading.Event()
     th = threading.Thread(target=lambda: (t.forget(5), done.set()))
     th.start()
     time.sleep(0.1)
     assert not done.is_set()
     with pytest.raises(RoomNotFound):  # no new writes meanwhile
-        t.begin_write(5, 0, 2, 3, [7], BLOCK)
+        t.begin_write(5, KEY, 0, 2, 3, [7], BLOCK)
     t.end_write(ticket)
     th.join(5)
     assert done.is_set() and 5 not in t.board

@@ -26,6 +26,8 @@ from kv_transfer.poll import StatusChange
 from kv_transfer.rooms import Source
 from kv_transfer.wire import sources_of
 
+KEY = bytes(range(16))  # the rooms' write key (the decode node mints one per room)
+
 GEOMETRY = PageGeometry(page_size=4, num_kv_heads=2, head_dim=8, dtype="float32")
 NUM_LAYERS, NUM_PAGES = 6, 16
 WHOLE_MODEL = [Source(0, 0, NUM_LAYERS)]  # a prefill node of one rank
@@ -65,9 +67,9 @@ def test_p3_by_d2_pages_land_on_the_overlapping_layers(engine):
         decode = layout_of(r.endpoint for r in receivers)
         prefill = layout_of(RankInfo(i, *r) for i, r in enumerate(p_ranges))
         for r in receivers:
-            r.expect(9, "rid", [4, 5, 6], sources_of(prefill), engine)
+            r.expect(9, "rid", [4, 5, 6], sources_of(prefill), engine, KEY)
         for s in senders:
-            s.connect(9, decode, [4, 5, 6])
+            s.connect(9, decode, [4, 5, 6], KEY)
             s.push(9, [1, 2], [4, 5], 6)
             s.push(9, [2, 3], [5, 6], 10)
             s.finish(9, 10)
@@ -97,8 +99,8 @@ def test_state_changes_reach_the_callback_in_order():
 
     sender = make_sender("shm", make_prefill_pool((0, 6), 0), 0, on_change=on_change)
     try:
-        receiver.expect(3, "r3", [0], WHOLE_MODEL, "shm")
-        sender.connect(3, layout_of([receiver.endpoint]), [0], rid="r3")
+        receiver.expect(3, "r3", [0], WHOLE_MODEL, "shm", KEY)
+        sender.connect(3, layout_of([receiver.endpoint]), [0], KEY, rid="r3")
         sender.push(3, [5], [0], 2)
         sender.finish(3, 2)
         assert done.wait(20)
@@ -118,7 +120,7 @@ def test_push_checks_the_daemons_arguments():
         with pytest.raises(KeyError, match="room 1 is not connected on prefill rank 0"):
             sender.push(1, [0], [0], 4)
         decode = layout_of([RankInfo(0, 0, 6, receiver_addr="127.0.0.1:1")])
-        sender.connect(1, decode, [2, 3])
+        sender.connect(1, decode, [2, 3], KEY)
         with pytest.raises(ValueError, match="2 source pages, 1 destinations"):
             sender.push(1, [0, 1], [2], 4)
         with pytest.raises(ValueError, match=r"source page 16 out of range \[0, 16\)"):
@@ -126,16 +128,16 @@ def test_push_checks_the_daemons_arguments():
         with pytest.raises(ValueError, match="destination page 4 was not registered"):
             sender.push(1, [0], [4], 4)
         with pytest.raises(ValueError, match="room 1 is already known"):
-            sender.connect(1, decode, [2, 3])
+            sender.connect(1, decode, [2, 3], KEY)
 
 
 def test_incompatible_registration_fails_both_sides_with_both_values():
     [receiver] = make_decode([(0, 6)])
     sender = make_sender("shm", make_prefill_pool((0, 6), 0), 0)
     try:
-        receiver.expect(4, "r4", [0], WHOLE_MODEL, "shm")
+        receiver.expect(4, "r4", [0], WHOLE_MODEL, "shm", KEY)
         other = dataclasses.replace(GEOMETRY, page_size=16)
-        sender.connect(4, layout_of([receiver.endpoint], geometry=other), [0])
+        sender.connect(4, layout_of([receiver.endpoint], geometry=other), [0], KEY)
         want = f"page geometry differs: prefill {GEOMETRY}, decode {other}"
         assert (sender.poll(4), sender.reason(4)) == (KVPoll.FAILED, want)
         wait_terminal(receiver.poll, [4])
@@ -149,8 +151,8 @@ def test_abort_then_forget_still_tells_the_decode_ranks():
     [receiver] = make_decode([(0, 6)])
     sender = make_sender("shm", make_prefill_pool((0, 6), 0), 0)
     try:
-        receiver.expect(5, "r5", [0], WHOLE_MODEL, "shm")
-        sender.connect(5, layout_of([receiver.endpoint]), [0])
+        receiver.expect(5, "r5", [0], WHOLE_MODEL, "shm", KEY)
+        sender.connect(5, layout_of([receiver.endpoint]), [0], KEY)
         sender.abort(5, "client went away")
         sender.forget(5)
         with pytest.raises(KeyError):
@@ -165,15 +167,15 @@ def test_abort_then_forget_still_tells_the_decode_ranks():
 def test_worker_survives_an_unreachable_decode_rank():
     with make_sender("grpc", make_prefill_pool((0, 6), 0), 0) as sender:
         dead = layout_of([RankInfo(0, 0, 6, receiver_addr="127.0.0.1:1")])  # nothing listens on port 1
-        sender.connect(6, dead, [0])
+        sender.connect(6, dead, [0], KEY)
         sender.push(6, [0], [0], 4)
         sender.finish(6, 4)
         wait_terminal(sender.poll, [6], timeout_s=60)
         assert sender.poll(6) == KVPoll.FAILED and "UNAVAILABLE" in sender.reason(6)
         [receiver] = make_decode([(0, 6)])  # a later room to a live rank still goes through
         try:
-            receiver.expect(7, "r7", [1], WHOLE_MODEL, "grpc")
-            sender.connect(7, layout_of([receiver.endpoint]), [1])
+            receiver.expect(7, "r7", [1], WHOLE_MODEL, "grpc", KEY)
+            sender.connect(7, layout_of([receiver.endpoint]), [1], KEY)
             sender.push(7, [0], [1], 4)
             sender.finish(7, 4)
             wait_terminal(sender.poll, [7])
@@ -188,8 +190,8 @@ def test_idle_torch_pair_outlives_its_timeout_through_pings():
     sender = make_sender("torch", make_prefill_pool((0, 6), 0), 0, config)
     try:
         for room in (1, 2):
-            receiver.expect(room, f"r{room}", [room], WHOLE_MODEL, "torch")
-            sender.connect(room, layout_of([receiver.endpoint]), [room])
+            receiver.expect(room, f"r{room}", [room], WHOLE_MODEL, "torch", KEY)
+            sender.connect(room, layout_of([receiver.endpoint]), [room], KEY)
             sender.push(room, [0], [room], 4)
             sender.finish(room, 4)
             wait_terminal(receiver.poll, [room])
@@ -214,9 +216,9 @@ def test_the_first_token_rides_the_notice_to_decode_rank_zero_when_the_last_rank
     senders = [make_sender("shm", make_prefill_pool(r, seed=i), i) for i, r in enumerate(p_ranges)]
     try:
         prefill = layout_of(RankInfo(i, *r) for i, r in enumerate(p_ranges))
-        receiver.expect(9, "rid", [4, 5], sources_of(prefill), "shm")
+        receiver.expect(9, "rid", [4, 5], sources_of(prefill), "shm", KEY)
         for s in senders:
-            s.connect(9, layout_of([receiver.endpoint]), [4, 5])
+            s.connect(9, layout_of([receiver.endpoint]), [4, 5], KEY)
             s.push(9, [1, 2], [4, 5], 7)
         senders[-1].send_first_token(9, 42, 7)
         for s in senders:
@@ -228,3 +230,26 @@ def test_the_first_token_rides_the_notice_to_decode_rank_zero_when_the_last_rank
         for s in senders:
             s.close()
         receiver.close()
+
+
+def test_a_room_number_is_connected_again_right_after_it_was_forgotten():
+    """Found by the slow decode-node fuzzer (one room number twice in a row): the worker dropped a
+    forgotten room's state later, by number, and took the new room's with it (its pushes never
+    went). Jobs carry their room now, so the second hand-off of the number lands like the first."""
+    [receiver] = make_decode([(0, 6)])
+    sender = make_sender("grpc", make_prefill_pool((0, 6), 0), 0)
+    outcomes = []
+    try:
+        for rid in ("first", "second"):
+            receiver.expect(9, rid, [4, 5], WHOLE_MODEL, "grpc", KEY)
+            sender.connect(9, layout_of([receiver.endpoint]), [4, 5], KEY, rid)
+            sender.push(9, [1, 2], [4, 5], 8)
+            sender.finish(9, 8)
+            wait_terminal(lambda room: min(sender.poll(room), receiver.poll(room)), [9])
+            outcomes.append((sender.poll(9), receiver.poll(9)))
+            sender.forget(9)  # at once, as prefill_node/agent.py does at FINISH
+            receiver.forget(9)
+    finally:
+        sender.close()
+        receiver.close()
+    assert outcomes == [(KVPoll.SUCCESS, KVPoll.SUCCESS)] * 2

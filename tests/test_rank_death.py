@@ -15,6 +15,7 @@ import pytest
 from kv_transfer.engines.shm import NAME_PREFIX, SHM_DIR, remove_stale_segments
 from kvbridge import rpc
 from kvbridge.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from tests.pd import pd_generate, token_prompt
 from tests.test_load import Process, process_tree
 
 NODE = ("--model", "tiny-random", "--port", "0", "--pp-size", "2", "--log-level", "warning")
@@ -77,3 +78,30 @@ def test_a_starting_node_removes_segments_of_dead_processes():
     finally:
         dead.unlink(missing_ok=True)
         alive.unlink(missing_ok=True)
+
+
+def test_a_rank_whose_consensus_channel_fails_ends_the_node_like_a_dead_rank():
+    """Rank 1's control thread fails (injected, at the first round after the request's route):
+    the rank ends, the request fails with the rank named, and the prefill node exits non-zero."""
+    prefill = Process("prefill", "prefill", *NODE, "--fault-inject", "rank1:consensus_fail_after=1")
+    decode = Process("decode", "decode", *NODE)
+    try:
+        prefill.wait_ready()
+        decode.wait_ready()
+        started = time.monotonic()
+        try:  # (the decode half may finish first, with the pages it got: then the prefill half raises)
+            result = pd_generate(prefill.address, decode.address, token_prompt([1, 2, 3]), 4, timeout=60)[2]
+        except grpc.RpcError as e:
+            result = e
+        assert isinstance(result, grpc.RpcError) and result.code() == grpc.StatusCode.UNAVAILABLE, result
+        # whichever half saw it first: the prefill node failing its streams, or the decode node its peer going away
+        assert result.details() in (
+            "pipeline rank 1 of the prefill node died",
+            f"the prefill node {prefill.address} is unreachable",
+        )
+        assert prefill.proc.wait(timeout=30) == 1 and time.monotonic() - started < EXIT_WITHIN_S
+        failed = "the consensus channel failed: RuntimeError('injected consensus failure after 1 status changes')"
+        assert any(failed in line for line in prefill.lines), prefill.lines[-5:]
+    finally:
+        prefill.stop()
+        decode.stop()

@@ -391,7 +391,7 @@ def test_status_and_config_describe_the_router_and_its_fleet(nodes, make_router)
         "startup_wait_s": 5.0,
         "metrics_port": -1,
         "max_concurrent_requests": 4096,
-        "max_body_bytes": 16 << 20,
+        "max_body_bytes": 4 << 20,
         "http_header_timeout_s": 10.0,
         "http_body_timeout_s": 30.0,
         "http_keep_alive_s": 5.0,

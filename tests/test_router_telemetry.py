@@ -15,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from engine.config import PPConfig
 from engine.service import start_colocated
 from kvbridge import rpc
+from kvbridge.limits import room_tag
 from kvbridge.v1 import admin_pb2, admin_pb2_grpc, common_pb2, generation_pb2, generation_pb2_grpc
 from router.config import RouterConfig
 from router.server import start_router
@@ -174,18 +175,18 @@ def test_each_phase_is_one_log_line_retry_included(fleet, phases):
     assert len(generate(router)) == 5
     rid = phases[0]["rid"]
     assert without_seconds(phases) == [
-        {"rid": rid, "room": 0, "phase": "routed", "colocated": a.address},
+        {"rid": rid, "room": "0", "phase": "routed", "colocated": a.address},
         {
             "rid": rid,
-            "room": 0,
+            "room": "0",
             "phase": "retry",
             "code": "UNAVAILABLE",
             "reason": f"{a.address} fails as told (from colocated/{a.address})",
             "attempt": 2,
         },
-        {"rid": rid, "room": 0, "phase": "routed", "colocated": b.address},
-        {"rid": rid, "room": 0, "phase": "first_token"},
-        {"rid": rid, "room": 0, "phase": "finished", "outcome": "length", "tokens": 4},
+        {"rid": rid, "room": "0", "phase": "routed", "colocated": b.address},
+        {"rid": rid, "room": "0", "phase": "first_token"},
+        {"rid": rid, "room": "0", "phase": "finished", "outcome": "length", "tokens": 4},
     ]
     registry = router.dispatcher.metrics.registry
     assert registry.get_sample_value("kvbridge_router_retries_total", {"reason": "unavailable"}) == 1
@@ -200,10 +201,10 @@ def test_a_failed_disaggregated_request_logs_its_pair_room_and_status(fleet, pha
     [dreq] = d.requests
     room = dreq.prefill.room
     assert without_seconds(phases) == [
-        {"rid": dreq.rid, "room": room, "phase": "routed", "prefill": p.address, "decode": d.address},
+        {"rid": dreq.rid, "room": room_tag(room), "phase": "routed", "prefill": p.address, "decode": d.address},
         {
             "rid": dreq.rid,
-            "room": room,
+            "room": room_tag(room),
             "phase": "failed",
             "outcome": "error",
             "code": "RESOURCE_EXHAUSTED",
@@ -223,7 +224,7 @@ def test_a_client_cancel_is_logged_as_an_abort(fleet, phases):
     assert without_seconds(phases[-1:]) == [
         {
             "rid": phases[0]["rid"],
-            "room": 0,
+            "room": "0",
             "phase": "failed",
             "outcome": "abort",
             "code": "CANCELLED",

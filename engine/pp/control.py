@@ -11,10 +11,17 @@ its own (`set_local`, `abort`), or a nudge, a one-word message on a second gloo 
 any other rank sends when one of its statuses becomes READY or FAILED (one nudge per burst
 of changes: a thread per rank sends them, so the caller never blocks). A lost nudge would
 cost latency only: rank 0 runs a round at least every `idle_poll_s` while anything is live.
+
+A channel whose thread fails (a broken gloo pair, a malformed round) can decide nothing any
+more: rank 0's loop learns it from `take_decisions`, which raises; ranks 1..P-1, whose loops
+never ask, end their process (`end_rank`). Either way a rank dies, and the node's watcher fails
+its streams and makes the node exit non-zero.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -23,8 +30,19 @@ import torch
 import torch.distributed as dist
 
 from consensus import Decision, LocalStatus, RankState, RingDriver, Stream, make_role
+from engine import faults
 from engine.pp.dist import Sends
 from kvbridge.metrics import rank_metrics
+
+log = logging.getLogger("kvbridge.consensus")
+
+
+def end_rank(error: BaseException) -> None:
+    """on_failure of ranks 1..P-1: this rank's process ends (exit status 70, EX_SOFTWARE)."""
+    log.critical("the consensus channel failed: %r; this rank exits", error)
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    os._exit(70)
 
 
 class GlooTransport:
@@ -113,10 +131,12 @@ class ControlChannel:
         on_decisions: Callable[[], None] | None = None,
         collect: bool = True,
         keep_log: bool = False,
+        on_failure: Callable[[BaseException], None] | None = None,
     ):
         self.state = RankState(rank, pp_size, keep_log=keep_log)  # the digest is kept either way
         self.on_decisions = on_decisions  # rank 0: wakes its loop (no arguments, any thread) when decisions wait
         self.collect = collect  # keep decisions for take_decisions(); ranks that only follow need not
+        self.on_failure = on_failure  # called (on the channel's thread) with the error that ended it
         self.lock = threading.Lock()
         self.transport = transport
         self.driver = RingDriver(make_role(self.state), transport and _ClosableRing(transport), guard=self.lock)
@@ -133,6 +153,7 @@ class ControlChannel:
         self._metrics = rank_metrics()
         self._started: dict[int, float] = {}  # rank 0: round id -> when it was sent round the ring
         self.error: BaseException | None = None
+        self._local_changes = 0  # set_local and abort calls so far (fault injection counts them)
         self.thread: threading.Thread | None = None  # the rounds (none inline)
         self.nudges: threading.Thread | None = None  # rank 0: takes nudges; ranks 1..P-1: sends them
         if not self.inline:
@@ -157,6 +178,7 @@ class ControlChannel:
         self._changed_here(True)
 
     def _changed_here(self, decisive: bool) -> None:
+        self._local_changes += 1
         if self.inline:
             self._changed = True
             if decisive and self.on_decisions is not None and threading.get_ident() != self._owner:
@@ -222,9 +244,12 @@ class ControlChannel:
             self._metrics.verdicts.labels(stream, d.verdict.name.lower()).inc()
 
     def _run(self) -> None:
+        fail_after = faults.current().consensus_fail_after
         try:
             while not (self._stop and self.state.rank == 0):
                 result = self.driver.step(timeout=None)
+                if fail_after and self._local_changes >= fail_after:
+                    raise RuntimeError(f"injected consensus failure after {self._local_changes} status changes")
                 if self.state.rank == 0:
                     self._count(result)
                 if result.decisions:
@@ -247,5 +272,7 @@ class ControlChannel:
             self._closing = True
             self._nudge.set()
             self.nudges.join(10.0)
-        except BaseException as e:  # surfaced to the rank's loop through .error
+        except BaseException as e:  # surfaced to the rank's loop through .error, and on_failure
             self.error = e
+            if self.on_failure is not None:
+                self.on_failure(e)

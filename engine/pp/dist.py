@@ -59,15 +59,18 @@ def gloo_options(host: str, timeout: timedelta):
     return opts
 
 
-def init(rank: int, world: int, init_addr: str, timeout_s: float) -> tuple:
+def init(rank: int, world: int, init_addr: str, timeout_s: float, key: str = "") -> tuple:
     """Join the node's process group; returns (data group, ControlGroups), all gloo on CPU. Rank 0
-    serves the rendezvous store, listening on init_addr's host only."""
+    serves the rendezvous store, listening on init_addr's host only; with `key`, every rendezvous
+    key lives under that secret prefix (a stranger reaching the store cannot meddle with them)."""
     host, _, port = init_addr.rpartition(":")
     timeout = timedelta(seconds=timeout_s)
     if rank == 0:
         store = listening_store(host, int(port), timeout, world)
     else:
         store = dist.TCPStore(host.strip("[]"), int(port), world, is_master=False, timeout=timeout)
+    if key:
+        store = dist.PrefixStore(f"kvbridge/{key}/", store)
     # every group's pairs listen on loopback too when the ranks meet there; across hosts each rank
     # listens on the address of its own host name (init_addr is rank 0's)
     opts = gloo_options("127.0.0.1" if is_loopback(host) else socket.gethostname(), timeout)

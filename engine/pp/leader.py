@@ -30,6 +30,7 @@ from engine.pp.wire import ABORT, ADMIT, CONTROL, FINISH, SHUTDOWN, STEP, Decisi
 from engine.request import Request, SamplingParams
 from engine.sampler import sample
 from engine.scheduler import ScheduledStep, Scheduler
+from kvbridge.limits import room_tag
 from kvbridge.logs import log_event
 from kvbridge.metrics import rank_metrics
 
@@ -310,7 +311,7 @@ class Leader:
         """Log the request's move to `phase` (once per change)."""
         if self.phases.get(req.rid) != phase:
             self.phases[req.rid] = phase
-            log_event(log, "phase", role=self.role, rid=req.rid, room=req.room or 0, phase=phase, **fields)
+            log_event(log, "phase", role=self.role, rid=req.rid, room=room_tag(req.room), phase=phase, **fields)
 
     def _retire(self, req: Request, kind: str, **event) -> None:
         """The request is over here: tell every rank (if they know it) and the front."""
@@ -322,7 +323,7 @@ class Leader:
         fields = {"reason": req.finish_reason, "output_tokens": len(req.output_ids)}
         if event.get("error"):
             fields |= {"code": event.get("code", ""), "error": event["error"]}
-        log_event(log, "phase", role=self.role, rid=req.rid, room=req.room or 0, phase="finished", **fields)
+        log_event(log, "phase", role=self.role, rid=req.rid, room=room_tag(req.room), phase="finished", **fields)
         self.outbox.put(
             Finish(req.rid, req.finish_reason, tuple(req.output_ids), req.text, len(req.prompt_ids), **event)
         )

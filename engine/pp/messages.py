@@ -30,6 +30,7 @@ class Add:
     peer: str = ""  # disaggregated: the other node's address (shown by Admin)
     sources: tuple[tuple[int, int, int], ...] = ()  # decode: (prefill rank, layer_start, layer_end) of its KV
     backend: str = ""  # decode: the transfer engine the pair uses
+    secret: str = ""  # decode: the room's write key (hex), minted by the decode node; every KV write carries it
 
 
 @dataclass(frozen=True)

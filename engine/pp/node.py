@@ -16,6 +16,7 @@ import importlib
 import itertools
 import os
 import queue
+import secrets
 import signal
 import sys
 import threading
@@ -38,8 +39,9 @@ from engine.progress import Progress
 from engine.request import SamplingParams
 from engine.scheduler import Scheduler
 from engine.weights import LoadedModel, load_model
-from kvbridge import logs
+from kvbridge import logs, rpc
 from kvbridge.metrics import RankFiles, init_rank_metrics
+from kvbridge.security import Security
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,9 @@ class PPNode:
         # each local rank's decision log position, published by the rank (invariant checks compare them)
         self.positions = {rank: ctx.RawValue("q", 0) for rank in pp.local_ranks}
         addr = pp.dist_init_addr or f"127.0.0.1:{pp_dist.free_port()}"
+        # every rendezvous key under a prefix only this node's ranks know (the store takes any
+        # writer); ranks on other hosts (nnodes > 1) could not learn it, so none then
+        store_key = secrets.token_hex(16) if pp.nnodes == 1 else ""
         threads = config.threads or max(1, (os.cpu_count() or 1) // pp.ranks_per_node)
         self.procs = [
             ctx.Process(
@@ -92,6 +97,8 @@ class PPNode:
                     role_args or {},
                     self.rank_files.path,
                     self.positions[rank],
+                    rpc.security().as_dict(),
+                    store_key,
                 ),
                 name=f"kvbridge-pp{rank}",
                 daemon=True,
@@ -302,7 +309,21 @@ def colocated_role(ctx: RankContext) -> RankRole:
 
 
 def rank_main(
-    rank, role, config, pp, addr, threads, timeout_s, inbox, outbox, reports, role_args, metrics_dir, position
+    rank,
+    role,
+    config,
+    pp,
+    addr,
+    threads,
+    timeout_s,
+    inbox,
+    outbox,
+    reports,
+    role_args,
+    metrics_dir,
+    position,
+    security,
+    store_key,
 ) -> None:
     """Entry point of a rank process. `role`: "module:function" building its RankRole."""
     # the front decides when ranks stop (Ctrl-C or SIGTERM to the process group must not kill
@@ -313,6 +334,7 @@ def rank_main(
     _exit_with_parent(rank, closers)
     init_rank_metrics(metrics_dir)  # before any series is made
     logs.setup()  # the front's level, inherited through the environment
+    rpc.configure(Security(**security))  # the front's TLS: KV receivers and senders are servers and channels
     config, pp = EngineConfig(**config), PPConfig(**pp)
     faults.init(config.fault_inject, rank)
     torch.set_num_threads(threads)
@@ -323,7 +345,7 @@ def rank_main(
             device = torch.device("cuda", rank % torch.cuda.device_count())
         layers = stage_ranges(model.config.num_hidden_layers, pp.pp_size)[rank]
         stage = ModelStage(model.config, model.weights, layers, device, resolve_dtype(config.dtype, device))
-        data_group, control_group = pp_dist.init(rank, pp.pp_size, addr, timeout_s)
+        data_group, control_group = pp_dist.init(rank, pp.pp_size, addr, timeout_s, store_key)
         ctx = RankContext(rank, config, pp, model, stage, data_group, control_group, inbox, outbox, role_args)
         module, fn = role.split(":")
         built: RankRole = getattr(importlib.import_module(module), fn)(ctx)

@@ -106,8 +106,9 @@ class Message:
                     sample=tuple(bool(x) for x in sample),
                 )
             return Message(raw["kind"], decisions, batch)
-        except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"malformed pipeline message: {e}") from None
+        # (json.loads raises RecursionError on deep nesting; int() OverflowError on Infinity)
+        except (KeyError, TypeError, ValueError, OverflowError, RecursionError) as e:
+            raise ValueError(f"malformed pipeline message: {e!r}") from None
 
 
 def _params(raw: dict | None) -> SamplingParams | None:

@@ -19,7 +19,7 @@ import torch
 
 from kv_transfer.blocks import copy_pages
 from kv_transfer.layout import NodeLayout, RankInfo, dtype_from_name
-from kv_transfer.sender import Sender, Target
+from kv_transfer.sender import Sender, SenderRoom, Target
 
 _FIXED = struct.Struct("<iQQQq?")  # device, storage bytes, offset bytes, ref-counter offset, tensor offset, event sync
 
@@ -86,7 +86,7 @@ class CudaIpcSender(Sender):
             raise ValueError("the cuda_ipc engine moves CUDA pools; use shm for CPU pools")
         return _Conn(info, decode)
 
-    def _write(self, conn: _Conn, room: int, target: Target, src: Sequence[int], dst: Sequence[int]) -> int:
+    def _write(self, conn: _Conn, r: SenderRoom, target: Target, src: Sequence[int], dst: Sequence[int]) -> int:
         args = (self.pool.buffer, self.layers, src, conn.pool, conn.layers, dst, target.lo, target.hi)
         return copy_pages(*args, scratch=self._scratch)
 

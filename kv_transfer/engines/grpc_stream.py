@@ -11,7 +11,7 @@ import torch
 from kv_transfer.blocks import gather
 from kv_transfer.layers import plan_chunks
 from kv_transfer.layout import NodeLayout, RankInfo
-from kv_transfer.sender import Sender, Target
+from kv_transfer.sender import Sender, SenderRoom, Target
 from kvbridge.v1 import kv_transfer_pb2
 
 
@@ -25,17 +25,18 @@ class GrpcSender(Sender):
     def _open(self, info: RankInfo, decode: NodeLayout) -> str:
         return info.receiver_addr
 
-    def _write(self, addr: str, room: int, target: Target, src: Sequence[int], dst: Sequence[int]) -> int:
-        ack = self._stub(addr).WritePages(self._chunks(room, target, src, dst), timeout=self.config.deadline_s)
+    def _write(self, addr: str, r: SenderRoom, target: Target, src: Sequence[int], dst: Sequence[int]) -> int:
+        ack = self._stub(addr).WritePages(self._chunks(r, target, src, dst), timeout=self.config.deadline_s)
         return ack.bytes
 
-    def _chunks(self, room: int, t: Target, src: Sequence[int], dst: Sequence[int]) -> Iterator:
+    def _chunks(self, r: SenderRoom, t: Target, src: Sequence[int], dst: Sequence[int]) -> Iterator:
         """PageChunks, gathered one at a time so that at most one chunk of copies is alive."""
         plan = plan_chunks(len(src), t.lo, t.hi, self.geometry.layer_block_bytes, self.config.grpc_chunk_bytes)
         for c in plan:
             block = gather(self.pool.buffer, self.layers, src[c.page_start : c.page_end], c.layer_start, c.layer_end)
             yield kv_transfer_pb2.PageChunk(
-                room=room,
+                room=r.room,
+                secret=r.secret,
                 src_rank=self.rank,
                 layer_start=c.layer_start,
                 layer_end=c.layer_end,

@@ -20,7 +20,7 @@ import torch
 
 from kv_transfer.blocks import copy_pages
 from kv_transfer.layout import NodeLayout, RankInfo, dtype_from_name
-from kv_transfer.sender import Sender, Target
+from kv_transfer.sender import Sender, SenderRoom, Target
 
 SHM_DIR = Path("/dev/shm")
 NAME_PREFIX = "kvbridge-"
@@ -48,7 +48,8 @@ class Segment:
     gone at once; the memory goes when the last view of it does."""
 
     def __init__(self, nbytes: int, tag: str):
-        name = f"{NAME_PREFIX}{os.getpid()}-{tag}-{secrets.token_hex(4)}"
+        # 128 random bits: a name no one guesses, given only to the prefill nodes the rank registers with
+        name = f"{NAME_PREFIX}{os.getpid()}-{tag}-{secrets.token_hex(16)}"
         # SharedMemory creates it exclusively and registers it with the resource tracker, which
         # unlinks it should this process die without close().
         self._shm: shared_memory.SharedMemory | None = shared_memory.SharedMemory(name=name, create=True, size=nbytes)
@@ -126,7 +127,7 @@ class ShmSender(Sender):
             raise ValueError("the shm engine moves CPU pools; use cuda_ipc for GPU pools")
         return _Conn(info, decode)
 
-    def _write(self, conn: _Conn, room: int, target: Target, src: Sequence[int], dst: Sequence[int]) -> int:
+    def _write(self, conn: _Conn, r: SenderRoom, target: Target, src: Sequence[int], dst: Sequence[int]) -> int:
         args = (self.pool.buffer, self.layers, src, conn.pool, conn.layers, dst, target.lo, target.hi)
         return copy_pages(*args, scratch=self._scratch)
 

@@ -1,11 +1,13 @@
 """torch: across hosts. torch.distributed point-to-point over a pair group per (prefill rank,
 decode rank): the two live in different torch worlds, so no init_process_group. The decode
-rank hosts a TCPStore (its torch_addr); each prefill rank that connects takes a pair number n
-from it and both build a ProcessGroupGloo of size 2 (decode = 0, prefill = 1) on
-PrefixStore("kvpair/{n}/gloo/"). With CUDA pools on both sides the page bytes go over a
-ProcessGroupNCCL on "kvpair/{n}/nccl/" instead; headers always go over gloo.
+rank hosts a TCPStore (its torch_addr) whose keys all sit under a random prefix (its
+torch_key: the store itself takes any writer, so only holders of the decode node's layout can
+pair); each prefill rank that connects takes a pair number n from it and both build a
+ProcessGroupGloo of size 2 (decode = 0, prefill = 1) on PrefixStore("kvpair/{n}/gloo/"). With
+CUDA pools on both sides the page bytes go over a ProcessGroupNCCL on "kvpair/{n}/nccl/"
+instead; headers always go over gloo.
 
-Per message: a header int64[8] (below), then the destination page ids int64[n], then the page
+Per message: a header int64[10] (below), then the destination page ids int64[n], then the page
 bytes uint8[nbytes]. The decode rank checks the header's sizes before it receives anything
 else, receives into a staging buffer, checks the ids against the room, and scatters into its
 pool. A header whose sizes do not add up cannot be skipped safely: its room fails and the pair
@@ -15,6 +17,7 @@ closes (the prefill side reopens one for its next room).
 from __future__ import annotations
 
 import logging
+import secrets
 import socket
 import struct
 import threading
@@ -31,13 +34,13 @@ from kv_transfer.blocks import gather, scatter
 from kv_transfer.layers import LayerRange, plan_chunks
 from kv_transfer.layout import NodeLayout, RankInfo
 from kv_transfer.rooms import RoomTable, TransferError
-from kv_transfer.sender import Sender, Target
+from kv_transfer.sender import Sender, SenderRoom, Target
 
 log = logging.getLogger(__name__)
 
 MAGIC = 0x6B76_6272_6964_6765  # "kvbridge"
 DATA, PING, CLOSE = 1, 2, 3
-HEADER_LEN = 8
+HEADER_LEN = 10
 HELLO = struct.Struct("<II8s")  # version, prefill rank, proposed data backend ("gloo" | "nccl")
 VERSION = 1
 HELLO_WAIT_S = 10.0  # a pair number whose hello never came (its prefill died) is skipped after this
@@ -45,7 +48,8 @@ HELLO_WAIT_S = 10.0  # a pair number whose hello never came (its prefill died) i
 
 @dataclass(frozen=True)
 class Header:
-    """int64[8]: MAGIC, kind, room (as int64), prefill rank, layer_lo, layer_hi, num pages, num bytes."""
+    """int64[10]: MAGIC, kind, room (as int64), prefill rank, layer_lo, layer_hi, num pages, num bytes,
+    and the room's 16-byte write key as two int64."""
 
     kind: int  # DATA | PING | CLOSE
     room: int = 0  # uint64 pairing key
@@ -54,18 +58,21 @@ class Header:
     hi: int = 0
     num_pages: int = 0  # page ids that follow
     nbytes: int = 0  # page bytes that follow
+    secret: bytes = bytes(16)  # DATA: the room's write key (RegisterRequest.secret)
 
     def tensor(self) -> torch.Tensor:
         room = self.room - (1 << 64) if self.room >= 1 << 63 else self.room
-        fields = [MAGIC, self.kind, room, self.src_rank, self.lo, self.hi, self.num_pages, self.nbytes]
+        key = [int.from_bytes(self.secret[i : i + 8], "little", signed=True) for i in (0, 8)]
+        fields = [MAGIC, self.kind, room, self.src_rank, self.lo, self.hi, self.num_pages, self.nbytes, *key]
         return torch.tensor(fields, dtype=torch.int64)
 
     @classmethod
     def of(cls, t: torch.Tensor) -> Header:
-        magic, kind, room, *rest = t.tolist()
+        magic, kind, room, *rest, key0, key1 = t.tolist()
         if magic != MAGIC:
             raise ValueError(f"bad magic {magic:#x} in a torch pair header")
-        return cls(kind, room & ((1 << 64) - 1), *rest)
+        secret = key0.to_bytes(8, "little", signed=True) + key1.to_bytes(8, "little", signed=True)
+        return cls(kind, room & ((1 << 64) - 1), *rest, secret)
 
 
 def _nccl_possible(device: torch.device) -> bool:
@@ -89,10 +96,11 @@ def _groups(store, n: int, rank: int, backend: str, timeout: timedelta, device: 
 class PairClient:
     """A prefill rank's pair with one decode rank."""
 
-    def __init__(self, addr: str, src_rank: int, device: torch.device, timeout_s: float):
+    def __init__(self, addr: str, key: str, src_rank: int, device: torch.device, timeout_s: float):
         host, port = addr.rsplit(":", 1)
         timeout = timedelta(seconds=timeout_s)
-        self._store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
+        store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
+        self._store = dist.PrefixStore(f"kvbridge/{key}/", store)
         self.n = self._store.add("kvpair/count", 1)
         proposed = "nccl" if _nccl_possible(device) else "gloo"
         self._store.set(f"kvpair/{self.n}/hello", HELLO.pack(VERSION, src_rank, proposed.encode()))
@@ -106,10 +114,12 @@ class PairClient:
         self._ctrl, self._data = _groups(self._store, self.n, 1, answer, timeout, device, local)
         self._in_flight: list[torch.Tensor] = []  # NCCL sources kept alive until sync()
 
-    def send(self, room: int, src_rank: int, lo: int, hi: int, dst: Sequence[int], block: torch.Tensor) -> int:
+    def send(
+        self, room: int, secret: bytes, src_rank: int, lo: int, hi: int, dst: Sequence[int], block: torch.Tensor
+    ) -> int:
         data = block.contiguous().view(-1).view(torch.uint8)
         data = data if self.backend == "nccl" else data.cpu()
-        header = Header(DATA, room, src_rank, lo, hi, len(dst), data.numel())
+        header = Header(DATA, room, src_rank, lo, hi, len(dst), data.numel(), secret)
         self._ctrl.send([header.tensor()], 0, 0).wait()
         self._ctrl.send([torch.tensor(list(dst), dtype=torch.int64)], 0, 0).wait()
         self._data.send([data], 0, 0).wait()
@@ -141,15 +151,18 @@ class TorchSender(Sender):
     def _open(self, info: RankInfo, decode: NodeLayout) -> PairClient:
         if not info.torch_addr:
             raise ValueError(f"decode rank {info.rank} hosts no torch store")
-        return PairClient(info.torch_addr, self.rank, self.pool.buffer.device, self.config.torch_timeout_s)
+        device, timeout_s = self.pool.buffer.device, self.config.torch_timeout_s
+        return PairClient(info.torch_addr, info.torch_key, self.rank, device, timeout_s)
 
-    def _write(self, pair: PairClient, room: int, t: Target, src: Sequence[int], dst: Sequence[int]) -> int:
+    def _write(self, pair: PairClient, r: SenderRoom, t: Target, src: Sequence[int], dst: Sequence[int]) -> int:
         total = 0
         for c in plan_chunks(len(src), t.lo, t.hi, self.geometry.layer_block_bytes, self.config.torch_chunk_bytes):
             pages = src[c.page_start : c.page_end]
             out = self._scratch(len(pages) * (c.layer_end - c.layer_start) * self.geometry.layer_block_bytes)
             block = gather(self.pool.buffer, self.layers, pages, c.layer_start, c.layer_end, out)
-            total += pair.send(room, self.rank, c.layer_start, c.layer_end, dst[c.page_start : c.page_end], block)
+            total += pair.send(
+                r.room, r.secret, self.rank, c.layer_start, c.layer_end, dst[c.page_start : c.page_end], block
+            )
         return total
 
     def _sync(self, pair: PairClient) -> None:
@@ -185,8 +198,10 @@ class TorchReceiverPort:
         self._max_bytes = max_chunk_bytes  # largest message accepted (bounds the staging buffer)
         self._timeout = timedelta(seconds=timeout_s)
         self._host = host  # where the store and this side of every pair listen
-        self._store = listening_store(host, 0, self._timeout)  # on `host` only, not every interface
-        self.addr = f"{host}:{self._store.port}"
+        store = listening_store(host, 0, self._timeout)  # on `host` only, not every interface
+        self.addr = f"{host}:{store.port}"
+        self.key = secrets.token_hex(16)  # (published in the layout, which only registered peers get)
+        self._store = dist.PrefixStore(f"kvbridge/{self.key}/", store)
         self._stop = threading.Event()
         self._acceptor = threading.Thread(target=self._accept_loop, name="kv-torch-accept", daemon=True)
         self._acceptor.start()
@@ -242,7 +257,8 @@ class TorchReceiverPort:
                     continue
                 problem = self._frame_problem(h, src_rank)
                 if problem:
-                    self._table.fail(h.room, problem)
+                    if self._table.authentic(h.room, h.secret):  # (a stranger's bad frame fails no room)
+                        self._table.fail(h.room, problem)
                     log.warning("torch pair %d from prefill rank %d closed: %s", n, src_rank, problem)
                     return
                 ids = torch.empty(h.num_pages, dtype=torch.int64)
@@ -271,7 +287,7 @@ class TorchReceiverPort:
 
     def _land(self, h: Header, ids: list[int], data: torch.Tensor) -> None:
         try:
-            ticket = self._table.begin_write(h.room, h.src_rank, h.lo, h.hi, ids, h.nbytes)
+            ticket = self._table.begin_write(h.room, h.secret, h.src_rank, h.lo, h.hi, ids, h.nbytes)
         except TransferError as e:
             log.warning("torch pages for room %d dropped: %s", h.room, e)
             return

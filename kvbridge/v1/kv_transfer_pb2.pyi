@@ -7,23 +7,25 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PageChunk(_message.Message):
-    __slots__ = ("room", "src_rank", "layer_start", "layer_end", "page_ids", "data")
+    __slots__ = ("room", "src_rank", "layer_start", "layer_end", "page_ids", "data", "secret")
     ROOM_FIELD_NUMBER: _ClassVar[int]
     SRC_RANK_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
     LAYER_END_FIELD_NUMBER: _ClassVar[int]
     PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    SECRET_FIELD_NUMBER: _ClassVar[int]
     room: int
     src_rank: int
     layer_start: int
     layer_end: int
     page_ids: _containers.RepeatedScalarFieldContainer[int]
     data: bytes
-    def __init__(self, room: _Optional[int] = ..., src_rank: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., page_ids: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+    secret: bytes
+    def __init__(self, room: _Optional[int] = ..., src_rank: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., page_ids: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., secret: _Optional[bytes] = ...) -> None: ...
 
 class TransferNotice(_message.Message):
-    __slots__ = ("room", "src_rank", "layer_start", "layer_end", "num_tokens", "bytes", "error", "first_token")
+    __slots__ = ("room", "src_rank", "layer_start", "layer_end", "num_tokens", "bytes", "error", "first_token", "secret")
     ROOM_FIELD_NUMBER: _ClassVar[int]
     SRC_RANK_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
@@ -32,6 +34,7 @@ class TransferNotice(_message.Message):
     BYTES_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    SECRET_FIELD_NUMBER: _ClassVar[int]
     room: int
     src_rank: int
     layer_start: int
@@ -40,17 +43,20 @@ class TransferNotice(_message.Message):
     bytes: int
     error: str
     first_token: int
-    def __init__(self, room: _Optional[int] = ..., src_rank: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_tokens: _Optional[int] = ..., bytes: _Optional[int] = ..., error: _Optional[str] = ..., first_token: _Optional[int] = ...) -> None: ...
+    secret: bytes
+    def __init__(self, room: _Optional[int] = ..., src_rank: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_tokens: _Optional[int] = ..., bytes: _Optional[int] = ..., error: _Optional[str] = ..., first_token: _Optional[int] = ..., secret: _Optional[bytes] = ...) -> None: ...
 
 class FirstTokenNotice(_message.Message):
-    __slots__ = ("room", "token", "prompt_tokens")
+    __slots__ = ("room", "token", "prompt_tokens", "secret")
     ROOM_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SECRET_FIELD_NUMBER: _ClassVar[int]
     room: int
     token: int
     prompt_tokens: int
-    def __init__(self, room: _Optional[int] = ..., token: _Optional[int] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
+    secret: bytes
+    def __init__(self, room: _Optional[int] = ..., token: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., secret: _Optional[bytes] = ...) -> None: ...
 
 class TransferAck(_message.Message):
     __slots__ = ("bytes",)

@@ -36,20 +36,22 @@ class GetLayoutRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RankEndpoint(_message.Message):
-    __slots__ = ("rank", "layer_start", "layer_end", "receiver_addr", "shm_name", "torch_addr")
+    __slots__ = ("rank", "layer_start", "layer_end", "receiver_addr", "shm_name", "torch_addr", "torch_key")
     RANK_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
     LAYER_END_FIELD_NUMBER: _ClassVar[int]
     RECEIVER_ADDR_FIELD_NUMBER: _ClassVar[int]
     SHM_NAME_FIELD_NUMBER: _ClassVar[int]
     TORCH_ADDR_FIELD_NUMBER: _ClassVar[int]
+    TORCH_KEY_FIELD_NUMBER: _ClassVar[int]
     rank: int
     layer_start: int
     layer_end: int
     receiver_addr: str
     shm_name: str
     torch_addr: str
-    def __init__(self, rank: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., receiver_addr: _Optional[str] = ..., shm_name: _Optional[str] = ..., torch_addr: _Optional[str] = ...) -> None: ...
+    torch_key: str
+    def __init__(self, rank: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., receiver_addr: _Optional[str] = ..., shm_name: _Optional[str] = ..., torch_addr: _Optional[str] = ..., torch_key: _Optional[str] = ...) -> None: ...
 
 class KVLayout(_message.Message):
     __slots__ = ("model_fingerprint", "num_layers", "page_size", "dtype", "num_kv_heads", "head_dim", "num_pages", "ranks", "backends", "host_id")
@@ -76,20 +78,22 @@ class KVLayout(_message.Message):
     def __init__(self, model_fingerprint: _Optional[str] = ..., num_layers: _Optional[int] = ..., page_size: _Optional[int] = ..., dtype: _Optional[str] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., num_pages: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankEndpoint, _Mapping]]] = ..., backends: _Optional[_Iterable[str]] = ..., host_id: _Optional[str] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("rid", "room", "backend", "decode_layout", "page_ids", "decode_addr")
+    __slots__ = ("rid", "room", "backend", "decode_layout", "page_ids", "decode_addr", "secret")
     RID_FIELD_NUMBER: _ClassVar[int]
     ROOM_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     DECODE_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
     DECODE_ADDR_FIELD_NUMBER: _ClassVar[int]
+    SECRET_FIELD_NUMBER: _ClassVar[int]
     rid: str
     room: int
     backend: str
     decode_layout: KVLayout
     page_ids: _containers.RepeatedScalarFieldContainer[int]
     decode_addr: str
-    def __init__(self, rid: _Optional[str] = ..., room: _Optional[int] = ..., backend: _Optional[str] = ..., decode_layout: _Optional[_Union[KVLayout, _Mapping]] = ..., page_ids: _Optional[_Iterable[int]] = ..., decode_addr: _Optional[str] = ...) -> None: ...
+    secret: bytes
+    def __init__(self, rid: _Optional[str] = ..., room: _Optional[int] = ..., backend: _Optional[str] = ..., decode_layout: _Optional[_Union[KVLayout, _Mapping]] = ..., page_ids: _Optional[_Iterable[int]] = ..., decode_addr: _Optional[str] = ..., secret: _Optional[bytes] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ()
