@@ -148,6 +148,8 @@ def test_abort_in_every_phase_ends_the_request_and_frees_both_nodes(fleet):
     # prefilling (P): a 40-token prompt in chunks of 16, 16 and 8 tokens
     slow = Call(router.port, "slow", list(range(1, 41)), 4)
     info = wait_phase(p.address, "slow", "prefilling")
+    while not info.peer:  # registration overlaps prefill: D's lands a moment after the first chunk starts
+        info = wait_phase(p.address, "slow", "prefilling")
     assert info.peer == d.address and info.kv_pages >= 4
     assert abort(p.address, "slow").phase == "prefilling"
     assert_aborted_by_operator(slow, "prefill")
