@@ -18,6 +18,7 @@ import collections
 import contextlib
 import faulthandler
 import http.client
+import itertools
 import json
 import math
 import secrets
@@ -357,6 +358,16 @@ def mostly(valid, *odd):
     """`valid` four times in five, else one of `odd` (edge and bad values): so that a fair share of
     inputs is valid as a whole, and the served path is exercised too."""
     return st.integers(0, 4).flatmap(lambda i: valid if i < 4 else st.one_of(*odd))  # (0 is drawn most)
+
+
+def fresh_rooms(top: int = 2**62 - 1):
+    """Rooms for inputs meant to be served: a number no earlier example used (a room whose request
+    was just cancelled may still be held on the node: its next user would rightly get
+    ALREADY_EXISTS), or the top of the range, or 0 (invalid)."""
+    return mostly(st.builds(lambda: next(_ROOMS)), st.builds(lambda: top - next(_ROOMS) % 1024), st.just(0))
+
+
+_ROOMS = itertools.count(secrets.randbits(40) + 1024)
 
 
 @st.composite

@@ -29,6 +29,7 @@ from tests.fuzz_fleet import (
     Fleet,
     Holder,
     fleet_fixture,
+    fresh_rooms,
     generate,
     holder_request,
     mostly,
@@ -125,7 +126,7 @@ GARBAGE_ADDRS += ["LocalHost:0001", "[::1]:1", "::1:1", "127.0.0.1:0", "h" * 300
 @st.composite
 def routes(draw, f: Fleet):
     kind = draw(mostly(st.just("prefill"), st.sampled_from(["unset", "garbage", "garbage", "colocated", "self"])))
-    room = draw(mostly(st.integers(1, 2**62), st.just(0)))
+    room = draw(fresh_rooms())
     if kind == "unset":
         return kind, None
     addr = {"prefill": f.p.address, "colocated": f.c.address, "self": f.d.address}.get(kind)

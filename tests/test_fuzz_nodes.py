@@ -40,6 +40,7 @@ from tests.fuzz_fleet import (
     client,
     drain_stream,
     fleet_fixture,
+    fresh_rooms,
     greedy_request,
     mostly,
     node_expect,
@@ -165,7 +166,7 @@ MUTATIONS = {
 
 def prefill_input(f: Fleet, draw) -> None:
     rid = unique(draw(mostly(st.from_regex(r"[A-Za-z0-9._:-]{1,20}", fullmatch=True), st.just(""), TEXT)))
-    room = draw(mostly(st.integers(1, 2**62 - 1), st.just(0)))
+    room = draw(fresh_rooms())
     prompt, sampling = draw(prompts()), draw(sampling_params())
     paired = draw(st.integers(0, 2)) < 2
     tried("prefill+bootstrap")
