@@ -1,6 +1,6 @@
 """Agreement across the ranks of one pipeline: a pure state machine plus a ring transport.
 
-- `types`: Stream, LocalStatus, Verdict, Decision, Report
+- `types`: Stream, LocalStatus, Verdict, Ruling, Report
 - `state`: RankState, one rank's local view per stream and its applied decision log
 - `wire`: RoundMsg, the one message on the ring, and its binary format
 - `roles`: Leader (rank 0) and Follower (ranks 1..P-1), the round's logic
@@ -11,15 +11,14 @@
 No torch, no sockets, no threads, no pickle; transports are passed in.
 """
 
+from consensus.codec import RoundMsg, Tally
 from consensus.driver import RingDriver, StepResult, run_round
 from consensus.roles import Follower, Leader, make_role
 from consensus.state import RankState
 from consensus.transport import InMemoryRing, Transport
-from consensus.types import Decision, LocalStatus, ProtocolError, Report, Stream, Verdict
-from consensus.wire import RoundMsg, Tally
+from consensus.types import LocalStatus, ProtocolError, Report, Ruling, Stream, Verdict
 
 __all__ = [
-    "Decision",
     "Follower",
     "InMemoryRing",
     "Leader",
@@ -29,6 +28,7 @@ __all__ = [
     "Report",
     "RingDriver",
     "RoundMsg",
+    "Ruling",
     "StepResult",
     "Stream",
     "Tally",

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from consensus.state import RankState
-from consensus.types import STREAMS, Decision, Report, Stream, Verdict
+from consensus.types import STREAMS, Report, Ruling, Stream, Verdict
 
 
 @dataclass(frozen=True)
@@ -28,14 +28,14 @@ class RoundRecord:
     round_id: int  # rank 0's round number
     reports: tuple[Report, ...]  # by rank: what each contributed
     first_seq: int  # seq of the first decision the round produced (rank 0's applied count before it)
-    decisions: tuple[Decision, ...]  # the decisions the round produced, in order
+    decisions: tuple[Ruling, ...]  # the decisions the round produced, in order
 
     @property
     def end_seq(self) -> int:
         return self.first_seq + len(self.decisions)
 
 
-def check_exactly_once(logs: Sequence[Sequence[Decision]]) -> None:
+def check_exactly_once(logs: Sequence[Sequence[Ruling]]) -> None:
     for rank, log in enumerate(logs):
         misplaced = [i for i, d in enumerate(log) if d.seq != i]
         if misplaced:
@@ -52,7 +52,7 @@ def check_exactly_once(logs: Sequence[Sequence[Decision]]) -> None:
             ended[d.rid] = d.seq
 
 
-def check_agreement(logs: Sequence[Sequence[Decision]], *, quiescent: bool) -> None:
+def check_agreement(logs: Sequence[Sequence[Ruling]], *, quiescent: bool) -> None:
     leader = tuple(logs[0])
     for rank, log in enumerate(logs[1:], start=1):
         log = tuple(log)
@@ -79,7 +79,7 @@ def expected_decisions(record: RoundRecord, dead_before: set[str]) -> list[tuple
     return out
 
 
-def check_validity(rounds: Sequence[RoundRecord], leader_log: Sequence[Decision], pp_size: int) -> None:
+def check_validity(rounds: Sequence[RoundRecord], leader_log: Sequence[Ruling], pp_size: int) -> None:
     """Every round decided exactly what its reports call for (validity, and completeness in that round)."""
     for rec in rounds:
         if sorted(r.rank for r in rec.reports) != list(range(pp_size)):
@@ -117,7 +117,7 @@ def check_quiescent(states: Sequence[RankState]) -> None:
 
 
 def check_liveness(
-    leader_log: Sequence[Decision],
+    leader_log: Sequence[Ruling],
     rounds: Sequence[RoundRecord],
     round_started: Mapping[int, float],
     settled: Mapping[tuple[Stream, str], float],

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from consensus.codec import RoundMsg
 from consensus.driver import StepResult
 from consensus.roles import Follower, Leader
 from consensus.scenario import RequestPlan
 from consensus.simulator import DEFAULT_TIMING, Timing, _Simulation
-from consensus.wire import RoundMsg
 
 
 class MicrobatchSimulation(_Simulation):

@@ -30,18 +30,18 @@ from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
+from consensus.codec import RoundMsg
 from consensus.roles import Follower, Leader, Role
 from consensus.state import RankState
 from consensus.transport import Transport
-from consensus.types import Decision, Report
-from consensus.wire import RoundMsg
+from consensus.types import Report, Ruling
 
 
 @dataclass(frozen=True)
 class StepResult:
     """What one `step` did on one rank."""
 
-    decisions: tuple[Decision, ...] = ()  # issued (rank 0) or applied (rank k) in this step, in seq order
+    decisions: tuple[Ruling, ...] = ()  # issued (rank 0) or applied (rank k) in this step, in seq order
     started: int | None = None  # round id this step started (rank 0)
     finished: int | None = None  # round id this step concluded (rank 0) or relayed (rank k)
     report: Report | None = None  # this rank's contribution to a round during this step
@@ -68,7 +68,7 @@ class RingDriver:
             return self._lead(self.role, timeout)
         return self._follow(self.role, timeout)
 
-    def abort(self, rid: str) -> Decision | None:
+    def abort(self, rid: str) -> Ruling | None:
         """Rank 0: abort `rid` everywhere (it rides the next round)."""
         if not isinstance(self.role, Leader):
             raise RuntimeError(f"only rank 0 aborts; this is rank {self.state.rank}")

@@ -27,10 +27,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from consensus import audit
+from consensus.codec import RoundMsg, Tally
 from consensus.roles import Follower, Leader
 from consensus.state import RankState
 from consensus.types import STREAMS, LocalStatus, Report, Stream
-from consensus.wire import RoundMsg, Tally
 
 READY, FAILED, PENDING = LocalStatus.READY, LocalStatus.FAILED, LocalStatus.PENDING
 
@@ -299,7 +299,7 @@ def _key(space: Space, w: World) -> tuple:
 
 
 def _without_round_id(payload: bytes) -> bytes:
-    return payload[:3] + payload[11:]  # bytes 3..11 hold the round id (see consensus.wire)
+    return payload[:3] + payload[11:]  # bytes 3..11 hold the round id (see consensus.codec)
 
 
 def _key_after_set(key: tuple, rank: int, i: int, status: LocalStatus) -> tuple:

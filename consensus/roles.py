@@ -28,9 +28,9 @@ from __future__ import annotations
 
 from collections import deque
 
+from consensus.codec import RoundMsg, Tally
 from consensus.state import RankState
-from consensus.types import STREAMS, Decision, ProtocolError, Report, Stream, Verdict
-from consensus.wire import RoundMsg, Tally
+from consensus.types import STREAMS, ProtocolError, Report, Ruling, Stream, Verdict
 
 
 class Leader:
@@ -45,7 +45,7 @@ class Leader:
         self.max_in_flight = max_in_flight  # rounds on the ring at once: 1 here; the baseline pipelines them
         self._next_round = 0  # id of the next round to start
         self._in_flight: deque[RoundMsg] = deque()  # proposals of the rounds on the ring, oldest first
-        self._unshipped: list[Decision] = []  # issued and applied here, not yet sent down the ring
+        self._unshipped: list[Ruling] = []  # issued and applied here, not yet sent down the ring
         self._shipped_upto = 0  # decisions with seq below this have been sent down the ring
 
     @property
@@ -63,7 +63,7 @@ class Leader:
         room = len(self._in_flight) < self.max_in_flight
         return room and (self.state.num_live > 0 or bool(self._unshipped))
 
-    def abort(self, rid: str) -> Decision | None:
+    def abort(self, rid: str) -> Ruling | None:
         """Abort `rid` on every rank; None when it is already failed or aborted."""
         if not isinstance(rid, str) or not rid:
             raise ValueError(f"rid must be a non-empty str, got {rid!r}")
@@ -83,7 +83,7 @@ class Leader:
         self._shipped_upto, self._unshipped = msg.next_seq, []
         return msg, report
 
-    def conclude(self, result: RoundMsg) -> tuple[Decision, ...]:
+    def conclude(self, result: RoundMsg) -> tuple[Ruling, ...]:
         """Turn the returning round into decisions, applied here at once; ships with the next round."""
         self._check_result(result)
         self._in_flight.popleft()
@@ -110,8 +110,8 @@ class Leader:
             if not got.ready <= put.ready or not put.failed <= got.failed:
                 raise ProtocolError(f"round {result.round_id}: {stream.name} grew its ready or shrank its failed set")
 
-    def _issue(self, stream: Stream | None, rid: str, verdict: Verdict) -> Decision:
-        d = Decision(self.state.applied_seq, stream, rid, verdict)
+    def _issue(self, stream: Stream | None, rid: str, verdict: Verdict) -> Ruling:
+        d = Ruling(self.state.applied_seq, stream, rid, verdict)
         self.state.apply((d,))
         self._unshipped.append(d)
         return d

@@ -25,7 +25,7 @@ from consensus.driver import RingDriver, StepResult
 from consensus.roles import Leader, make_role
 from consensus.scenario import RequestPlan
 from consensus.state import RankState
-from consensus.types import Decision, LocalStatus, Report, Stream, Verdict
+from consensus.types import LocalStatus, Report, Ruling, Stream, Verdict
 
 Key = tuple[Stream, str]  # (stream, rid)
 
@@ -133,7 +133,7 @@ class Environment:
         self.settled[(stream, rid)] = min(self.settled.get((stream, rid), now), now)
         self.wake(rank)
 
-    def on_applied(self, rank: int, decisions: Iterable[Decision]) -> None:
+    def on_applied(self, rank: int, decisions: Iterable[Ruling]) -> None:
         """A READY decision moves the request on to its next stage, on this rank."""
         for d in decisions:
             if d.verdict != Verdict.READY or d.rid not in self.plans:
@@ -162,7 +162,7 @@ class SimResult:
     num_messages: int  # control messages sent
 
     @property
-    def logs(self) -> tuple[tuple[Decision, ...], ...]:
+    def logs(self) -> tuple[tuple[Ruling, ...], ...]:
         return tuple(st.log for st in self.states)
 
     def latencies(self, until: str = "admitted") -> list[float]:

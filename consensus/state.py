@@ -23,7 +23,7 @@ import struct
 from collections.abc import Iterable, Mapping
 from types import MappingProxyType
 
-from consensus.types import STREAMS, Decision, LocalStatus, ProtocolError, Report, Stream, Verdict
+from consensus.types import STREAMS, LocalStatus, ProtocolError, Report, Ruling, Stream, Verdict
 
 _DIGEST_RECORD = struct.Struct("!QBBH")  # seq, stream (255: none), verdict, rid length
 
@@ -38,10 +38,10 @@ class RankState:
             raise ValueError(f"rank must be in [0, {pp_size}), got {rank}")
         self.rank = rank  # this rank, in [0, pp_size)
         self.pp_size = pp_size  # ranks in the ring
-        self.keep_log = keep_log  # keep every applied Decision (tests); the digest is kept either way
+        self.keep_log = keep_log  # keep every applied Ruling (tests); the digest is kept either way
         self._views: tuple[dict[str, LocalStatus], ...] = tuple({} for _ in STREAMS)  # by Stream: rid -> status
         self._dead: set[str] = set()  # rids FAILED or ABORTED by an applied decision; never live again
-        self._log: list[Decision] = []  # applied decisions, seq 0, 1, ... (empty unless keep_log)
+        self._log: list[Ruling] = []  # applied decisions, seq 0, 1, ... (empty unless keep_log)
         self._applied = 0  # number of decisions applied == the next seq this rank expects
         self._digest = hashlib.blake2b(digest_size=16)  # over every applied decision, in order
 
@@ -96,7 +96,7 @@ class RankState:
         sets = [self.local_sets(s) for s in STREAMS]
         return Report(round_id, self.rank, tuple(r for r, _ in sets), tuple(f for _, f in sets))
 
-    def apply(self, decisions: Iterable[Decision]) -> None:
+    def apply(self, decisions: Iterable[Ruling]) -> None:
         """Apply decisions in seq order; they must continue this rank's log with no gap or repeat."""
         decisions = tuple(decisions)
         for i, d in enumerate(decisions):
@@ -106,7 +106,7 @@ class RankState:
         for d in decisions:
             self._apply_one(d)
 
-    def _apply_one(self, d: Decision) -> None:
+    def _apply_one(self, d: Ruling) -> None:
         if d.verdict == Verdict.READY:
             if self._views[d.stream].pop(d.rid, None) is None:
                 raise ProtocolError(f"rank {self.rank}: READY {d.rid!r} in {d.stream.name}, which it does not hold")
@@ -140,11 +140,11 @@ class RankState:
         return self._applied
 
     @property
-    def log(self) -> tuple[Decision, ...]:
+    def log(self) -> tuple[Ruling, ...]:
         """Every applied decision, in order (empty when keep_log is False)."""
         return tuple(self._log)
 
-    def decision(self, seq: int) -> Decision:
+    def decision(self, seq: int) -> Ruling:
         """The applied decision `seq` (needs keep_log)."""
         return self._log[seq]
 

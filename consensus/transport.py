@@ -12,7 +12,7 @@ receives from (r - 1) % P). Two operations, both called only by that rank's driv
         seconds: 0 polls, None waits for ever; returns None when nothing arrived in time.
 
 Payloads are small (a few bytes per rid in flight) and opaque to the transport; the
-driver encodes and decodes them (`consensus.wire`). A torch.distributed implementation
+driver encodes and decodes them (`consensus.codec`). A torch.distributed implementation
 sends a length (one int64 tensor) then the bytes (a uint8 tensor) on a gloo group of its
 own, so rounds never queue behind hidden states. With pp_size == 1 no transport is used.
 """

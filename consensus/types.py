@@ -1,6 +1,6 @@
 """The nouns of consensus: streams, local statuses, verdicts, decisions, reports.
 
-Every record is immutable. A `Decision` is what every rank applies, once, in rank 0's
+Every record is immutable. A `Ruling` is what every rank applies, once, in rank 0's
 order; a `Report` is what one rank contributed to one round (kept for audits).
 """
 
@@ -49,7 +49,7 @@ class ProtocolError(ValueError):
 
 
 @dataclass(frozen=True)
-class Decision:
+class Ruling:
     """One immutable, ordered decision. Every rank applies every decision exactly once, by seq."""
 
     seq: int  # position in rank 0's decision log: 0, 1, 2, ... with no gap

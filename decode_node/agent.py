@@ -14,16 +14,16 @@ import time
 
 import torch
 
+from common.limits import room_tag
+from common.logs import log_event
+from common.metrics import failure_reason, rank_metrics
 from consensus import LocalStatus, Stream
 from engine import faults
 from engine.faults import INJECTED
-from engine.pp.agent import KVAgent
-from engine.pp.control import ControlChannel
-from engine.pp.wire import ABORT, ADMIT, FINISH, RESUME, RETRACT, Decision
 from kv_transfer import KVPoll, KVReceiverEndpoint, Source, StatusChange
-from kvbridge.limits import room_tag
-from kvbridge.logs import log_event
-from kvbridge.metrics import failure_reason, rank_metrics
+from pipeline.agent import KVAgent
+from pipeline.control import ControlChannel
+from pipeline.log import ABORT, ADMIT, FINISH, RESUME, RETRACT, LogEntry
 
 log = logging.getLogger("kvbridge.transfer")
 
@@ -39,7 +39,7 @@ class DecodeAgent(KVAgent):
         self.doomed: set[str] = set()  # fault injection: rids whose transfer fails on this rank
         self.label = str(rank)
 
-    def on_decision(self, d: Decision) -> None:
+    def on_decision(self, d: LogEntry) -> None:
         pd = (d.info or {}).get("room")
         if d.kind == ADMIT and pd is not None:
             info = d.info

@@ -18,12 +18,12 @@ from dataclasses import replace
 
 from consensus import Stream as S
 from consensus import Verdict
-from engine.pp.control import ControlChannel
-from engine.pp.leader import Leader
-from engine.pp.messages import Abort, Add, Fail, PeerDown, Preallocated, Shutdown, Token
-from engine.pp.wire import ABORT, ADMIT, FINISH, RESUME, RETRACT
 from engine.request import Request
 from engine.scheduler import Scheduler
+from pipeline.control import ControlChannel
+from pipeline.log import ABORT, ADMIT, FINISH, RESUME, RETRACT
+from pipeline.messages import Abort, Add, Fail, PeerDown, Preallocated, Shutdown, Token
+from pipeline.rank0 import Rank0Loop
 
 TIMEOUT_CHECK_S = 0.1  # how often timeouts are looked for
 _AWAITING_KV = ("prealloc", "transferring")  # phases that still need the prefill node
@@ -52,7 +52,7 @@ class DecodeScheduler(Scheduler):
         self.on_retract(req, pages)
 
 
-class DecodeLeader(Leader):
+class DecodeLeader(Rank0Loop):
     role = "decode"
 
     def __init__(self, *args, chan: ControlChannel, receiver, reserve_tokens: int = 64, **kwargs):

@@ -7,18 +7,18 @@ from google.protobuf import json_format
 from decode_node.agent import DecodeAgent
 from decode_node.loop import DecodeLeader, DecodeScheduler
 from engine.config import EngineConfig, PPConfig
-from engine.frontend import NodeFront
 from engine.llm import resolve_device
-from engine.pp import dist as pp_dist
-from engine.pp.control import ControlChannel, GlooTransport, end_rank
-from engine.pp.follower import Follower
-from engine.pp.messages import Fail, Wake
-from engine.pp.node import PPNode, RankContext, RankRole
 from kv_transfer import KVReceiverEndpoint, ReceiverConfig, remove_stale_segments
-from kv_transfer import wire as kv_wire
+from kv_transfer import adapters as kv_wire
 from kv_transfer.factory import CPU_BACKENDS
-from kv_transfer.layout import dtype_name, engine_layout
+from kv_transfer.layout import dtype_name, node_layout
 from kvbridge.v1 import prefill_pb2
+from pipeline import dist as pp_dist
+from pipeline.control import ControlChannel, GlooTransport, end_rank
+from pipeline.group import RankContext, RankGroup, RankRole
+from pipeline.messages import Fail, Wake
+from pipeline.stage import StageLoop
+from serving.front import NodeFront
 
 RESERVE_TOKENS = 64  # free room kept for decoding when a request's pages are preallocated
 
@@ -63,7 +63,7 @@ def decode_role(ctx: RankContext) -> RankRole:
             chan=chan, receiver=receiver, reserve_tokens=RESERVE_TOKENS,
         )  # fmt: skip
     else:
-        loop = Follower(ctx.rank, pp.pp_size, ctx.stage, receiver.pool, link, agent)
+        loop = StageLoop(ctx.rank, pp.pp_size, ctx.stage, receiver.pool, link, agent)
     endpoint = json_format.MessageToDict(kv_wire.rank_to_proto(receiver.endpoint), preserving_proto_field_name=True)
     return RankRole(loop, endpoint=endpoint, close=close)
 
@@ -77,19 +77,19 @@ class DecodeNode:
         remove_stale_segments()  # pools of decode ranks killed before they could unlink them
         # a TCPStore per rank only where the torch engine may be used
         role_args = {"host": host, "torch_store": backend in ("auto", "torch")}
-        self.node = PPNode(config, pp, progress=progress, role="decode_node.node:decode_role", role_args=role_args)
-        self.front = NodeFront(self.node)
+        self.ranks = RankGroup(config, pp, progress=progress, build=decode_role, role_args=role_args)
+        self.front = NodeFront(self.ranks)
         self.device = resolve_device(config.device)
         ranks = tuple(
-            kv_wire.rank_from_proto(json_format.ParseDict(self.node.endpoints[r], prefill_pb2.RankEndpoint()))
+            kv_wire.rank_from_proto(json_format.ParseDict(self.ranks.endpoints[r], prefill_pb2.RankEndpoint()))
             for r in range(pp.pp_size)
         )
         backends = tuple(b for b in CPU_BACKENDS if b != "torch" or role_args["torch_store"])
-        self.layout = engine_layout(config, self.node.model, ranks, backends)
+        self.layout = node_layout(config, self.ranks.model, ranks, backends)
 
     def fail(self, rid: str, code: str, error: str) -> None:
-        self.node.inbox.put(Fail(rid, code, error))
+        self.ranks.inbox.put(Fail(rid, code, error))
 
     def shutdown(self):
         self.front.close()
-        return self.node.shutdown()
+        return self.ranks.shutdown()

@@ -12,15 +12,12 @@ from collections.abc import Callable
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from common import rpc
+from common.limits import normalized_address
 from decode_node.node import DecodeNode
 from engine.config import EngineConfig, PPConfig
-from engine.frontend import Overloaded
-from engine.pp.messages import PeerDown, Preallocated
-from engine.server import NodeServer
 from kv_transfer import NodeLayout, choose_backend, incompatibility
-from kv_transfer import wire as kv_wire
-from kvbridge import convert, rpc
-from kvbridge.limits import normalized_address
+from kv_transfer import adapters as kv_wire
 from kvbridge.v1 import (
     common_pb2,
     generation_pb2,
@@ -28,6 +25,10 @@ from kvbridge.v1 import (
     prefill_pb2,
     prefill_pb2_grpc,
 )
+from pipeline.messages import PeerDown, Preallocated
+from serving import convert
+from serving.front import Overloaded
+from serving.server import NodeServer
 
 SERVICES = ("kvbridge.v1.Generation", "kvbridge.v1.Admin")
 ROOM_SECRET_BYTES = 16
@@ -46,7 +47,7 @@ class PrefillPeers:
     every channel is an aio channel and every watch a task.
 
     Addresses come from clients (GenerateRequest.prefill.prefill_addr): they are keyed in one
-    spelling (kvbridge.limits.normalized_address), and at most MAX_PEERS are kept, the least
+    spelling (common.limits.normalized_address), and at most MAX_PEERS are kept, the least
     recently used forgotten first."""
 
     def __init__(self, on_down: Callable[[str], None] = lambda addr: None):
@@ -243,18 +244,18 @@ class DecodeGenerationService(generation_pb2_grpc.GenerationServicer):
         )
         try:
             # answered once the prefill node's rank 0 ruled on it: under a burst, behind its queue
-            await stub.Register(req, timeout=self.node.node.config.transfer_timeout_s)
+            await stub.Register(req, timeout=self.node.ranks.config.transfer_timeout_s)
         except grpc.RpcError as e:
             self.node.fail(rid, e.code().name, f"registration with the prefill node failed: {e.details()}")
 
     def _peer_down(self, addr: str) -> None:
         if self.node is not None:
-            self.node.node.inbox.put(PeerDown(addr))
+            self.node.ranks.inbox.put(PeerDown(addr))
 
     async def GetModelInfo(self, request, context):
         if self.node is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the decode node is still loading")
-        node = self.node.node
+        node = self.node.ranks
         return generation_pb2.ModelInfo(
             model=node.config.model, fingerprint=node.model.fingerprint, max_context=node.max_context, role="decode"
         )

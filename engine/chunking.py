@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.progress import Progress
+from common.progress import Progress
 
 logger = logging.getLogger(__name__)
 

@@ -170,8 +170,8 @@ class PPConfig:
     pp_size: int = 1  # rank processes; each holds a contiguous layer range
     async_batch_depth: int = 0  # extra microbatches in flight beyond pp_size
     enable_dynamic_chunking: bool = False  # size prompt chunks from a start-up latency profile
-    nnodes: int = 1  # hosts the ranks are spread over
-    node_rank: int = 0  # this host's index in [0, nnodes)
+    num_hosts: int = 1  # hosts the ranks are spread over
+    host_rank: int = 0  # this host's index in [0, num_hosts)
     dist_init_addr: str = ""  # host:port of the torch.distributed rendezvous; "" = a free local port
 
     def __post_init__(self) -> None:
@@ -179,12 +179,12 @@ class PPConfig:
             raise ValueError(f"pp_size must be >= 1, got {self.pp_size}")
         if self.async_batch_depth < 0:
             raise ValueError(f"async_batch_depth must be >= 0, got {self.async_batch_depth}")
-        if self.nnodes < 1 or self.pp_size % self.nnodes:
-            raise ValueError(f"pp_size={self.pp_size} must be a multiple of nnodes={self.nnodes}")
-        if not 0 <= self.node_rank < self.nnodes:
-            raise ValueError(f"node_rank must be in [0, {self.nnodes}), got {self.node_rank}")
-        if self.nnodes > 1 and not self.dist_init_addr:
-            raise ValueError("--dist-init-addr host:port is required with nnodes > 1")
+        if self.num_hosts < 1 or self.pp_size % self.num_hosts:
+            raise ValueError(f"pp_size={self.pp_size} must be a multiple of num_hosts={self.num_hosts}")
+        if not 0 <= self.host_rank < self.num_hosts:
+            raise ValueError(f"host_rank must be in [0, {self.num_hosts}), got {self.host_rank}")
+        if self.num_hosts > 1 and not self.dist_init_addr:
+            raise ValueError("--dist-init-addr host:port is required with num_hosts > 1")
 
     @property
     def pp_loop_size(self) -> int:
@@ -193,8 +193,8 @@ class PPConfig:
 
     @property
     def ranks_per_node(self) -> int:
-        return self.pp_size // self.nnodes
+        return self.pp_size // self.num_hosts
 
     @property
     def local_ranks(self) -> range:
-        return range(self.node_rank * self.ranks_per_node, (self.node_rank + 1) * self.ranks_per_node)
+        return range(self.host_rank * self.ranks_per_node, (self.host_rank + 1) * self.ranks_per_node)

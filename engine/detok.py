@@ -17,7 +17,7 @@
   become the start of a stop string.
 - `StopChecker`: both, for rank 0's scheduler (one per request with stop strings): where
   the output text ends and that text, cut before the stop string.
-- `TextStream`: the front's interface (engine.frontend.TextStream: `push(token)` the text
+- `TextStream`: the front's interface (serving.front.TextStream: `push(token)` the text
   safe to send now, `finish(final_text)` the rest) on top of a StopChecker.
 
 Special tokens are dropped before decoding when they are skipped (as `tokenizers` itself does
@@ -171,7 +171,7 @@ class StopChecker:
 
 
 class TextStream:
-    """Incremental detokenization of one request's output for streaming: engine.frontend's
+    """Incremental detokenization of one request's output for streaming: serving.front's
     TextStream interface, O(1) per token. Text that could still become a stop string is held
     back; once a stop string is found (after min_tokens tokens), nothing from it on is sent."""
 

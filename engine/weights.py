@@ -21,8 +21,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from common.progress import Progress
 from engine.config import ModelConfig
-from engine.progress import Progress
 from engine.tokenizer import Tokenizer
 
 DEFAULT_MODEL = "smollm2-135m-instruct"

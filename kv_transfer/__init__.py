@@ -63,7 +63,7 @@ Every engine's TransferDone and FirstToken notices go over gRPC to the decode ra
 KVReceiver, which checks every page id, layer and byte count it is told about.
 """
 
-from kv_transfer.engines.shm import remove_segments_of, remove_stale_segments
+from kv_transfer.backends.shm import remove_segments_of, remove_stale_segments
 from kv_transfer.factory import BACKENDS, CHOICES, choose_backend, make_sender
 from kv_transfer.layers import overlap, overlaps
 from kv_transfer.layout import NodeLayout, PageGeometry, RankInfo, incompatibility, local_host_id

@@ -7,10 +7,10 @@ from collections.abc import Callable
 import torch
 
 from engine.kv_pool import KVPool
-from kv_transfer.engines.cuda_ipc import CudaIpcSender
-from kv_transfer.engines.grpc_stream import GrpcSender
-from kv_transfer.engines.shm import ShmSender
-from kv_transfer.engines.torch_p2p import TorchSender
+from kv_transfer.backends.cuda_ipc import CudaIpcSender
+from kv_transfer.backends.grpc_stream import GrpcSender
+from kv_transfer.backends.shm import ShmSender
+from kv_transfer.backends.torch_p2p import TorchSender
 from kv_transfer.layout import NodeLayout
 from kv_transfer.poll import StatusChange
 from kv_transfer.sender import Sender, SenderConfig

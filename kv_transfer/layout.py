@@ -1,4 +1,4 @@
-"""The records both sides exchange (as dataclasses; kv_transfer/wire.py converts to protobuf):
+"""The records both sides exchange (as dataclasses; kv_transfer/adapters.py converts to protobuf):
 a rank's endpoint, a node's KV layout, and the geometry of a page."""
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ def incompatibility(prefill: NodeLayout, decode: NodeLayout) -> str:
     return ""
 
 
-def engine_layout(config, model, ranks: tuple[RankInfo, ...], backends: tuple[str, ...]) -> NodeLayout:
+def node_layout(config, model, ranks: tuple[RankInfo, ...], backends: tuple[str, ...]) -> NodeLayout:
     """A node's layout from its EngineConfig and LoadedModel (engine/), its ranks and the engines it drives."""
     from engine.llm import resolve_device, resolve_dtype
 

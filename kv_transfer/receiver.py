@@ -13,17 +13,17 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from common.rpc import KV_MESSAGE_BYTES, make_server
 from engine.kv_pool import KVPool
+from kv_transfer.backends import cuda_ipc
+from kv_transfer.backends.shm import Segment
+from kv_transfer.backends.torch_p2p import TorchReceiverPort
 from kv_transfer.blocks import scatter
-from kv_transfer.engines import cuda_ipc
-from kv_transfer.engines.shm import Segment
-from kv_transfer.engines.torch_p2p import TorchReceiverPort
 from kv_transfer.layers import local_slice, page_runs
 from kv_transfer.layout import PageGeometry, RankInfo, dtype_from_name
 from kv_transfer.poll import KVPoll, StatusBoard, StatusChange
 from kv_transfer.rooms import RoomTable, Source
 from kv_transfer.service import KVReceiverServicer
-from kvbridge.rpc import KV_MESSAGE_BYTES, make_server
 from kvbridge.v1 import kv_transfer_pb2_grpc
 
 SERVICE_NAME = "kvbridge.v1.KVReceiver"
@@ -97,7 +97,7 @@ class KVReceiverEndpoint:
             torch_addr=self._torch.addr if self._torch else "",
             torch_key=self._torch.key if self._torch else "",
             cuda_ipc_handle=ipc_handle,
-        )  # what the daemon publishes in its KVLayout (kv_transfer.wire.rank_to_proto)
+        )  # what the daemon publishes in its KVLayout (kv_transfer.adapters.rank_to_proto)
 
     def _make_pool(self) -> tuple[KVPool, bytes]:
         c = self.config

@@ -1,7 +1,7 @@
 """The prefill rank's side: one Sender per (rank process, engine), with one worker thread.
 
 The daemon's calls return at once; the worker runs them in order, so a room's pushes land
-before its TransferDone notices go out. Engines (kv_transfer/engines/) subclass Sender and
+before its TransferDone notices go out. Engines (kv_transfer/backends/) subclass Sender and
 fill in how to open a connection to one decode rank and how to write pages through it.
 """
 
@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
+from common.rpc import KV_MESSAGE_BYTES, make_channel
 from engine.kv_pool import KVPool
 from kv_transfer.layers import overlap
 from kv_transfer.layout import NodeLayout, PageGeometry, RankInfo
 from kv_transfer.poll import IllegalTransition, KVPoll, StatusBoard, StatusChange
-from kvbridge.rpc import KV_MESSAGE_BYTES, make_channel
 from kvbridge.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 
 log = logging.getLogger(__name__)

@@ -8,9 +8,9 @@ import sys
 from dataclasses import fields
 from functools import partial
 
+from common.security import add_tls_flags
 from engine.config import EngineConfig, PPConfig
 from engine.request import SamplingParams
-from kvbridge.security import add_tls_flags
 
 _ENGINE_HELP = {
     "model": "preset (smollm2-135m-instruct, tiny-random), .gguf file, or Hugging Face directory",
@@ -33,9 +33,9 @@ _ENGINE_HELP = {
     "pp_size": "pipeline-parallel rank processes (each holds a layer range)",
     "async_batch_depth": "microbatches in flight beyond pp_size",
     "enable_dynamic_chunking": "size prompt chunks from a start-up prefill latency profile",
-    "nnodes": "hosts the pipeline ranks are spread over",
-    "node_rank": "this host's index in [0, nnodes)",
-    "dist_init_addr": "host:port of the torch.distributed rendezvous (required with --nnodes > 1)",
+    "num_hosts": "hosts the pipeline ranks are spread over",
+    "host_rank": "this host's index in [0, num_hosts)",
+    "dist_init_addr": "host:port of the torch.distributed rendezvous (required with --num_hosts > 1)",
 }
 
 
@@ -134,15 +134,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_demo_parser(sub)
     add_admin_parser(sub)
 
-    bench = sub.add_parser("bench", help="run a benchmark from bench/ (prints JSON)")
-    bench.add_argument("name", choices=["engine", "consensus", "pp", "kv_transfer", "soak", "serve"])
+    bench = sub.add_parser("bench", help="run a benchmark from kvbridge/bench/ (prints JSON)")
+    bench.add_argument("name", choices=BENCHES)
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own flags")
     return parser
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from engine.llm import LLM, completion  # deferred: torch import is slow and `--help` should not pay for it
-    from engine.pp.node import PPNode
+    from pipeline.group import RankGroup
 
     if not (args.prompt or args.chat or args.prompt_ids):
         raise UsageError("give at least one of --prompt, --chat, --prompt-ids")
@@ -166,7 +166,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             if pp.enable_dynamic_chunking:
                 engine.enable_dynamic_chunking(progress=not args.quiet)
         else:
-            engine = PPNode(config, pp, progress=not args.quiet)
+            engine = RankGroup(config, pp, progress=not args.quiet)
     except (ValueError, FileNotFoundError) as e:
         raise UsageError(str(e)) from None
     try:
@@ -228,7 +228,7 @@ def stop_on_signal():
 def cmd_node(args: argparse.Namespace) -> int:
     """`kvbridge serve|prefill|decode`: a node with its gRPC server, until SIGINT or SIGTERM.
     The server is bound first (health NOT_SERVING, Admin answering) and serves once the ranks are up."""
-    from kvbridge import logs, rpc, security
+    from common import logs, rpc, security
 
     try:  # before any server or channel exists; the ranks get it from the node
         rpc.configure(security.from_flags(args))
@@ -249,9 +249,9 @@ def cmd_node(args: argparse.Namespace) -> int:
         settings = {"model": config.model, "transfer_backend": getattr(args, "transfer_backend", "")}
         bind = (args.host, args.port, args.metrics_port, settings)
         if args.command == "serve":
-            from engine.service import ColocatedNode, ServingNode
+            from serving.colocated import ColocatedNode, ColocatedServer
 
-            server = ServingNode(*bind)
+            server = ColocatedServer(*bind)
             make_node = partial(ColocatedNode, config, pp, progress)
         elif args.command == "prefill":
             from prefill_node.node import PrefillNode
@@ -291,10 +291,21 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
-    import importlib
+BENCHES = ("engine", "consensus", "pp", "kv_transfer", "soak", "serve")
 
-    return importlib.import_module(f"bench.{args.name}").main(args.rest)
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from kvbridge.bench import consensus, engine, kv_transfer, pp, serve, soak  # deferred: they import torch
+
+    mains = {
+        "engine": engine,
+        "consensus": consensus,
+        "pp": pp,
+        "kv_transfer": kv_transfer,
+        "soak": soak,
+        "serve": serve,
+    }
+    return mains[args.name].main(args.rest)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,9 +13,9 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from common.progress import Progress
+from common.security import add_tls_flags
 from engine.config import EngineConfig, PPConfig
-from engine.progress import Progress
-from kvbridge.security import add_tls_flags
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -44,7 +44,7 @@ def add_demo_parser(sub) -> None:
 
 
 def ask(port: int, question: str, max_new_tokens: int) -> dict:
-    from kvbridge import rpc
+    from common import rpc
     from kvbridge.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
     stub = generation_pb2_grpc.GenerationStub(rpc.make_channel(f"127.0.0.1:{port}"))
@@ -101,7 +101,7 @@ def run_traffic(port: int, requests: int, max_new_tokens: int, progress: bool = 
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    from kvbridge import logs, rpc, security
+    from common import logs, rpc, security
 
     try:  # every server and channel of the demo's processes, their ranks included
         rpc.configure(security.from_flags(args))
@@ -137,7 +137,7 @@ def run_demo(args: argparse.Namespace) -> int:
             s.stop()
     kv_bytes = sum(a.get("kv_bytes", 0) for a in answers)
     # per request: from the decode node's registration to its KV landing on every decode rank; this
-    # includes computing the prompt on the prefill node (bench/kv_transfer.py measures copies alone)
+    # includes computing the prompt on the prefill node (kvbridge/bench/kv_transfer.py measures copies alone)
     kv_s = sum(a.get("kv_s", 0.0) for a in answers)
     summary = {
         "requests": len(answers),

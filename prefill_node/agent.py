@@ -14,19 +14,19 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from common.limits import room_tag
+from common.logs import log_event
+from common.metrics import failure_reason, rank_metrics
 from consensus import LocalStatus, Stream
 from engine import faults
 from engine.batch import ForwardBatch
 from engine.faults import INJECTED
 from engine.kv_pool import KVPool
-from engine.pp.agent import KVAgent
-from engine.pp.control import ControlChannel
-from engine.pp.wire import ABORT, FINISH, ROUTE, Decision
 from kv_transfer import KVPoll, StatusChange, make_sender
-from kvbridge.convert import layout_from_dict
-from kvbridge.limits import room_tag
-from kvbridge.logs import log_event
-from kvbridge.metrics import failure_reason, rank_metrics
+from pipeline.agent import KVAgent
+from pipeline.control import ControlChannel
+from pipeline.log import ABORT, FINISH, ROUTE, LogEntry
+from serving.convert import layout_from_dict
 
 log = logging.getLogger("kvbridge.transfer")
 
@@ -74,7 +74,7 @@ class PrefillAgent(KVAgent):
 
     # ---------------------------------------------------------------- decisions
 
-    def on_decision(self, d: Decision) -> None:
+    def on_decision(self, d: LogEntry) -> None:
         if d.kind == ROUTE:
             info = d.info
             route = Route(d.rid, info["room"], info["backend"], list(info["page_ids"]))

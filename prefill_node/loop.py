@@ -18,16 +18,16 @@ from dataclasses import replace
 
 from consensus import Stream as S
 from consensus import Verdict
-from engine.pp.control import ControlChannel
-from engine.pp.leader import Leader
-from engine.pp.messages import Abort, Add, Answer, Register, Shutdown
-from engine.pp.wire import ABORT, ADMIT, FINISH, ROUTE
 from engine.request import Request
+from pipeline.control import ControlChannel
+from pipeline.log import ABORT, ADMIT, FINISH, ROUTE
+from pipeline.messages import Abort, Add, Answer, Register, Shutdown
+from pipeline.rank0 import Rank0Loop
 
 TIMEOUT_CHECK_S = 0.1  # how often timeouts are looked for
 
 
-class PrefillLeader(Leader):
+class PrefillLeader(Rank0Loop):
     role = "prefill"
 
     def __init__(self, *args, chan: ControlChannel, **kwargs):

@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 from engine.config import EngineConfig, PPConfig
-from engine.frontend import NodeFront
 from engine.model import stage_ranges
-from engine.pp import dist as pp_dist
-from engine.pp.control import ControlChannel, GlooTransport, end_rank
-from engine.pp.follower import Follower
-from engine.pp.messages import Wake
-from engine.pp.node import PPNode, RankContext, RankRole
 from kv_transfer.factory import CPU_BACKENDS
-from kv_transfer.layout import RankInfo, engine_layout
+from kv_transfer.layout import RankInfo, node_layout
+from pipeline import dist as pp_dist
+from pipeline.control import ControlChannel, GlooTransport, end_rank
+from pipeline.group import RankContext, RankGroup, RankRole
+from pipeline.messages import Wake
+from pipeline.stage import StageLoop
 from prefill_node.agent import PrefillAgent
 from prefill_node.loop import PrefillLeader
+from serving.front import NodeFront
 
 BACKENDS = CPU_BACKENDS  # the engines a prefill rank can drive here (cuda_ipc needs GPUs)
 
@@ -39,7 +39,7 @@ def prefill_role(ctx: RankContext) -> RankRole:
             ctx.stage, pool, scheduler, link, pp.pp_size, pp.pp_loop_size, ctx.inbox, ctx.outbox, agent, chan=chan
         )
     else:
-        loop = Follower(ctx.rank, pp.pp_size, ctx.stage, pool, link, agent)
+        loop = StageLoop(ctx.rank, pp.pp_size, ctx.stage, pool, link, agent)
     return RankRole(loop, close=close)
 
 
@@ -49,12 +49,12 @@ class PrefillNode:
     def __init__(self, config: EngineConfig, pp: PPConfig, progress: bool = False, backend: str = "auto"):
         if backend != "auto" and backend not in BACKENDS:
             raise ValueError(f"transfer backend must be auto or one of {', '.join(BACKENDS)}, got {backend!r}")
-        self.node = PPNode(config, pp, progress=progress, role="prefill_node.node:prefill_role")
-        self.front = NodeFront(self.node)
-        ranges = stage_ranges(self.node.model.config.num_hidden_layers, pp.pp_size)
+        self.ranks = RankGroup(config, pp, progress=progress, build=prefill_role)
+        self.front = NodeFront(self.ranks)
+        ranges = stage_ranges(self.ranks.model.config.num_hidden_layers, pp.pp_size)
         ranks = tuple(RankInfo(i, lo, hi) for i, (lo, hi) in enumerate(ranges))
-        self.layout = engine_layout(config, self.node.model, ranks, BACKENDS if backend == "auto" else (backend,))
+        self.layout = node_layout(config, self.ranks.model, ranks, BACKENDS if backend == "auto" else (backend,))
 
     def shutdown(self):
         self.front.close()
-        return self.node.shutdown()
+        return self.ranks.shutdown()

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import grpc
 
+from common.rpc import shown
 from engine.config import EngineConfig, PPConfig
-from engine.frontend import Overloaded
-from engine.server import NodeServer
 from kv_transfer.layout import incompatibility
-from kvbridge import convert
-from kvbridge.rpc import shown
 from kvbridge.v1 import prefill_pb2, prefill_pb2_grpc
 from prefill_node.node import PrefillNode
+from serving import convert
+from serving.front import Overloaded
+from serving.server import NodeServer
 
 SERVICES = ("kvbridge.v1.Prefill", "kvbridge.v1.Bootstrap", "kvbridge.v1.Admin")
 
@@ -99,7 +99,7 @@ class BootstrapService(prefill_pb2_grpc.BootstrapServicer):
             "decode": convert.layout_to_dict(decode),
             "decode_addr": request.decode_addr,
         }
-        wait_s = self.node.node.config.bootstrap_timeout_s  # rank 0 answers between steps, behind its queue
+        wait_s = self.node.ranks.config.bootstrap_timeout_s  # rank 0 answers between steps, behind its queue
         try:
             verdict = await self.node.front.register(request.room, registration, timeout=wait_s)
         except TimeoutError:

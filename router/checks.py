@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from kvbridge.limits import MAX_CLIENT_RID_CHARS, rid_problem
+from common.limits import MAX_CLIENT_RID_CHARS, rid_problem
 from kvbridge.v1 import generation_pb2
 
 CHAT_ROLES = ("system", "user", "assistant")

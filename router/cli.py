@@ -8,8 +8,8 @@ import sys
 import threading
 from dataclasses import fields
 
-from kvbridge.logs import LEVELS
-from kvbridge.security import add_tls_flags
+from common.logs import LEVELS
+from common.security import add_tls_flags
 from router.config import RouterConfig
 
 _HELP = {
@@ -92,8 +92,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
 
 def run_router(args: argparse.Namespace) -> int:
     """Serve until SIGINT or SIGTERM. Bad flag values: one line on stderr, exit status 2."""
-    from kvbridge import rpc, security
-    from kvbridge.logs import setup as setup_logs
+    from common import rpc, security
+    from common.logs import setup as setup_logs
     from router.server import start_router
 
     try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import combinations
 
-from kvbridge.limits import parse_address
+from common.limits import parse_address
 
 
 @dataclass(frozen=True)

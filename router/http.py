@@ -48,12 +48,13 @@ from starlette.routing import Route
 from starlette.types import Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import STATUS_PHRASES, H11Protocol
 
-from kvbridge import __version__, rpc
-from kvbridge.security import check_bearer
+from common import __version__, rpc
+from common.security import check_bearer
 from kvbridge.v1 import generation_pb2
 from router.config import RouterConfig
-from router.dispatch import DRAINING, Dispatcher, Routed, RouteError
+from router.dispatch import Dispatcher
 from router.openai_api import BadRequest, Reply, error_body, parse_request
+from router.routed import DRAINING, Routed, RouteError
 
 MAX_HEADER_BYTES = 64 << 10  # request line and headers (h11's limit on an incomplete event)
 RETRY_AFTER_S = 1  # what a 503 for the concurrency limit tells the client to wait

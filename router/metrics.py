@@ -1,5 +1,5 @@
 """The router's Prometheus series, in a registry of its own (tests run several routers in one
-process). The series are defined in kvbridge.metrics.RouterMetrics; here they are observed:
+process). The series are defined in common.metrics.RouterMetrics; here they are observed:
 
     kvbridge_router_requests_total{outcome}         client requests that ended: stop | length | abort | error
     kvbridge_router_retries_total{reason}           attempts moved to another node pair before any token reached
@@ -26,7 +26,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from kvbridge.metrics import OUTCOMES, RouterMetrics
+from common.metrics import OUTCOMES, RouterMetrics
 from router.pool import NodePool
 
 RETRY_REASONS = ("unavailable", "resource_exhausted", "deadline_exceeded")  # the retried status codes, lowercased

@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvbridge import rpc
-from kvbridge.limits import normalized_address
-from kvbridge.rpc import shown
+from common import rpc
+from common.limits import normalized_address
+from common.rpc import shown
 from kvbridge.v1 import generation_pb2, generation_pb2_grpc
 
 

@@ -1,6 +1,6 @@
 """Start and stop a router: one event loop (its own thread) runs the node pool's health watches,
 the dispatcher's requests, the gRPC server (grpc.aio) and the HTTP server (uvicorn). Only the
-metrics server (kvbridge.metrics, scraped now and then) keeps a thread of its own."""
+metrics server (common.metrics, scraped now and then) keeps a thread of its own."""
 
 from __future__ import annotations
 
@@ -8,13 +8,14 @@ import asyncio
 
 from grpc_health.v1 import health_pb2
 
-from kvbridge import rpc
-from kvbridge.metrics import MetricsServer
+from common import rpc
+from common.metrics import MetricsServer
 from kvbridge.v1 import admin_pb2_grpc, generation_pb2_grpc
 from router.config import RouterConfig
-from router.dispatch import ROUTER_STOPPING, Dispatcher
+from router.dispatch import Dispatcher
 from router.http import HTTPFront
 from router.pool import NodePool
+from router.routed import ROUTER_STOPPING
 from router.service import SERVICES, AdminService, GenerationService
 
 STOP_SLACK_S = 1.0  # gRPC calls still open this long after the grace period (and the cancels) are cut

@@ -13,14 +13,15 @@ from dataclasses import asdict
 
 import grpc
 
-from kvbridge import __version__, rpc
-from kvbridge.limits import listed_room, room_tag
-from kvbridge.logs import log_event
+from common import __version__, rpc
+from common.limits import listed_room, room_tag
+from common.logs import log_event
 from kvbridge.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
 from router.checks import check_generate
 from router.config import RouterConfig
-from router.dispatch import OPERATOR_ABORTED, PHASES, Dispatcher, Routed, RouteError
+from router.dispatch import Dispatcher
 from router.pool import Node, PoolFull
+from router.routed import OPERATOR_ABORTED, PHASES, Routed, RouteError
 
 SERVICES = ("kvbridge.v1.Generation", "kvbridge.v1.Admin")
 DEFAULT_PAGE = 100  # ListRequests page_size 0

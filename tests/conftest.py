@@ -35,9 +35,9 @@ def make_prompts(n: int, vocab: int, seed: int = 0, min_len: int = 3, max_len: i
 @pytest.fixture(autouse=True)
 def node_invariants():
     """After every test: each node still running is idle within 15 s and passes its invariant
-    checks (engine/server.py NodeServer.check_invariants)."""
+    checks (serving/server.py NodeServer.check_invariants)."""
     yield
-    from engine.server import LIVE
+    from serving.server import LIVE
 
     for server in list(LIVE):
         if server.dead:

@@ -35,11 +35,10 @@ import pytest
 from hypothesis import HealthCheck, Phase
 from hypothesis import strategies as st
 
+from common import rpc
 from decode_node.service import start_decode
 from engine.config import PPConfig
-from engine.service import start_colocated
-from kv_transfer import wire as kv_wire
-from kvbridge import rpc
+from kv_transfer import adapters as kv_wire
 from kvbridge.v1 import (
     admin_pb2,
     admin_pb2_grpc,
@@ -52,6 +51,7 @@ from kvbridge.v1 import (
 from prefill_node.service import start_prefill
 from router.config import RouterConfig
 from router.server import start_router
+from serving.colocated import start_colocated
 from tests.pd import TINY, token_prompt
 
 HARD_TIMEOUT_S = 900  # a test module (slow run included); faulthandler dumps every thread and exits past it
@@ -133,7 +133,7 @@ class FakePrefill:
 
 @dataclass
 class Fleet:
-    c: object  # colocated ServingNode
+    c: object  # colocated ColocatedServer
     p: object  # PrefillServer
     d: object  # DecodeServer
     router: object
@@ -158,8 +158,8 @@ def client(cls, addr: str):
 
 
 def stop_node(server) -> None:
-    if server.dead or server.node.node.dead_ranks():
-        server.node.node.kill()
+    if server.dead or server.node.ranks.dead_ranks():
+        server.node.ranks.kill()
         server.server.stop(0)
     else:
         server.stop()
@@ -182,7 +182,7 @@ def start_fleet() -> Fleet:
 
 
 def stop_fleet(f: Fleet) -> None:
-    procs = [proc for node in f.nodes for proc in node.node.node.procs]
+    procs = [proc for node in f.nodes for proc in node.node.ranks.procs]
     f.router.stop()
     f.fake.stop()
     with ThreadPoolExecutor(3) as pool:
@@ -317,7 +317,7 @@ def assert_fleet_healthy(f: Fleet, group: str) -> None:
     """Every rank alive, every node idle and not draining, nothing left over anywhere, and the same
     tokens as at the start on every path."""
     for node in f.nodes:
-        assert not node.dead and not node.node.node.dead_ranks(), f"{group}: a rank of the {node.role} node died"
+        assert not node.dead and not node.node.ranks.dead_ranks(), f"{group}: a rank of the {node.role} node died"
     deadline = time.monotonic() + 20
     for node in (*f.nodes, None):
         addr = node.address if node is not None else f.router_addr
@@ -528,7 +528,7 @@ def router_checks(rid: str, prompt: common_pb2.Prompt, s: common_pb2.SamplingPar
 
 
 def node_rid_checks(rid: str, e: Expect) -> Expect:
-    """What every node's front refuses of a rid (kvbridge/limits.py), before anything else of the request."""
+    """What every node's front refuses of a rid (common/limits.py), before anything else of the request."""
     if rid and (len(rid) > 160 or not all(ch in string.ascii_letters + string.digits + "._:-" for ch in rid)):
         e.add(C.INVALID_ARGUMENT, "rid must be 1..160 characters")
     return e

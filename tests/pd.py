@@ -9,9 +9,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
+from common import rpc
 from decode_node.service import start_decode
 from engine.config import EngineConfig, PPConfig
-from kvbridge import rpc
 from kvbridge.v1 import (
     admin_pb2,
     admin_pb2_grpc,

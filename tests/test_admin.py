@@ -17,12 +17,12 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from common import rpc
 from engine.config import PPConfig
-from engine.service import start_colocated
-from kvbridge import rpc
 from kvbridge.v1 import admin_pb2, admin_pb2_grpc, common_pb2, generation_pb2, generation_pb2_grpc
 from router.config import RouterConfig
 from router.server import start_router
+from serving.colocated import start_colocated
 from tests.pd import TINY, start_nodes, stop_nodes, token_prompt, wait_idle
 
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
@@ -291,7 +291,7 @@ def test_a_killed_rank_turns_health_not_serving_and_fails_its_requests(hard_time
             generation_pb2.GenerateRequest(prompt=token_prompt([1, 2]), sampling=sampling), timeout=60
         )
         next(stream)
-        node.node.node.procs[1].kill()  # SIGKILL rank 1
+        node.node.ranks.procs[1].kill()  # SIGKILL rank 1
         with pytest.raises(grpc.RpcError) as e:
             list(stream)
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -306,7 +306,7 @@ def test_a_killed_rank_turns_health_not_serving_and_fails_its_requests(hard_time
             "the colocated node lost pipeline rank 1",
         )
     finally:
-        node.node.node.kill()
+        node.node.ranks.kill()
         node.server.stop(0)
 
 

@@ -10,11 +10,12 @@ import grpc
 import pytest
 
 import kvbridge
+from common import rpc
 from engine.config import EngineConfig, PPConfig
-from engine.service import start_colocated
-from kvbridge import admin_cli, rpc
+from kvbridge import admin_cli
 from kvbridge.cli import main
 from kvbridge.v1 import admin_pb2, admin_pb2_grpc
+from serving.colocated import start_colocated
 
 COLOCATED = admin_pb2.Status(
     role="colocated",

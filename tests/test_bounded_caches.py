@@ -8,14 +8,14 @@ import asyncio
 
 import pytest
 
+from common import rpc
+from common.limits import normalized_address
 from decode_node import service as decode_service
 from decode_node.service import PrefillPeers
 from kv_transfer import make_sender
 from kv_transfer import sender as sender_module
+from kv_transfer.adapters import layout_to_proto
 from kv_transfer.layout import RankInfo
-from kv_transfer.wire import layout_to_proto
-from kvbridge import rpc
-from kvbridge.limits import normalized_address
 from kvbridge.v1 import prefill_pb2_grpc
 from router import pool as pool_module
 from router.pool import NodePool, PoolFull

@@ -13,8 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from kvbridge import rpc
-from kvbridge.metrics import OUTCOMES
+from common import rpc
+from common.metrics import OUTCOMES
 from kvbridge.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from router.config import RouterConfig
 from router.metrics import RETRY_REASONS

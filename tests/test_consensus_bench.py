@@ -1,10 +1,10 @@
-"""bench/consensus.py runs end to end on a small workload (simulated time: deterministic)."""
+"""kvbridge/bench/consensus.py runs end to end on a small workload (simulated time: deterministic)."""
 
 from __future__ import annotations
 
 import json
 
-from bench import consensus as bench
+from kvbridge.bench import consensus as bench
 
 KEYS = {
     "bench",

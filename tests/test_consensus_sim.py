@@ -15,11 +15,11 @@ from hypothesis import strategies as st
 
 from consensus import audit
 from consensus.baseline import MicrobatchSimulation
+from consensus.codec import RoundMsg, Tally
 from consensus.roles import Follower
 from consensus.scenario import RequestPlan, StagePlan, Workload, make_plans
 from consensus.simulator import DEFAULT_TIMING, RingSimulation, SimResult, Timing
 from consensus.types import Stream, Verdict
-from consensus.wire import RoundMsg, Tally
 
 TX = Stream.DECODE_TRANSFERRED
 

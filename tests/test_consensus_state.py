@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 
 from consensus import (
-    Decision,
     InMemoryRing,
     LocalStatus,
     ProtocolError,
     RankState,
     RingDriver,
     RoundMsg,
+    Ruling,
     Stream,
     Tally,
     Verdict,
@@ -38,7 +38,7 @@ def set_local(drivers: list[RingDriver], stream: Stream, rid: str, *statuses: Lo
         d.state.set_local(stream, rid, s)
 
 
-def logs(drivers: list[RingDriver]) -> list[tuple[Decision, ...]]:
+def logs(drivers: list[RingDriver]) -> list[tuple[Ruling, ...]]:
     return [d.state.log for d in drivers]
 
 
@@ -47,11 +47,11 @@ def test_ready_needs_every_rank_in_one_round():
     set_local(ring, TX, "a", R, R, P)
     assert run_round(ring).decisions == ()
     ring[2].state.set_local(TX, "a", R)
-    assert run_round(ring).decisions == (Decision(0, TX, "a", Verdict.READY),)
+    assert run_round(ring).decisions == (Ruling(0, TX, "a", Verdict.READY),)
     assert ring[0].state.status(TX, "a") is None  # rank 0 applies at once
     assert ring[2].state.status(TX, "a") == R  # the others when the next round ships it
     run_round(ring)
-    assert logs(ring) == [(Decision(0, TX, "a", Verdict.READY),)] * 3
+    assert logs(ring) == [(Ruling(0, TX, "a", Verdict.READY),)] * 3
     assert [d.state.num_live for d in ring] == [0, 0, 0]
 
 
@@ -61,7 +61,7 @@ def test_failed_on_one_rank_fails_on_every_rank_and_every_stream():
     set_local(ring, BOOT, "a", R)
     set_local(ring, TX, "b", R)
     res = run_round(ring)
-    assert res.decisions == (Decision(0, TX, "a", Verdict.FAILED), Decision(1, TX, "b", Verdict.READY))
+    assert res.decisions == (Ruling(0, TX, "a", Verdict.FAILED), Ruling(1, TX, "b", Verdict.READY))
     run_round(ring)
     for d in ring:
         assert (d.state.status(TX, "a"), d.state.status(BOOT, "a"), d.state.is_dead("a")) == (None, None, True)
@@ -73,7 +73,7 @@ def test_failed_wins_over_ready_in_the_same_round():
     ring = make_ring(2)
     set_local(ring, BOOT, "x", R)
     set_local(ring, TX, "x", R, F)
-    assert run_round(ring).decisions == (Decision(0, TX, "x", Verdict.FAILED),)
+    assert run_round(ring).decisions == (Ruling(0, TX, "x", Verdict.FAILED),)
 
 
 def test_decisions_are_failed_first_then_ready_in_stream_then_rid_order():
@@ -97,11 +97,11 @@ def test_rank_k_failure_of_a_rid_rank0_does_not_know():
     ring = make_ring(3)
     set_local(ring, TX, "known", P)  # keeps rounds going
     ring[1].state.set_local(PRE, "ghost", F)
-    assert run_round(ring).decisions == (Decision(0, PRE, "ghost", Verdict.FAILED),)
+    assert run_round(ring).decisions == (Ruling(0, PRE, "ghost", Verdict.FAILED),)
     assert ring[0].state.set_local(PRE, "ghost", P) is False
     run_round(ring)
     assert ring[1].state.status(PRE, "ghost") is None
-    assert logs(ring) == [(Decision(0, PRE, "ghost", Verdict.FAILED),)] * 3
+    assert logs(ring) == [(Ruling(0, PRE, "ghost", Verdict.FAILED),)] * 3
 
 
 def test_ready_leaves_only_its_stream():
@@ -117,12 +117,12 @@ def test_abort_removes_the_rid_from_every_stream_of_every_rank():
     ring = make_ring(3)
     set_local(ring, TX, "a", P)
     set_local(ring, BOOT, "a", R, P, R)
-    assert ring[0].abort("a") == Decision(0, None, "a", Verdict.ABORTED)
+    assert ring[0].abort("a") == Ruling(0, None, "a", Verdict.ABORTED)
     assert ring[0].abort("a") is None  # already dead: no second decision
     run_round(ring)
     for d in ring:
         assert (d.state.num_live, d.state.is_dead("a"), d.state.set_local(TX, "a", R)) == (0, True, False)
-    assert logs(ring) == [(Decision(0, None, "a", Verdict.ABORTED),)] * 3
+    assert logs(ring) == [(Ruling(0, None, "a", Verdict.ABORTED),)] * 3
 
 
 def test_abort_while_the_round_is_on_the_ring_suppresses_its_ready():
@@ -134,7 +134,7 @@ def test_abort_while_the_round_is_on_the_ring_suppresses_its_ready():
     ring[2].step(timeout=0)
     assert ring[0].step(timeout=0).decisions == ()  # the result says READY; the rid is dead by now
     run_round(ring)
-    assert logs(ring) == [(Decision(0, None, "a", Verdict.ABORTED),)] * 3
+    assert logs(ring) == [(Ruling(0, None, "a", Verdict.ABORTED),)] * 3
     assert sum(d.state.num_live for d in ring) == 0
 
 
@@ -176,10 +176,10 @@ def test_pp1_concludes_its_own_round_and_then_idles():
     solo.state.set_local(TX, "a", R)
     solo.state.set_local(TX, "b", P)
     res = solo.step()
-    assert (res.decisions, res.started, res.finished) == ((Decision(0, TX, "a", Verdict.READY),), 0, 0)
+    assert (res.decisions, res.started, res.finished) == ((Ruling(0, TX, "a", Verdict.READY),), 0, 0)
     assert solo.step().idle is True  # "b" is pending: nothing changes, do not spin
     solo.state.set_local(TX, "b", F)
-    assert solo.step().decisions == (Decision(1, TX, "b", Verdict.FAILED),)
+    assert solo.step().decisions == (Ruling(1, TX, "b", Verdict.FAILED),)
 
 
 def test_failed_is_sticky_and_bad_input_raises():
@@ -201,12 +201,12 @@ def test_a_gap_or_a_repeat_in_decision_seqs_raises():
     st = RankState(1, 2)
     st.set_local(TX, "a", R)
     with pytest.raises(ProtocolError, match="gap"):
-        st.apply([Decision(1, TX, "a", Verdict.READY)])
-    st.apply([Decision(0, TX, "a", Verdict.READY)])
+        st.apply([Ruling(1, TX, "a", Verdict.READY)])
+    st.apply([Ruling(0, TX, "a", Verdict.READY)])
     with pytest.raises(ProtocolError, match="repeat"):
-        st.apply([Decision(0, TX, "a", Verdict.READY)])
+        st.apply([Ruling(0, TX, "a", Verdict.READY)])
     with pytest.raises(ProtocolError, match="does not hold"):
-        st.apply([Decision(1, TX, "a", Verdict.READY)])
+        st.apply([Ruling(1, TX, "a", Verdict.READY)])
     assert st.applied_seq == 1
 
 
@@ -273,7 +273,7 @@ def test_guard_is_held_around_every_state_access():
     follow = RingDriver(make_role(RankState(1, 2)), ring.endpoint(1), guard=Counting())
     lead.state.set_local(TX, "a", R)
     follow.state.set_local(TX, "a", R)
-    assert run_round([lead, follow]).decisions == (Decision(0, TX, "a", Verdict.READY),)
+    assert run_round([lead, follow]).decisions == (Ruling(0, TX, "a", Verdict.READY),)
     assert Counting.entered == 3  # propose, relay, conclude
     lead.abort("b")
     assert Counting.entered == 4

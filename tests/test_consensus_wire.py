@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from consensus.types import Decision, Stream, Verdict
-from consensus.wire import EMPTY_TALLY, RoundMsg, Tally
+from consensus.codec import EMPTY_TALLY, RoundMsg, Tally
+from consensus.types import Ruling, Stream, Verdict
 
 TX = Stream.DECODE_TRANSFERRED
 
@@ -24,7 +24,7 @@ def tally(ready=(), failed=()) -> Tally:
 
 
 SAMPLE = make_msg(
-    [Decision(3, TX, "a", Verdict.READY), Decision(4, None, "ü", Verdict.ABORTED)],
+    [Ruling(3, TX, "a", Verdict.READY), Ruling(4, None, "ü", Verdict.ABORTED)],
     first_seq=3,
     DECODE_TRANSFERRED=tally(["b", "a"], ["c"]),
 )
@@ -42,7 +42,7 @@ def test_exact_bytes_of_a_small_message():
 def test_round_trip_keeps_every_field():
     back = RoundMsg.decode(SAMPLE.encode())
     assert (back.round_id, back.hops, back.first_seq, back.next_seq) == (7, 2, 3, 5)
-    assert back.decisions[1] == Decision(4, None, "ü", Verdict.ABORTED)
+    assert back.decisions[1] == Ruling(4, None, "ü", Verdict.ABORTED)
     assert back.tallies[TX] == tally(["a", "b"], ["c"])
 
 
@@ -91,7 +91,7 @@ def test_encode_refuses_what_decode_would_refuse():
     with pytest.raises(ValueError, match="both ready and failed"):
         make_msg(DECODE_TRANSFERRED=tally(["a"], ["a"]))
     with pytest.raises(ValueError, match="expected 1"):
-        make_msg([Decision(2, TX, "a", Verdict.READY)], first_seq=1)
+        make_msg([Ruling(2, TX, "a", Verdict.READY)], first_seq=1)
     with pytest.raises(ValueError, match="out of range"):
         RoundMsg(0, 0, 0, (), (EMPTY_TALLY,) * 5)
 
@@ -108,7 +108,7 @@ def messages(draw) -> RoundMsg:
     for i in range(n):
         verdict = draw(st.sampled_from(Verdict))
         stream = None if verdict == Verdict.ABORTED else draw(st.sampled_from(Stream))
-        decisions.append(Decision(first + i, stream, draw(rids), verdict))
+        decisions.append(Ruling(first + i, stream, draw(rids), verdict))
     tallies = []
     for _ in Stream:
         ready = draw(rid_sets)

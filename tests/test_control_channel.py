@@ -14,9 +14,10 @@ import time
 import pytest
 import torch.multiprocessing as mp
 
+from common.net import free_port
 from consensus import LocalStatus, Stream, Verdict
-from engine.pp import dist as pp_dist
-from engine.pp.control import ControlChannel, GlooTransport
+from pipeline import dist as pp_dist
+from pipeline.control import ControlChannel, GlooTransport
 
 STREAMS = (Stream.DECODE_PREALLOCATED, Stream.DECODE_TRANSFERRED)
 # rank 0's fallback round never comes within the test: rounds follow its own changes and the
@@ -77,7 +78,7 @@ def ranks(n: int, args, target):
     and stops (then kills) them at the end."""
     ctx = mp.get_context("spawn")
     out, stop = ctx.Queue(), ctx.Event()
-    addr = f"127.0.0.1:{pp_dist.free_port()}"
+    addr = f"127.0.0.1:{free_port()}"
     procs = [ctx.Process(target=target, args=args(r, addr, out, stop), daemon=True) for r in range(n)]
     for p in procs:
         p.start()

@@ -23,7 +23,7 @@ from collections import Counter
 import grpc
 import pytest
 
-from kvbridge import rpc
+from common import rpc
 from kvbridge.v1 import admin_pb2, admin_pb2_grpc, common_pb2, generation_pb2, generation_pb2_grpc
 from router.config import RouterConfig
 from router.server import start_router

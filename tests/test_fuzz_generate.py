@@ -14,8 +14,8 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from kvbridge import rpc
-from kvbridge.limits import normalized_address
+from common import rpc
+from common.limits import normalized_address
 from kvbridge.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from tests.fuzz_fleet import (
     CALL_S,

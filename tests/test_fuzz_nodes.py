@@ -18,7 +18,7 @@ import grpc
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kv_transfer import wire as kv_wire
+from kv_transfer import adapters as kv_wire
 from kvbridge.v1 import (
     generation_pb2,
     generation_pb2_grpc,

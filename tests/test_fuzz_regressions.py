@@ -192,8 +192,8 @@ def test_a_room_in_use_on_the_prefill_node_is_refused(fleet):
 
 
 ECHO_SITES = {
-    "node AbortRequest rid": ("engine/server.py NodeAdminService.AbortRequest", C.NOT_FOUND),
-    "node ListRequests page_token": ("engine/server.py NodeAdminService.ListRequests", C.INVALID_ARGUMENT),
+    "node AbortRequest rid": ("serving/server.py NodeAdminService.AbortRequest", C.NOT_FOUND),
+    "node ListRequests page_token": ("serving/server.py NodeAdminService.ListRequests", C.INVALID_ARGUMENT),
     "router AbortRequest rid": ("router/service.py AdminService.AbortRequest", C.NOT_FOUND),
     "router ListRequests page_token": ("router/service.py AdminService.ListRequests", C.INVALID_ARGUMENT),
     "router AddNode address": ("router/service.py AdminService.AddNode (router/config.py parse_address)", None),
@@ -268,7 +268,7 @@ def test_a_first_token_outside_the_vocabulary_is_refused(fleet, scratch, via):
         refused = e
     _, error = drain_stream(call)
     time.sleep(0.5)
-    assert not scratch.node.node.dead_ranks(), "a decode rank died"
+    assert not scratch.node.ranks.dead_ranks(), "a decode rank died"
     # the receiver stores the token (it does not know the vocabulary); decode rank 0 refuses it
     assert refused is None or refused.code() == C.INVALID_ARGUMENT, refused
     assert error is not None and error.code() == C.DATA_LOSS, error

@@ -1,14 +1,14 @@
 """The decoders of what crosses between processes without a gRPC schema, fuzzed: the inter-rank
-pipeline message (engine/pp/wire.py Message.decode: JSON from rank 0 to ranks 1..P-1), the
-consensus round (consensus/wire.py RoundMsg.decode) and KV layouts (kv_transfer/wire.py
-layout_from_proto, and its checked form kvbridge/convert.py layout_from_proto that the
+pipeline message (pipeline/log.py Message.decode: JSON from rank 0 to ranks 1..P-1), the
+consensus round (consensus/codec.py RoundMsg.decode) and KV layouts (kv_transfer/adapters.py
+layout_from_proto, and its checked form serving/convert.py layout_from_proto that the
 Bootstrap service and the decode node use). Inputs: arbitrary bytes, arbitrary JSON, valid
 messages with one part replaced by arbitrary JSON, and valid encodings with bytes flipped,
 inserted, deleted or cut. Each decoder returns a value that re-encodes to what it decodes to, or
 raises ValueError: never another exception.
 
 The other words between ranks are not parsed: a Link's and the control ring's int64 length
-prefixes (engine/pp/dist.py, control.py) and the nudge word (any value but NUDGE_CLOSE wakes rank 0).
+prefixes (pipeline/dist.py, control.py) and the nudge word (any value but NUDGE_CLOSE wakes rank 0).
 """
 
 from __future__ import annotations
@@ -20,16 +20,15 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from consensus.types import Decision as RoundDecision
-from consensus.types import Stream, Verdict
-from consensus.wire import RoundMsg, Tally
+from consensus.codec import RoundMsg, Tally
+from consensus.types import Ruling, Stream, Verdict
 from engine.batch import ForwardBatch
-from engine.pp.wire import ADMIT, CONTROL, KINDS, SHUTDOWN, STEP, Decision, Message
 from engine.request import SamplingParams
-from kv_transfer import wire as kv_wire
+from kv_transfer import adapters as kv_wire
 from kv_transfer.layout import DTYPES, incompatibility
-from kvbridge import convert
 from kvbridge.v1 import prefill_pb2
+from pipeline.log import ADMIT, CONTROL, KINDS, SHUTDOWN, STEP, LogEntry, Message
+from serving import convert
 from tests.fuzz_fleet import SCALES, say, summary
 
 # default examples per test (x SLOW_SCALE under -m slow)
@@ -112,7 +111,7 @@ def messages(draw) -> Message:
         d_kind = draw(st.sampled_from(KINDS))
         params = draw(sampling()) if d_kind == ADMIT else None
         info = draw(st.none() | st.dictionaries(TEXT, FINITE_JSON, max_size=3))
-        decisions.append(Decision(first + i, d_kind, draw(TEXT), params, info))
+        decisions.append(LogEntry(first + i, d_kind, draw(TEXT), params, info))
     return Message(kind, tuple(decisions), draw(batches()) if kind == STEP else None)
 
 
@@ -256,7 +255,7 @@ def rounds(draw) -> RoundMsg:
     for i in range(draw(st.integers(0, 4))):
         verdict = draw(st.sampled_from(Verdict))
         stream = None if verdict == Verdict.ABORTED else draw(st.sampled_from(Stream))
-        decisions.append(RoundDecision(first + i, stream, draw(RIDS), verdict))
+        decisions.append(Ruling(first + i, stream, draw(RIDS), verdict))
     tallies = []
     for _ in Stream:
         ready = draw(st.frozensets(RIDS, max_size=3))
@@ -349,7 +348,7 @@ def handle_hex(shm_name: str) -> str | None:
 
 
 def is_valid(m: prefill_pb2.KVLayout) -> bool:
-    """The layout contract (proto/kvbridge/v1/prefill.proto, kvbridge/convert.py)."""
+    """The layout contract (proto/kvbridge/v1/prefill.proto, serving/convert.py)."""
     start, tiled = 0, bool(m.ranks)
     for i, r in enumerate(m.ranks):
         tiled = tiled and r.rank == i and r.layer_start == start and r.layer_end > r.layer_start

@@ -10,9 +10,9 @@ from dataclasses import replace
 import grpc
 import pytest
 
+from common import rpc
 from engine.request import SamplingParams
-from kv_transfer import wire as kv_wire
-from kvbridge import rpc
+from kv_transfer import adapters as kv_wire
 from kvbridge.v1 import (
     admin_pb2,
     admin_pb2_grpc,
@@ -92,7 +92,7 @@ def test_a_bad_rid_straight_to_a_generation_node_is_invalid_argument(fleet, colo
 @pytest.fixture(scope="module")
 def colocated():
     from engine.config import PPConfig
-    from engine.service import start_colocated
+    from serving.colocated import start_colocated
 
     node = start_colocated(TINY, PPConfig(pp_size=2))
     yield node

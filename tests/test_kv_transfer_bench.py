@@ -1,10 +1,10 @@
-"""bench/kv_transfer.py runs end to end and prints one JSON object per engine (no timing asserted)."""
+"""kvbridge/bench/kv_transfer.py runs end to end and prints one JSON object per engine (no timing asserted)."""
 
 from __future__ import annotations
 
 import json
 
-from bench import kv_transfer
+from kvbridge.bench import kv_transfer
 
 
 def test_bench_prints_one_json_line_per_engine(capsys):

@@ -23,6 +23,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from common.rpc import make_channel
 from engine.kv_pool import KVPool
 from kv_transfer import (
     BACKENDS,
@@ -35,9 +36,8 @@ from kv_transfer import (
     make_sender,
     overlap,
 )
-from kv_transfer.engines.torch_p2p import DATA, Header, PairClient
-from kv_transfer.wire import sources_of
-from kvbridge.rpc import make_channel
+from kv_transfer.adapters import sources_of
+from kv_transfer.backends.torch_p2p import DATA, Header, PairClient
 from kvbridge.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 
 KEY = bytes(range(16))  # the rooms' write key (the decode node mints one per room)

@@ -9,11 +9,11 @@ import torch
 
 from engine.kv_pool import KVPool
 from kv_transfer import BACKENDS, NodeLayout, PageGeometry, RankInfo, choose_backend, incompatibility, make_sender
-from kv_transfer.engines.cuda_ipc import CudaIpcSender
-from kv_transfer.engines.grpc_stream import GrpcSender
-from kv_transfer.engines.shm import ShmSender
-from kv_transfer.engines.torch_p2p import TorchSender
-from kv_transfer.wire import layout_from_proto, layout_to_proto, sources_of
+from kv_transfer.adapters import layout_from_proto, layout_to_proto, sources_of
+from kv_transfer.backends.cuda_ipc import CudaIpcSender
+from kv_transfer.backends.grpc_stream import GrpcSender
+from kv_transfer.backends.shm import ShmSender
+from kv_transfer.backends.torch_p2p import TorchSender
 
 GEOMETRY = PageGeometry(page_size=4, num_kv_heads=2, head_dim=8, dtype="float32")
 

@@ -11,11 +11,11 @@ import grpc
 import pytest
 import torch.multiprocessing as mp
 
+from common.rpc import make_channel
 from kv_transfer import KVPoll, KVReceiverEndpoint, ReceiverConfig, Source
-from kv_transfer.engines.shm import remove_segments_of
+from kv_transfer.backends.shm import remove_segments_of
 from kv_transfer.poll import StatusChange
 from kv_transfer.rooms import Notice
-from kvbridge.rpc import make_channel
 from kvbridge.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 
 KEY = bytes(range(16))  # the rooms' write key (the decode node mints one per room)
@@ -173,7 +173,7 @@ def test_a_torch_pair_opens_only_with_the_stores_key():
     without it finds no acceptor (its hello is never answered) and a peer with it gets a pair."""
     import torch.distributed
 
-    from kv_transfer.engines.torch_p2p import PairClient
+    from kv_transfer.backends.torch_p2p import PairClient
 
     with KVReceiverEndpoint(make_config(torch_store=True)) as r:
         addr, key = r.endpoint.torch_addr, r.endpoint.torch_key

@@ -22,9 +22,9 @@ from kv_transfer import (
     SenderConfig,
     make_sender,
 )
+from kv_transfer.adapters import sources_of
 from kv_transfer.poll import StatusChange
 from kv_transfer.rooms import Source
-from kv_transfer.wire import sources_of
 
 KEY = bytes(range(16))  # the rooms' write key (the decode node mints one per room)
 

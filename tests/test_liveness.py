@@ -13,8 +13,8 @@ import time
 import grpc
 import pytest
 
+from common import rpc
 from engine.config import PPConfig
-from kvbridge import rpc
 from kvbridge.v1 import (
     admin_pb2,
     admin_pb2_grpc,

@@ -41,7 +41,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvbridge import rpc
+from common import rpc
 from kvbridge.v1 import admin_pb2, admin_pb2_grpc
 from router.config import RouterConfig
 

@@ -12,11 +12,11 @@ import grpc
 import pytest
 from safetensors.torch import save_file
 
+from common import rpc
 from engine.config import EngineConfig
 from engine.llm import LLM
 from engine.request import SamplingParams
 from engine.weights import TINY_CONFIG, tiny_random
-from kvbridge import rpc
 from kvbridge.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from router.config import RouterConfig
 from router.server import start_router
@@ -128,8 +128,8 @@ def test_mismatched_layouts_fail_with_failed_precondition_and_both_keep_serving(
         # both sides keep serving compatible requests
         tokens, _, result = pd_generate(prefill.address, nodes["d2"].address, token_prompt(ids), 4)
         assert len(tokens) == 4 and result.first_token == tokens[0]
-        other_self = odd["other"].node.node.model
-        assert other_self.fingerprint != nodes["d2"].node.node.model.fingerprint
+        other_self = odd["other"].node.ranks.model
+        assert other_self.fingerprint != nodes["d2"].node.ranks.model.fingerprint
         for node in (prefill, odd["page8"], odd["other"]):
             st = wait_idle(node.address)
             assert all(r.kv_pages_used == 0 for r in st.ranks) and not any(st.queues.values())

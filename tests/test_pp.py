@@ -9,10 +9,10 @@ import pytest
 
 from engine.batch import ForwardBatch
 from engine.config import EngineConfig, PPConfig
-from engine.pp.messages import Finish
-from engine.pp.node import PPNode
-from engine.pp.wire import ABORT, ADMIT, STEP, Decision, Message
 from engine.request import SamplingParams
+from pipeline.group import RankGroup
+from pipeline.log import ABORT, ADMIT, STEP, LogEntry, Message
+from pipeline.messages import Finish
 from tests.conftest import make_llm, make_prompts
 
 TINY = {"model": "tiny-random", "page_size": 4, "kv_cache_tokens": 8192}
@@ -26,17 +26,17 @@ def hard_timeout():
     faulthandler.cancel_dump_traceback_later()
 
 
-def make_node(pp_size: int, **overrides) -> PPNode:
+def make_node(pp_size: int, **overrides) -> RankGroup:
     pp_keys = {"async_batch_depth", "enable_dynamic_chunking"}
     pp = PPConfig(pp_size=pp_size, **{k: v for k, v in overrides.items() if k in pp_keys})
     config = EngineConfig(**{**TINY, **{k: v for k, v in overrides.items() if k not in pp_keys}})
-    return PPNode(config, pp, progress=False)
+    return RankGroup(config, pp, progress=False)
 
 
 def test_message_round_trip_and_malformed_bytes_are_refused():
     batch = ForwardBatch(("a", "b"), (0, 7), (5, 1), ((3, 4), (9, 2)), (), (True, False))
     params = SamplingParams(max_new_tokens=3, temperature=0.5, stop=("x",), seed=4)
-    msg = Message(STEP, (Decision(0, ADMIT, "a", params), Decision(1, ABORT, "c")), batch)
+    msg = Message(STEP, (LogEntry(0, ADMIT, "a", params), LogEntry(1, ABORT, "c")), batch)
     assert Message.decode(msg.encode()) == msg
     for bad in (b"", b"{}", b"[1]", b'{"kind":"step","decisions":[[0,"boom","a",null]],"batch":null}'):
         with pytest.raises(ValueError, match="malformed pipeline message"):
@@ -111,18 +111,18 @@ def test_abort_storm_leaves_identical_logs_and_no_page_behind(tiny_model, hard_t
 
 
 def test_two_hosts_share_one_pipeline(tiny_model, hard_timeout):
-    """--nnodes 2: each "host" (here: a PPNode on the same machine) starts its own ranks."""
+    """--num_hosts 2: each "host" (here: a RankGroup on the same machine) starts its own ranks."""
     import threading
 
-    from engine.pp.dist import free_port
+    from common.net import free_port
 
     addr = f"127.0.0.1:{free_port()}"
     config = EngineConfig(**TINY, chunked_prefill_size=16)
     nodes = {}
 
-    def start(node_rank: int) -> None:
-        pp = PPConfig(pp_size=4, nnodes=2, node_rank=node_rank, dist_init_addr=addr)
-        nodes[node_rank] = PPNode(config, pp, progress=False)
+    def start(host_rank: int) -> None:
+        pp = PPConfig(pp_size=4, num_hosts=2, host_rank=host_rank, dist_init_addr=addr)
+        nodes[host_rank] = RankGroup(config, pp, progress=False)
 
     second = threading.Thread(target=start, args=(1,))
     second.start()

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from kvbridge.metrics import MetricsServer, NodeMetrics, RankFiles, RankMetrics, RouterMetrics, StatusCollector
+from common.metrics import MetricsServer, NodeMetrics, RankFiles, RankMetrics, RouterMetrics, StatusCollector
 from tests.prom import PrometheusServer, check_config, check_metrics, check_promql
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,7 +34,7 @@ STATUS = {
 # What a rank process counts, written to the node's multiprocess files as a real rank does.
 RANK_SCRIPT = """
 import sys
-from kvbridge.metrics import init_rank_metrics
+from common.metrics import init_rank_metrics
 
 m = init_rank_metrics(sys.argv[1])
 m.transfer_bytes.labels("0").inc(4096)
@@ -47,7 +47,7 @@ m.decisions.labels("admit").inc(2)
 m.chunk_tokens.observe(64)
 """
 
-# The router's gauges read at scrape time (router/metrics.py NodeCollector), not in kvbridge/metrics.py.
+# The router's gauges read at scrape time (router/metrics.py NodeCollector), not in common/metrics.py.
 ROUTER_NODE_GAUGES = {
     "kvbridge_router_node_up",
     "kvbridge_router_node_outstanding_requests",

@@ -12,7 +12,7 @@ import textwrap
 import pytest
 
 from engine.config import PPConfig
-from engine.service import start_colocated
+from serving.colocated import start_colocated
 from tests.pd import TINY
 
 CLIENT = textwrap.dedent(

@@ -14,14 +14,14 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from common import __version__, rpc
 from decode_node.service import start_decode
 from engine.config import PPConfig
-from engine.service import start_colocated
-from kvbridge import __version__, rpc
 from kvbridge.v1 import admin_pb2, admin_pb2_grpc, common_pb2, generation_pb2, generation_pb2_grpc
 from prefill_node.service import start_prefill
 from router.config import RouterConfig
 from router.server import Router, start_router
+from serving.colocated import start_colocated
 from tests.pd import TINY, status, wait_idle
 from tests.test_router_dispatch import wait_until
 

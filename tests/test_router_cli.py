@@ -8,8 +8,8 @@ import urllib.request
 
 import pytest
 
-from kvbridge import rpc
-from kvbridge.logs import parse_line
+from common import rpc
+from common.logs import parse_line
 from kvbridge.v1 import generation_pb2_grpc
 from tests.test_router_dispatch import FakeNode, Rooms, make_request
 

@@ -16,7 +16,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
-from kvbridge import rpc
+from common import rpc
 from kvbridge.v1 import (
     admin_pb2,
     admin_pb2_grpc,

@@ -16,12 +16,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from common import rpc
 from engine.config import EngineConfig, PPConfig
-from engine.service import start_colocated
-from kvbridge import rpc
 from kvbridge.v1 import admin_pb2, admin_pb2_grpc, common_pb2, generation_pb2, generation_pb2_grpc
 from router.config import RouterConfig
 from router.server import start_router
+from serving.colocated import start_colocated
 from tests.conftest import make_prompts
 
 TINY = EngineConfig(model="tiny-random", page_size=4, kv_cache_tokens=8192)

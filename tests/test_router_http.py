@@ -15,7 +15,7 @@ import time
 import grpc
 import pytest
 
-from kvbridge import rpc
+from common import rpc
 from kvbridge.v1 import generation_pb2, generation_pb2_grpc
 from router.config import RouterConfig
 from router.server import start_router

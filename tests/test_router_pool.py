@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvbridge.rpc import EventLoop
+from common.rpc import EventLoop
 from router.config import RouterConfig, parse_address
 from router.pool import NodePool
 

@@ -12,13 +12,13 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from common import rpc
+from common.limits import room_tag
 from engine.config import PPConfig
-from engine.service import start_colocated
-from kvbridge import rpc
-from kvbridge.limits import room_tag
 from kvbridge.v1 import admin_pb2, admin_pb2_grpc, common_pb2, generation_pb2, generation_pb2_grpc
 from router.config import RouterConfig
 from router.server import start_router
+from serving.colocated import start_colocated
 from tests import test_router_dispatch
 from tests.pd import TINY, wait_idle
 from tests.test_router_dispatch import generate, make_request, wait_until

@@ -17,13 +17,14 @@ from dataclasses import replace
 import grpc
 import pytest
 
+from common import rpc
 from engine.config import EngineConfig, PPConfig
-from engine.pp.node import PPNode
 from engine.request import SamplingParams
-from kvbridge import convert, rpc
 from kvbridge.v1 import generation_pb2, generation_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from pipeline.group import RankGroup
 from router.config import RouterConfig
 from router.server import start_router
+from serving import convert
 from tests.conftest import make_llm, make_prompts
 from tests.pd import TINY, in_parallel, start_nodes, stop_nodes, token_prompt, wait_idle
 
@@ -139,7 +140,7 @@ def test_unset_max_new_tokens_is_the_rest_of_the_context_capped(tiny_model):
 def test_pp_node_equals_colocated(hard_timeout, cases, expected, pp_size):
     config = EngineConfig(model="tiny-random", page_size=TINY.page_size, kv_cache_tokens=8192,
                           chunked_prefill_size=TINY.chunked_prefill_size)  # fmt: skip
-    node = PPNode(config, PPConfig(pp_size=pp_size), progress=False)
+    node = RankGroup(config, PPConfig(pp_size=pp_size), progress=False)
     try:
         got = node.generate([p for p, _ in cases], [sp for _, sp in cases])
     finally:

@@ -14,11 +14,11 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from common import rpc
 from engine.config import EngineConfig, PPConfig
 from engine.request import SamplingParams
-from engine.service import start_colocated
-from kvbridge import rpc
 from kvbridge.v1 import admin_pb2, admin_pb2_grpc, common_pb2, generation_pb2, generation_pb2_grpc
+from serving.colocated import start_colocated
 from tests.conftest import make_llm, make_prompts
 
 TINY = EngineConfig(model="tiny-random", page_size=4, kv_cache_tokens=8192, chunked_prefill_size=16)

@@ -1,4 +1,4 @@
-"""bench/serve.py: the serving benchmark end to end on tiny-random (both stacks, two rates), its bad
+"""kvbridge/bench/serve.py: the serving benchmark end to end on tiny-random (both stacks, two rates), its bad
 flags, and its pure parts: arrivals, datasets and the vLLM metric definitions on hand-made records."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import statistics
 import numpy as np
 import pytest
 
-from bench import serve, serve_client, serve_data, serve_metrics
-from bench.serve_metrics import RequestRecord
 from engine.weights import tiny_random
+from kvbridge.bench import serve, serve_client, serve_data, serve_metrics
+from kvbridge.bench.serve_metrics import RequestRecord
 
 RUN_KEYS = {
     "bench", "mode", "stack", "model", "layout", "endpoint", "seed", "min_tokens", "dataset", "num_prompts",
@@ -117,7 +117,7 @@ def test_handoff_mode_pairs_each_prompt_across_both_stacks_of_child_processes(ca
 
 @pytest.mark.slow
 def test_pinned_nodes_and_their_ranks_run_on_their_cores():
-    from bench.serve_stacks import start_pinned
+    from kvbridge.bench.serve_stacks import start_pinned
 
     cores = sorted(os.sched_getaffinity(0))[:2]
     stack = start_pinned("disaggregated", ["--model", "tiny-random"], cores, 1, 2, 1, 60.0)
@@ -286,7 +286,7 @@ def test_interference_windows_take_the_gaps_that_end_inside_them():
 
 
 def test_the_ready_line_of_a_node_command_gives_its_address():
-    from bench.serve_stacks import READY
+    from kvbridge.bench.serve_stacks import READY
 
     assert READY.search("kvbridge prefill: listening on 127.0.0.1:41234\n").group(1) == "127.0.0.1:41234"
     line = "kvbridge serve: listening on [::1]:5000, metrics on [::1]:9000"

@@ -1,11 +1,11 @@
-"""bench/soak.py: a short soak with a high injected transfer failure rate ends with exact client
+"""kvbridge/bench/soak.py: a short soak with a high injected transfer failure rate ends with exact client
 accounting, no leak, no dead process, and transfer failures seen in the nodes' metrics."""
 
 from __future__ import annotations
 
 import json
 
-from bench import soak
+from kvbridge.bench import soak
 from kvbridge.cli import build_parser
 
 

@@ -13,8 +13,8 @@ from urllib.request import urlopen
 import grpc
 import pytest
 
+from common import rpc
 from engine.config import PPConfig
-from kvbridge import rpc
 from kvbridge.v1 import (
     admin_pb2,
     admin_pb2_grpc,
@@ -113,7 +113,7 @@ def test_decode_prealloc_and_transfer_timeouts_fail_the_request_and_free_both_si
 
 
 def test_a_node_at_its_request_limit_answers_resource_exhausted_at_once():
-    from engine.service import start_colocated
+    from serving.colocated import start_colocated
 
     node = start_colocated(replace(TINY, max_pending_requests=2, fault_inject="step_delay_ms=100"), PPConfig())
     try:

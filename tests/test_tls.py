@@ -19,9 +19,9 @@ import openai
 import pytest
 import trustme
 
+from common import rpc
+from common.security import Security, auth_metadata
 from engine.request import SamplingParams
-from kvbridge import rpc
-from kvbridge.security import Security, auth_metadata
 from kvbridge.v1 import admin_pb2, admin_pb2_grpc, common_pb2, generation_pb2, generation_pb2_grpc
 from tests.conftest import make_llm
 from tests.test_listeners import LOOPBACK, listening_sockets

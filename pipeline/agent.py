@@ -1,0 +1,21 @@
+"""A rank's part in moving KV pages between nodes, called from its pipeline loop.
+
+The colocated node moves nothing: this no-op base. Prefill ranks push the pages each
+chunk wrote (prefill_node/), decode ranks prepare to receive them (decode_node/).
+"""
+
+from __future__ import annotations
+
+from engine.batch import ForwardBatch
+from pipeline.log import LogEntry
+
+
+class KVAgent:
+    def on_decision(self, d: LogEntry) -> None:
+        """Every decision of the node's log, in order, once (rank 0: as it is made)."""
+
+    def after_forward(self, batch: ForwardBatch) -> None:
+        """This rank just computed `batch` for its layers: their new K/V are in its pool."""
+
+    def on_sampled(self, batch: ForwardBatch, tokens: list[int]) -> None:
+        """The last rank sampled `tokens`, one per sampled request of `batch`, in order."""

@@ -1,0 +1,118 @@
+"""Messages rank 0 sends down the pipeline: JSON, never pickle.
+
+A message carries the decisions made since the previous message (applied by every rank
+exactly once, in order) and, for a step, the batch description that the hidden states
+sent right after it belong to.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import deque
+from dataclasses import asdict, dataclass
+
+from engine.batch import ForwardBatch
+from engine.request import SamplingParams
+
+ADMIT, ROUTE, FINISH, ABORT = "admit", "route", "finish", "abort"
+RETRACT, RESUME = "retract", "resume"  # decode: a request's KV to host memory and back (info: its pages)
+KINDS = (ADMIT, ROUTE, FINISH, ABORT, RETRACT, RESUME)
+ENDS = (FINISH, ABORT)  # the request is gone after these
+STEP, CONTROL, SHUTDOWN = "step", "control", "shutdown"
+
+
+@dataclass(frozen=True)
+class LogEntry:
+    seq: int  # position in the node's decision log, from 0, contiguous
+    kind: str  # ADMIT (the request exists; carries its sampling params) | ROUTE (where its KV goes) | FINISH | ABORT
+    # | RETRACT / RESUME
+    rid: str
+    params: SamplingParams | None = None  # ADMIT only: the last rank samples with it
+    info: dict | None = None  # role-specific, JSON-safe (e.g. a disaggregated request's room and pages)
+
+    def key(self) -> tuple[int, str, str]:
+        return (self.seq, self.kind, self.rid)
+
+
+class PipelineLog:
+    """A node's decisions, in order, as one rank applied them: their count, a running digest of all
+    of them, and the most recent `keep` (tests compare whole logs; a server must not grow for ever)."""
+
+    def __init__(self, keep: int = 100_000):
+        self.count = 0  # decisions applied; the next one must have seq == count
+        self.recent: deque[tuple[int, str, str]] = deque(maxlen=keep)  # (seq, kind, rid), oldest first
+        self._digest = hashlib.blake2b(digest_size=16)
+        self.position = None  # a shared-memory int the rank publishes its count in, for the front's checks
+
+    def append(self, d: LogEntry) -> None:
+        if d.seq != self.count:
+            raise AssertionError(f"decision {d.seq} arrived, expected {self.count}")
+        self.count += 1
+        if self.position is not None:
+            self.position.value = self.count
+        self.recent.append(d.key())
+        self._digest.update(f"{d.seq}:{d.kind}:{d.rid};".encode())
+
+    @property
+    def digest(self) -> str:
+        return self._digest.hexdigest()
+
+
+@dataclass(frozen=True)
+class Message:
+    kind: str  # STEP (a batch follows) | CONTROL (decisions only) | SHUTDOWN
+    decisions: tuple[LogEntry, ...]
+    batch: ForwardBatch | None = None  # STEP only; input_ids are left out (only rank 0 embeds)
+
+    def encode(self) -> bytes:
+        b = self.batch
+        return json.dumps(
+            {
+                "kind": self.kind,
+                "decisions": [
+                    [d.seq, d.kind, d.rid, asdict(d.params) if d.params else None, d.info] for d in self.decisions
+                ],
+                "batch": None
+                if b is None
+                else [list(b.rids), list(b.starts), list(b.q_lens), [list(t) for t in b.page_tables], list(b.sample)],
+            },
+            separators=(",", ":"),
+        ).encode()
+
+    @staticmethod
+    def decode(data: bytes) -> Message:
+        try:
+            raw = json.loads(data)
+            decisions = tuple(
+                LogEntry(int(seq), kind, str(rid), _params(params), info)
+                for seq, kind, rid, params, info in raw["decisions"]
+            )
+            if any(d.kind not in KINDS for d in decisions) or raw["kind"] not in (
+                STEP,
+                CONTROL,
+                SHUTDOWN,
+            ):
+                raise ValueError("unknown message or decision kind")
+            batch = None
+            if raw["batch"] is not None:
+                rids, starts, q_lens, tables, sample = raw["batch"]
+                batch = ForwardBatch(
+                    rids=tuple(rids),
+                    starts=tuple(starts),
+                    q_lens=tuple(q_lens),
+                    page_tables=tuple(tuple(t) for t in tables),
+                    input_ids=(),
+                    sample=tuple(bool(x) for x in sample),
+                )
+            return Message(raw["kind"], decisions, batch)
+        # (json.loads raises RecursionError on deep nesting; int() OverflowError on Infinity)
+        except (KeyError, TypeError, ValueError, OverflowError, RecursionError) as e:
+            raise ValueError(f"malformed pipeline message: {e!r}") from None
+
+
+def _params(raw: dict | None) -> SamplingParams | None:
+    if raw is None:
+        return None
+    raw = dict(raw, stop=tuple(raw["stop"]), stop_token_ids=tuple(raw["stop_token_ids"]))
+    return SamplingParams(**raw)

@@ -1,0 +1,124 @@
+"""What a node's front and its rank 0 say to each other, over the RankGroup's two queues.
+
+    front -> rank 0 (RankGroup.inbox)     Add, Abort, Ask, Shutdown; Register (prefill node);
+                                       Fail, PeerDown (decode node); Wake (rank 0's own
+                                       consensus thread: decisions arrived)
+    rank 0 -> front (RankGroup.outbox)    Token, Finish, Answer; Preallocated (decode node)
+
+Frozen dataclasses, dispatched by type (`match msg: case Add(): ...`). They cross a local
+multiprocessing queue between the front and the rank process it spawned, never a network
+socket: what arrives from the network is checked (serving/convert.py) before it becomes one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.request import SamplingParams
+
+# ---------------------------------------------------------------- front -> rank 0
+
+
+@dataclass(frozen=True)
+class Add:
+    """A new request (checked by RankGroup.add_request)."""
+
+    rid: str
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+    room: int = 0  # disaggregated: the key pairing the prefill and decode halves (0: colocated)
+    peer: str = ""  # disaggregated: the other node's address (shown by Admin)
+    sources: tuple[tuple[int, int, int], ...] = ()  # decode: (prefill rank, layer_start, layer_end) of its KV
+    backend: str = ""  # decode: the transfer engine the pair uses
+    secret: str = ""  # decode: the room's write key (hex), minted by the decode node; every KV write carries it
+
+
+@dataclass(frozen=True)
+class Abort:
+    rid: str
+    reason: str = ""  # an operator's: the error the request ends with (CANCELLED); "" = the client left
+
+
+@dataclass(frozen=True)
+class Ask:
+    """A question rank 0 answers between steps with an Answer carrying the same token."""
+
+    what: str  # "status" (Rank0Loop.status) | "requests" (Rank0Loop.list_requests) | "check" (invariants)
+    token: int
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    """Abort what is left, stop every rank."""
+
+
+@dataclass(frozen=True)
+class Register:
+    """Prefill node: a decode node's registration of a room (its destination pages and layout)."""
+
+    room: int
+    registration: dict  # room, backend, page_ids, decode (layout as a dict), decode_addr
+    token: int  # rank 0 answers with an Answer carrying it: {"code": "" or a gRPC status name, "error"}
+
+
+@dataclass(frozen=True)
+class Fail:
+    """Decode node: the front could not finish the request's hand-off (its registration failed)."""
+
+    rid: str
+    code: str  # gRPC status code name
+    error: str
+
+
+@dataclass(frozen=True)
+class PeerDown:
+    """Decode node: a prefill node is unreachable; requests waiting for its KV cannot get it."""
+
+    addr: str
+
+
+@dataclass(frozen=True)
+class Wake:
+    """Consensus decisions arrived: take them now (sent by rank 0's control thread to its own inbox)."""
+
+
+# ---------------------------------------------------------------- rank 0 -> front
+
+
+@dataclass(frozen=True)
+class Token:
+    rid: str
+    token: int
+    index: int  # its position in the output
+    kv_seconds: float = 0.0  # decode node, first token: from registration to the KV landing on every rank
+
+
+@dataclass(frozen=True)
+class Finish:
+    rid: str
+    finish_reason: str  # "stop" | "length" | "abort" | "error"
+    output_ids: tuple[int, ...]
+    text: str  # the whole output text (stop strings cut off)
+    prompt_tokens: int
+    error: str = ""  # the request failed (or an operator aborted it): why
+    code: str = ""  # and the gRPC status code name to report it with
+    kv_bytes: int = 0  # prefill node: KV bytes pushed for it
+    timeout: str = ""  # the node timeout that ended it ("bootstrap" | "prealloc" | "transfer"), if one did
+
+
+@dataclass(frozen=True)
+class Answer:
+    token: int  # the Ask's
+    body: dict  # status: Rank0Loop.status(); requests: {"requests": [...]}; check: {"problems": [...], "log": n}
+
+
+@dataclass(frozen=True)
+class Preallocated:
+    """Decode node: every rank expects the room's KV in these pages; the front registers them with P."""
+
+    rid: str
+    page_ids: tuple[int, ...]
+
+
+ToRank0 = Add | Abort | Ask | Shutdown | Register | Fail | PeerDown | Wake
+ToFront = Token | Finish | Answer | Preallocated

@@ -1,0 +1,344 @@
+"""Rank 0 of a pipeline: the node's only scheduler.
+
+The loop keeps up to `pp_loop_size` microbatches in flight. Each turn: take new work
+from the inbox, schedule a microbatch if a slot is free, send its description and then
+its hidden states to rank 1, and, when the slots are full (or there is nothing new to
+launch), wait for the oldest microbatch's tokens from the last rank and post-process
+them while later microbatches compute.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import queue
+import time
+from collections import deque
+from dataclasses import replace
+
+import torch
+
+from common.limits import room_tag
+from common.logs import log_event
+from common.metrics import rank_metrics
+from engine import faults
+from engine.batch import AttentionMetadata
+from engine.kv_pool import KVPool
+from engine.model import ModelStage
+from engine.pages import PageTable
+from engine.request import Request, SamplingParams
+from engine.sampler import sample
+from engine.scheduler import ScheduledStep, Scheduler
+from pipeline.agent import KVAgent
+from pipeline.dist import Link
+from pipeline.log import ABORT, ADMIT, CONTROL, FINISH, SHUTDOWN, STEP, LogEntry, Message, PipelineLog
+from pipeline.messages import Abort, Add, Answer, Ask, Finish, Register, Shutdown, Token, Wake
+
+log = logging.getLogger("kvbridge.node")
+
+
+class Rank0Loop:
+    role = "colocated"  # in logs and request listings
+
+    def __init__(
+        self,
+        stage: ModelStage,
+        pool: KVPool,
+        scheduler: Scheduler,
+        link: Link,
+        pp_size: int,
+        pp_loop_size: int,
+        inbox,
+        outbox,
+        agent: KVAgent | None = None,
+    ):
+        self.stage, self.pool, self.scheduler, self.link = stage, pool, scheduler, link
+        self.agent = agent or KVAgent()  # rank 0 holds layers too: it moves their KV like any rank
+        self.pp_size, self.loop_size = pp_size, pp_loop_size
+        self.last_rank = pp_size - 1
+        self.inbox, self.outbox = inbox, outbox
+        self.inflight: deque[ScheduledStep] = deque()
+        self.requests: dict[str, Request] = {}
+        self.log = PipelineLog()  # every decision this node made, in order
+        self._unsent: list[LogEntry] = []  # made but not yet sent down the pipeline
+        self.stopping = False
+        self.served = 0  # requests retired (any outcome) since start
+        self.phases: dict[str, str] = {}  # rid -> the phase last logged
+        self.metrics = rank_metrics()
+        self.faults = faults.current()
+        # the role, bound once: a pipeline of one rank samples here instead of on rank P-1
+        if pp_size == 1:
+            self._sampled: deque[list[int]] = deque()
+            self._send, self._send_hidden, self._recv_tokens = _drop, self._sample_here, self._take_sampled
+        else:
+            self._send = self._send_down
+            self._send_hidden = self._send_hidden_down
+            self._recv_tokens = self._recv_from_last
+
+    # ------------------------------------------------------------------ loop
+
+    def run(self) -> PipelineLog:
+        while not (self.stopping and not self.inflight):
+            idle = not (self.inflight or self.scheduler.num_unfinished or self._unsent or self.undecided())
+            self._drain_inbox(block=idle)
+            self._tick()
+            step = None
+            if len(self.inflight) < self.loop_size and not self.stopping:
+                step = self.scheduler.schedule(self._decode_cap())
+            if step is not None:
+                self._launch(step)
+            elif self._unsent:
+                self._send(Message(CONTROL, self._take_unsent()))
+            if self.inflight and (len(self.inflight) >= self.loop_size or step is None):
+                self._complete_oldest()
+        self._send(Message(SHUTDOWN, self._take_unsent()))
+        self.link.flush()
+        return self.log
+
+    def _decode_cap(self) -> int:
+        """Spread decoding requests over the stages' microbatches instead of one full batch and idle stages."""
+        return max(1, math.ceil(len(self.scheduler.running) / self.pp_size))
+
+    def _launch(self, step: ScheduledStep) -> None:
+        for req, q_len in zip(step.requests, step.batch.q_lens):
+            if not req.announced:
+                req.announced = True
+                self._decide(ADMIT, req.rid, replace(req.params, seed=req.seed))
+            if req.num_computed <= len(req.prompt_ids):  # (num_computed already counts this step)
+                self.metrics.chunk_tokens.observe(q_len)
+                self._set_phase(req, "prefilling")
+            else:
+                self._set_phase(req, "decoding")
+        self._send(Message(STEP, self._take_unsent(), step.batch))
+        meta = AttentionMetadata.build(step.batch, self.pool.page_size, self.stage.device)
+        ids = torch.tensor(step.batch.input_ids, dtype=torch.long, device=self.stage.device)
+        hidden = self.stage.forward(meta, ids, self.pool)
+        self.faults.after_step()
+        self.agent.after_forward(step.batch)
+        self._send_hidden(step, hidden)
+        self.inflight.append(step)
+
+    def _complete_oldest(self) -> None:
+        step = self.inflight.popleft()
+        out = self._recv_tokens(step)
+        assert out[0] == len(step.sampled), f"last rank sampled {out[0]} rows, expected {len(step.sampled)}"
+        live = [not req.finished for req in step.sampled]  # aborted ones drop their token
+        finished = self.scheduler.postprocess(step, out[1:])
+        for req, tok, was_live in zip(step.sampled, out[1:], live):
+            if was_live:
+                self.outbox.put(Token(req.rid, tok, len(req.output_ids) - 1))
+        for req in finished:
+            self._retire(req, FINISH)
+
+    # ------------------------------------------------------------------ the pipeline
+
+    def _send_down(self, msg: Message) -> None:
+        self.link.send_bytes(msg.encode(), 1)
+
+    def _send_hidden_down(self, step: ScheduledStep, hidden: torch.Tensor) -> None:
+        self.link.send_tensor(hidden, 1)
+
+    def _recv_from_last(self, step: ScheduledStep) -> list[int]:
+        # [count, token...]: a header, so that a step that samples nothing still answers
+        return self.link.recv_tensor((len(step.sampled) + 1,), torch.int64, self.last_rank).tolist()
+
+    def _sample_here(self, step: ScheduledStep, logits: torch.Tensor) -> None:
+        tokens = sample(logits, step.sampled, self.stage.config.eos_token_ids)
+        self.agent.on_sampled(step.batch, tokens)
+        self._sampled.append([len(step.sampled), *tokens])
+
+    def _take_sampled(self, step: ScheduledStep) -> list[int]:
+        return self._sampled.popleft()
+
+    # ------------------------------------------------------------------ inputs
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            msg = self.inbox.get(timeout=0.5) if block else self.inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle_one(msg)
+            try:
+                msg = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle_one(self, msg) -> None:
+        """A message that breaks a rule no check caught fails its own request, not the rank."""
+        try:
+            self._handle(msg)
+        except Exception as e:
+            error = f"rank 0 of the {self.role} node could not handle {type(msg).__name__}: {type(e).__name__}: {e}"
+            log.exception("%s", error)
+            rid = getattr(msg, "rid", None)
+            if rid in self.requests:
+                self.fail_request(self.requests[rid], error, "INTERNAL")
+            elif isinstance(msg, Add):  # refused before it was registered: its stream still ends
+                self.outbox.put(Finish(rid, "error", (), "", len(msg.prompt_ids), error=error, code="INTERNAL"))
+            elif isinstance(msg, Register):
+                self.outbox.put(Answer(msg.token, {"code": "INTERNAL", "error": error}))
+
+    def fail_request(self, req: Request, error: str, code: str) -> None:
+        """End a live request with `error` on every rank and free what it holds (roles: their queues too)."""
+        self.scheduler.finish(req, "abort")
+        self.scheduler.release(req)
+        req.finish_reason, req.finish_s = "error", time.perf_counter()
+        self._retire(req, ABORT, error=error, code=code)
+
+    def _handle(self, msg) -> None:
+        """A message from the front (pipeline/messages.py); roles handle theirs first (`handle`)."""
+        if self.handle(msg):
+            return
+        match msg:
+            case Add():
+                req = Request(msg.rid, list(msg.prompt_ids), msg.params, PageTable(self.pool.page_size))
+                req.peer = msg.peer
+                self.requests[msg.rid] = req
+                self._admit_new(req, msg)
+                if msg.rid in self.requests:  # (a role may refuse it at once)
+                    self._set_phase(req, self.phase_of(req))
+            case Abort(rid, reason) if rid in self.requests:
+                req = self.requests[rid]
+                self.scheduler.finish(req, "abort")
+                req.finish_s = time.perf_counter()
+                # an operator's abort ends with its reason and CANCELLED; a client's has nobody left to tell
+                self._retire(req, ABORT, **({"error": reason, "code": "CANCELLED"} if reason else {}))
+            case Ask("status", token):
+                self.outbox.put(Answer(token, self.status()))
+            case Ask("requests", token):
+                self.outbox.put(Answer(token, {"requests": self.list_requests()}))
+            case Ask("check", token):
+                self.outbox.put(Answer(token, {"problems": self.check_invariants(), "log": self.log.count}))
+            case Shutdown():
+                self.stopping = True
+                for req in list(self.requests.values()):
+                    self.scheduler.finish(req, "abort")
+                    self._retire(req, ABORT)
+            case Wake() | Abort():
+                pass  # decisions are taken in _tick; an abort of a request that has ended already
+            case _:
+                raise AssertionError(f"rank 0 of a {self.role} node got {msg!r}")
+
+    def handle(self, msg) -> bool:
+        """Hook: a role's own messages, or its own take on common ones; True when handled."""
+        return False
+
+    def _tick(self) -> None:
+        """Once per turn, before scheduling: roles move their own queues here."""
+
+    def undecided(self) -> bool:
+        """Hook: a change this thread made that its role's consensus has not ruled on yet (the loop
+        takes another turn instead of sleeping)."""
+        return False
+
+    def _admit_new(self, req: Request, add: Add) -> None:
+        """A new request from the front; roles with queues before scheduling override this."""
+        self.scheduler.add(req)
+
+    def status(self) -> dict:
+        alloc = self.scheduler.allocator
+        return {
+            "pages_used": alloc.num_used,
+            "pages_total": alloc.num_pages,
+            "queues": {
+                "waiting": len(self.scheduler.waiting),
+                "running": len(self.scheduler.running),
+                "inflight_microbatches": len(self.inflight),
+            },
+            "served": self.served,
+            "requests_in_flight": len(self.requests),
+            "transfers_in_flight": self.transfers_in_flight(),
+        }
+
+    def transfers_in_flight(self) -> int:
+        return 0
+
+    def queues(self) -> dict[str, list[str]]:
+        """Every queue a live request can be in, by name: each live request is in exactly one."""
+        s = self.scheduler
+        return {"waiting": [r.rid for r in s.waiting], "running": [r.rid for r in s.running], "held": list(s.held)}
+
+    def check_invariants(self) -> list[str]:
+        """What is wrong with rank 0's state ([] when nothing): pages owned = pages of live requests,
+        every live request in exactly one queue, nothing queued that is not live."""
+        problems = []
+        try:
+            self.scheduler.check_invariants()
+        except AssertionError as e:
+            problems.append(f"pages: {e}")
+        where: dict[str, list[str]] = {}
+        for name, rids in self.queues().items():
+            for rid in rids:
+                where.setdefault(rid, []).append(name)
+        for rid in self.requests:
+            if len(where.get(rid, ())) != 1:
+                problems.append(f"request {rid} is in {len(where.get(rid, ()))} queues: {where.get(rid, [])}")
+        problems += [
+            f"{rid} is queued ({names}) but not live" for rid, names in where.items() if rid not in self.requests
+        ]
+        stray = self.scheduler.allocator.owners() - self.requests.keys() - self.resting_owners()
+        problems += [f"pages owned by {owner!r}, which is not a live request" for owner in sorted(stray)]
+        return problems
+
+    def resting_owners(self) -> set[str]:
+        """Rids that are over but whose pages are still held on purpose (a role's quarantine)."""
+        return set()
+
+    def phase_of(self, req: Request) -> str:
+        """Where the request is now, as operators see it (Admin.ListRequests, logs)."""
+        if req.output_ids and not req.has_prompt_left:
+            return "decoding"
+        return "prefilling" if req.num_computed else "waiting"
+
+    def list_requests(self) -> list[dict]:
+        now = time.perf_counter()
+        return [
+            {
+                "rid": req.rid,
+                "room": req.room or 0,
+                "phase": self.phase_of(req),
+                "age_s": now - req.arrival_s,
+                "kv_pages": len(req.page_table.pages),
+                "peer": req.peer,
+                "prompt_tokens": len(req.prompt_ids),
+                "output_tokens": len(req.output_ids),
+            }
+            for req in self.requests.values()
+        ]
+
+    def _set_phase(self, req: Request, phase: str, **fields) -> None:
+        """Log the request's move to `phase` (once per change)."""
+        if self.phases.get(req.rid) != phase:
+            self.phases[req.rid] = phase
+            log_event(log, "phase", role=self.role, rid=req.rid, room=room_tag(req.room), phase=phase, **fields)
+
+    def _retire(self, req: Request, kind: str, **event) -> None:
+        """The request is over here: tell every rank (if they know it) and the front."""
+        del self.requests[req.rid]
+        self.served += 1
+        if req.announced:
+            self._decide(kind, req.rid)
+        self.phases.pop(req.rid, None)
+        fields = {"reason": req.finish_reason, "output_tokens": len(req.output_ids)}
+        if event.get("error"):
+            fields |= {"code": event.get("code", ""), "error": event["error"]}
+        log_event(log, "phase", role=self.role, rid=req.rid, room=room_tag(req.room), phase="finished", **fields)
+        self.outbox.put(
+            Finish(req.rid, req.finish_reason, tuple(req.output_ids), req.text, len(req.prompt_ids), **event)
+        )
+
+    def _decide(self, kind: str, rid: str, params: SamplingParams | None = None, info: dict | None = None) -> None:
+        d = LogEntry(self.log.count, kind, rid, params, info)
+        self.log.append(d)
+        self._unsent.append(d)
+        self.metrics.decisions.labels(kind).inc()
+        self.agent.on_decision(d)
+
+    def _take_unsent(self) -> tuple[LogEntry, ...]:
+        out, self._unsent = tuple(self._unsent), []
+        return out
+
+
+def _drop(msg: Message) -> None:
+    """A pipeline of one rank has nobody to send to."""

@@ -1,0 +1,75 @@
+"""Ranks 1..P-1 of a pipeline: execute what rank 0 describes, in the order it was sent.
+
+Every message's decisions are applied first (exactly once, in order: the decision log of
+every rank is rank 0's). A middle rank forwards the description and its output hidden
+states; the last rank samples and returns the tokens to rank 0. Which of the two a rank
+does is bound once, at start-up.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine import faults
+from engine.batch import AttentionMetadata
+from engine.kv_pool import KVPool
+from engine.model import ModelStage
+from engine.request import Request
+from engine.sampler import sample
+from pipeline.agent import KVAgent
+from pipeline.dist import Link
+from pipeline.log import ADMIT, ENDS, SHUTDOWN, STEP, LogEntry, Message, PipelineLog
+
+
+class StageLoop:
+    def __init__(
+        self, rank: int, pp_size: int, stage: ModelStage, pool: KVPool, link: Link, agent: KVAgent | None = None
+    ):
+        self.rank, self.stage, self.pool, self.link = rank, stage, pool, link
+        self.agent = agent or KVAgent()
+        self.prev = rank - 1
+        self.is_last = rank == pp_size - 1
+        self.emit = self._return_tokens if self.is_last else self._forward
+        self.live: dict[str, Request] = {}  # admitted requests: the last rank's sampler state
+        self.log = PipelineLog()
+
+    def run(self) -> PipelineLog:
+        while True:
+            raw = self.link.recv_bytes(self.prev)
+            msg = Message.decode(raw)
+            self._apply(msg.decisions)
+            if msg.kind == STEP:
+                b = msg.batch
+                meta = AttentionMetadata.build(b, self.pool.page_size, self.stage.device)
+                hidden = self.link.recv_tensor(
+                    (b.num_tokens, self.stage.config.hidden_size), self.stage.dtype, self.prev
+                )
+                out = self.stage.forward(meta, hidden, self.pool)
+                faults.current().after_step()
+                self.agent.after_forward(b)
+                self.emit(raw, msg, meta, out)
+            elif not self.is_last:
+                self.link.send_bytes(raw, self.rank + 1)
+            if msg.kind == SHUTDOWN:
+                self.link.flush()
+                return self.log
+
+    def _apply(self, decisions: tuple[LogEntry, ...]) -> None:
+        for d in decisions:
+            self.log.append(d)  # raises on a gap or a repeat
+            if d.kind == ADMIT:
+                self.live[d.rid] = req = Request(d.rid, [], d.params, None)
+                req.num_sampled = (d.info or {}).get("first_sample_index", 0)
+            elif d.kind in ENDS:
+                del self.live[d.rid]
+            self.agent.on_decision(d)
+
+    def _forward(self, raw: bytes, msg: Message, meta: AttentionMetadata, hidden: torch.Tensor) -> None:
+        self.link.send_bytes(raw, self.rank + 1)
+        self.link.send_tensor(hidden, self.rank + 1)
+
+    def _return_tokens(self, raw: bytes, msg: Message, meta: AttentionMetadata, logits: torch.Tensor) -> None:
+        sampled = [self.live[rid] for rid, s in zip(msg.batch.rids, msg.batch.sample) if s]
+        tokens = sample(logits, sampled, self.stage.config.eos_token_ids)
+        self.agent.on_sampled(msg.batch, tokens)
+        self.link.send_tensor(torch.tensor([len(tokens), *tokens], dtype=torch.int64), 0)

@@ -1,0 +1,418 @@
+"""A routed request (`Routed`): one client request's upstream calls, on the router's event loop
+(a request is a coroutine chain, never a thread; nothing here blocks).
+
+Colocated: the least loaded healthy colocated node streams the whole request.
+Disaggregated: a decode node D and a prefill node P are picked independently; the router makes a
+random 63-bit room, then at once opens D.Generate (a stream, with PrefillRoute{room, P's address})
+and P.Prefill{rid, room, prompt, sampling} (a task beside D's stream). D's responses go to the
+client. If P fails before D's first response, D's stream is cancelled and the client gets P's
+status; later, D holds the whole KV already, so P's failure does not touch the stream (P's call
+outlives D's first token: it returns once P's pushes settle, and the dispatcher holds its task
+until then). If D fails, P is cancelled. A decode node competes with the
+colocated nodes for each request (least outstanding wins), and is eligible only while some prefill
+node is.
+
+Retries. An attempt that fails before any response reached the client is tried again on another
+node (pair) when another node may do better: UNAVAILABLE (down, draining, lost a rank),
+RESOURCE_EXHAUSTED (full), DEADLINE_EXCEEDED from a node's own timeout (bootstrap, prealloc,
+transfer; not the request's own deadline), or no first token within first_token_timeout_s. The node
+that failed is left out of the request's later attempts; but P's own timeouts leave out D (P waited
+on D: for its registration, or for its pages to take the KV), and a first-token timeout leaves out
+P while its Prefill call runs, else D. Each attempt has a fresh room and, after the first, a fresh
+upstream rid, `RID:retryN` (the nodes may still be dropping the attempt before). At most
+max_attempts attempts; the n-th retry waits retry_backoff_s * 2**(n-1), at most
+RETRY_BACKOFF_CAP_S. When the attempts are used up or no node is left, the client gets the last
+failure's status and message (RESOURCE_EXHAUSTED stays RESOURCE_EXHAUSTED: clients back off on it).
+Once a response reached the client nothing is retried (tokens would repeat): a failure ends the
+stream with the upstream status. Retries are counted in kvbridge_router_retries_total{reason}.
+
+Timeouts: each wait for the node's next response runs under an asyncio timeout, so an attempt
+with no first token within first_token_timeout_s of its start is cancelled (retried as above, else
+the client gets DEADLINE_EXCEEDED); after the first token, a node that sends nothing for
+idle_stream_timeout_s ends the request (DEADLINE_EXCEEDED "no token for N s"). Only time spent
+waiting for the node counts, not time spent handing responses to a slow client. Both are counted
+in kvbridge_router_timeouts_total{timeout}.
+
+Liveness: how soon the requests on a node that dies end (retried, or failed if a token was sent).
+- The node's process dies (crash, kill -9) on a host that stays up: the kernel closes its sockets,
+  gRPC fails every call open on it with UNAVAILABLE at once, and its health watch fails (the pool
+  routes nothing new to it). Bound: under 1 s (tests/test_failover.py measures it).
+- The host vanishes without closing anything: gRPC keepalive (common/rpc.py: a ping after 10 s
+  without traffic, 5 s for its answer) may fail the calls, but gRPC spaces its pings out on a
+  connection the router sends nothing on (a minute apart after the first two), so the bound is the
+  timeouts above: no request waits on a silent node longer than first_token_timeout_s per attempt
+  (before its first token) or idle_stream_timeout_s (after).
+
+Cancelling a Routed (client gone: its consumer closed it or the consumer's task was cancelled; or
+an operator's Admin.AbortRequest) cancels every upstream call it has open; the nodes then abort
+the request, and the client is told CANCELLED with who cancelled it. A request that has ended is
+not cancelled any more (its P call may still be settling, and is left to). The dispatcher holds
+every request in flight by rid, from its first step to its end, for Admin.ListRequests /
+AbortRequest and Drain (router/dispatch.py; while draining, a new request ends at once with
+UNAVAILABLE). Each phase
+change is one log line (`event=phase` with phase routed, first_token, timeout, retry, finished or
+failed) and feeds the router's metrics (router/metrics.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+import grpc
+
+from common.limits import room_tag
+from common.logs import log_event
+from common.metrics import outcome_of
+from kvbridge.v1 import generation_pb2, generation_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from router.pool import Node
+
+if TYPE_CHECKING:
+    from router.dispatch import Dispatcher
+
+GENERATION_ROLES = ("colocated", "decode")
+PHASES = ("routing", "colocated", "prefill+decode")  # a Routed's phase: no node yet, then how it is served
+RETRIED_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED)
+RETRY_BACKOFF_CAP_S = 1.0  # the longest pause between two attempts
+CLIENT_CANCELLED = "the client cancelled the request"
+OPERATOR_ABORTED = "an operator aborted the request (Admin.AbortRequest on the router)"
+ROUTER_STOPPING = "the router is stopping"
+DRAINING = "the router is draining"
+log = logging.getLogger("kvbridge.router")
+
+
+class RouteError(Exception):
+    """The request failed; `code` and `message` are what the client is told."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(f"{code.name}: {message}")
+        self.code, self.message = code, message
+
+
+class _Retry(Exception):
+    """An attempt failed before any response reached the client, in a way other nodes may not."""
+
+    def __init__(self, nodes: list[Node], error: RouteError):
+        super().__init__(error.message)
+        self.nodes, self.error = nodes, error  # the nodes to leave out from now on; what the client gets if last
+
+
+class _TimedOut(Exception):
+    """The wait for the node's next response ran past the timeout that applied (`kind`)."""
+
+    def __init__(self, kind: str):
+        super().__init__(kind)
+        self.kind = kind  # "first_token" | "idle_stream"
+
+
+class _Interrupted(Exception):
+    """The upstream call was cancelled by this router (cancel(), or D's stream for P's failure)
+    while the attempt waited on it."""
+
+
+class Routed:
+    """A routed request: `async for` its GenerateResponses (RouteError on failure). A consumer that
+    stops early closes it (`aclose`, or contextlib.aclosing), which cancels upstream like cancel().
+    cancel() runs on the router's loop. Its phase, room, peer and token counts are read by
+    Admin.ListRequests while it runs."""
+
+    def __init__(self, dispatcher: Dispatcher, request: generation_pb2.GenerateRequest, deadline: float):
+        self.dispatcher, self.pool, self.config = dispatcher, dispatcher.pool, dispatcher.config
+        self.request = request  # rid set; prefill unset
+        self.deadline = deadline  # time.monotonic() by which every upstream call ends
+        self.rid = request.rid
+        self.received = time.monotonic()  # when the router got it
+        self.phase = "routing"  # one of PHASES
+        self.room = 0  # the current attempt's room (disaggregated), else 0
+        self.peer = ""  # the nodes serving it: "P_ADDR -> D_ADDR", or the colocated node's address
+        self.attempts = 0  # attempts started so far
+        self.prompt_tokens = len(request.prompt.token_ids.ids)  # 0 until known (text, chat: the last usage)
+        self.output_tokens = 0  # token ids handed to the client so far
+        self.sent = 0  # responses handed to the client so far
+        self.finish_reason = ""  # of the last response, once it came
+        self.cancelled = asyncio.Event()
+        self.why = ""  # the reason of the first cancel(): what the client is told
+        self._last_token_at: float | None = None  # time.monotonic() of the last token-bearing response
+        self._calls: list[grpc.aio.Call] = []  # the current attempt's upstream calls, cancelled by cancel()
+        self._last_error: RouteError | None = None  # the failure of the last attempt
+        self._ended = False  # the request is over: cancel() does nothing any more
+        self._responses: AsyncIterator[generation_pb2.GenerateResponse] | None = None
+
+    def __aiter__(self) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        if self._responses is None:
+            self._responses = self._run()
+        return self._responses
+
+    async def aclose(self) -> None:
+        if self._responses is not None:
+            await self._responses.aclose()
+
+    def cancel(self, why: str = CLIENT_CANCELLED) -> None:
+        """End the request: every upstream call it has open is cancelled (the nodes abort it) and
+        the client is told CANCELLED with `why`; the first reason given is the one kept."""
+        if self._ended:
+            return
+        if not self.cancelled.is_set():
+            self.why = why
+            self.cancelled.set()
+        for call in self._calls:
+            call.cancel()
+
+    def age_s(self) -> float:
+        return time.monotonic() - self.received
+
+    async def _run(self) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        outcome = "error"
+        try:
+            self.dispatcher._admit(self)
+            excluded: list[Node] = []
+            while True:
+                try:
+                    async with contextlib.aclosing(self._attempt(excluded)) as responses:
+                        async for resp in responses:
+                            yield resp
+                    break
+                except _Retry as retry:
+                    excluded += retry.nodes
+                    await self._pause_before_retry(retry, excluded)
+            outcome = outcome_of(self.finish_reason)
+            self._log("finished", outcome=outcome, tokens=self.output_tokens, seconds=self.age_s())
+        except RouteError as e:
+            outcome = "abort" if e.code == grpc.StatusCode.CANCELLED and self.cancelled.is_set() else "error"
+            self._log("failed", outcome=outcome, code=e.code.name, message=e.message, seconds=self.age_s())
+            raise
+        except (GeneratorExit, asyncio.CancelledError):  # the consumer stopped reading, or its task was cancelled
+            self.cancel()  # (a no-op if it was cancelled already; the first reason stays)
+            outcome = "abort"
+            self._log("failed", outcome=outcome, code="CANCELLED", message=self.why, seconds=self.age_s())
+            raise
+        finally:
+            self._ended = True
+            self.dispatcher._ended(self, outcome)
+
+    # ------------------------------------------------------------------ attempts
+
+    async def _attempt(self, excluded: list[Node]) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        self.phase, self.room, self.peer = "routing", 0, ""
+        if self.cancelled.is_set():
+            raise RouteError(grpc.StatusCode.CANCELLED, self.why)
+        timeout = self._remaining()
+        roles = GENERATION_ROLES if self.pool.has_eligible("prefill", excluded) else ("colocated",)
+        node = self.pool.acquire(roles, excluded)
+        if node is None:
+            raise self._none_left()
+        self.attempts += 1
+        self._calls = []
+        request = generation_pb2.GenerateRequest()
+        request.CopyFrom(self.request)
+        if self.attempts > 1:  # the nodes of an earlier attempt may still hold the rid for a moment
+            request.rid = f"{self.rid}:retry{self.attempts - 1}"
+        if node.role == "colocated":
+            self.peer, self.phase = node.address, "colocated"
+            self._log("routed", colocated=node.address)
+            served = self._colocated(node, request, timeout)
+        else:
+            prefill = self.pool.acquire(("prefill",), excluded)
+            if prefill is None:  # the last prefill node turned unhealthy just now
+                self.pool.release(node)
+                raise self._none_left()
+            self.room, self.peer = secrets.randbits(63), f"{prefill.address} -> {node.address}"
+            self.phase = "prefill+decode"
+            self._log("routed", prefill=prefill.address, decode=node.address)
+            served = self._disaggregated(prefill, node, request, timeout)
+        async with contextlib.aclosing(served) as responses:
+            async for resp in responses:
+                yield resp
+
+    async def _pause_before_retry(self, retry: _Retry, excluded: list[Node]) -> None:
+        """Wait the backoff before the next attempt; raise the failure when there is to be none."""
+        self._last_error = retry.error
+        if self.attempts >= self.config.max_attempts or not self.dispatcher.can_route(excluded):
+            raise retry.error
+        backoff = self.config.retry_backoff_s * 2 ** (self.attempts - 1)
+        pause = min(backoff, RETRY_BACKOFF_CAP_S, max(0.0, self.deadline - time.monotonic()))
+        code = retry.error.code
+        self.dispatcher.metrics.retry(code.name.lower())
+        self._log("retry", code=code.name, reason=retry.error.message, attempt=self.attempts + 1)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(pause):
+                await self.cancelled.wait()
+        if self.cancelled.is_set():
+            raise RouteError(grpc.StatusCode.CANCELLED, self.why)
+
+    def _none_left(self) -> RouteError:
+        """No node to try: the last attempt's failure, if there was one."""
+        return self._last_error or RouteError(grpc.StatusCode.UNAVAILABLE, "no healthy node can serve the request")
+
+    def _remaining(self) -> float:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise RouteError(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed")
+        return left
+
+    def _open(self, call: grpc.aio.Call) -> grpc.aio.Call:
+        """Register an upstream call so that cancel() reaches it (at once, if cancel came first)."""
+        self._calls.append(call)
+        if self.cancelled.is_set():
+            call.cancel()
+        return call
+
+    async def _colocated(
+        self, node: Node, request: generation_pb2.GenerateRequest, timeout: float
+    ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        """The node's stream, passed through. The caller acquired `node`; it is released here."""
+        try:
+            stream = self._open(generation_pb2_grpc.GenerationStub(node.channel).Generate(request, timeout=timeout))
+            done = False
+            try:
+                while (resp := await self._next(stream)) is not None:
+                    self._deliver(resp)
+                    yield resp
+                done = True
+            except _TimedOut as e:
+                raise self._timeout_error(e.kind, [node]) from None
+            except _Interrupted:
+                raise self._interrupted() from None
+            except grpc.aio.AioRpcError as e:
+                raise self._upstream_error(e, [node]) from None
+            finally:
+                if not done:  # an error, or the consumer closed this generator: no-op on a finished call
+                    stream.cancel()
+        finally:
+            self.pool.release(node)
+
+    async def _disaggregated(
+        self, p: Node, d: Node, request: generation_pb2.GenerateRequest, timeout: float
+    ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        """D's stream, passed through, with P's Prefill running beside it as a task. The caller
+        acquired both; D is released when its stream ends, P when its Prefill call returns."""
+        dreq = generation_pb2.GenerateRequest()
+        dreq.CopyFrom(request)
+        dreq.prefill.room, dreq.prefill.prefill_addr = self.room, p.address
+        preq = prefill_pb2.PrefillRequest(
+            rid=request.rid, room=self.room, prompt=request.prompt, sampling=request.sampling
+        )
+        answered = False  # D sent its first response: it holds the whole KV
+        prefilled = False  # P's Prefill call returned
+        p_failed: grpc.aio.AioRpcError | None = None  # P's error, recorded before D's stream is cancelled for it
+        calls: list[grpc.aio.Call] = []
+        settling = False  # P's task holds P (and releases it when its call ends)
+        done = False
+        try:
+            stream = self._open(generation_pb2_grpc.GenerationStub(d.channel).Generate(dreq, timeout=timeout))
+            calls.append(stream)
+            p_call = self._open(prefill_pb2_grpc.PrefillStub(p.channel).Prefill(preq, timeout=timeout))
+            calls.append(p_call)
+
+            async def prefill() -> None:
+                nonlocal prefilled, p_failed
+                try:
+                    await p_call
+                    prefilled = True
+                except grpc.aio.AioRpcError as e:
+                    if not answered:  # (once D answered, P's failure cannot touch the stream)
+                        p_failed = e
+                        stream.cancel()
+                except asyncio.CancelledError:
+                    pass  # cancelled here: the attempt failed, or the router is stopping
+
+            task = self.dispatcher._settle(prefill())
+            task.add_done_callback(lambda _: self.pool.release(p))  # (runs even if cancelled before it started)
+            settling = True
+            try:
+                while (resp := await self._next(stream)) is not None:
+                    answered = True
+                    self._deliver(resp)
+                    yield resp
+                done = True  # P may still be finishing (its pushes settle after D has the KV): let it
+            except _TimedOut as e:
+                raise self._timeout_error(e.kind, [d] if prefilled else [p]) from None
+            except (_Interrupted, grpc.aio.AioRpcError) as e:
+                if p_failed is not None:  # P's own timeouts wait on D (its registration, its pages taking the KV)
+                    waited_on_d = p_failed.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                    raise self._upstream_error(p_failed, [d] if waited_on_d else [p]) from None
+                if isinstance(e, _Interrupted):
+                    raise self._interrupted() from None
+                raise self._upstream_error(e, [d]) from None
+        finally:
+            if not done:  # an error, or the consumer closed this generator
+                for call in calls:
+                    call.cancel()
+            if not settling:
+                self.pool.release(p)
+            self.pool.release(d)
+
+    async def _next(self, stream: grpc.aio.UnaryStreamCall) -> generation_pb2.GenerateResponse | None:
+        """The node's next response (None: the stream ended), waited for at most the timeout that
+        applies now: first_token_timeout_s before any response reached the client, else
+        idle_stream_timeout_s (0: none). A timeout cancels the call and raises _TimedOut."""
+        first = self.sent == 0
+        limit = self.config.first_token_timeout_s if first else self.config.idle_stream_timeout_s
+        since = time.monotonic()
+        try:
+            async with asyncio.timeout(limit or None):
+                resp = await stream.read()  # (a cancelled read cancels the call)
+        except TimeoutError:
+            kind = "first_token" if first else "idle_stream"
+            self.dispatcher.metrics.timed_out(kind)
+            self._log("timeout", timeout=kind, seconds=time.monotonic() - since)
+            raise _TimedOut(kind) from None
+        except asyncio.CancelledError:
+            if asyncio.current_task().cancelling():  # our own task is being cancelled: let it
+                raise
+            raise _Interrupted() from None  # grpc.aio reads a locally cancelled call as CancelledError
+        return None if resp is grpc.aio.EOF else resp
+
+    def _interrupted(self) -> RouteError:
+        return RouteError(grpc.StatusCode.CANCELLED, self.why or "the upstream call was cancelled")
+
+    def _upstream_error(self, e: grpc.aio.AioRpcError, nodes: list[Node]) -> Exception:
+        """What a failed upstream call means for the client: a RouteError, or a _Retry when nothing
+        reached the client yet and another node may succeed."""
+        code, details = e.code(), e.details() or ""
+        if self.cancelled.is_set():
+            return RouteError(grpc.StatusCode.CANCELLED, self.why)
+        where = ", ".join(n.key for n in nodes)
+        error = RouteError(code, f"{details} (from {where})")
+        own_deadline = code == grpc.StatusCode.DEADLINE_EXCEEDED and time.monotonic() >= self.deadline
+        if code in RETRIED_CODES and self.sent == 0 and not own_deadline:
+            return _Retry(nodes, error)
+        return error
+
+    def _timeout_error(self, kind: str, nodes: list[Node]) -> Exception:
+        if self.cancelled.is_set():
+            return RouteError(grpc.StatusCode.CANCELLED, self.why)
+        where = ", ".join(n.key for n in nodes)
+        if kind == "first_token":
+            message = f"no first token within {self.config.first_token_timeout_s:g} s (from {where})"
+            return _Retry(nodes, RouteError(grpc.StatusCode.DEADLINE_EXCEEDED, message))
+        message = f"no token for {self.config.idle_stream_timeout_s:g} s (from {where})"
+        return RouteError(grpc.StatusCode.DEADLINE_EXCEEDED, message)
+
+    # ------------------------------------------------------------------ accounting
+
+    def _deliver(self, resp: generation_pb2.GenerateResponse) -> None:
+        """Account for a response about to be handed to the client: counts, TTFT, token gaps."""
+        self.sent += 1
+        if resp.finish_reason:
+            self.finish_reason = resp.finish_reason
+        if resp.HasField("usage"):
+            self.prompt_tokens = resp.usage.prompt_tokens
+        if not resp.token_ids:
+            return
+        now = time.monotonic()
+        if self._last_token_at is None:
+            self.dispatcher.metrics.first_token(now - self.received)
+            self._log("first_token", seconds=now - self.received)
+        else:
+            self.dispatcher.metrics.token_gap(now - self._last_token_at)
+        self._last_token_at = now
+        self.output_tokens += len(resp.token_ids)
+
+    def _log(self, phase: str, **fields) -> None:
+        log_event(log, "phase", rid=self.rid, room=room_tag(self.room), phase=phase, **fields)

@@ -1,0 +1,95 @@
+"""gRPC services of a colocated node (`kvbridge serve`): Generation, plus what every node
+serves (serving/server.py: Admin, health, reflection, /metrics) on one port.
+
+The node is a RankGroup (rank processes) behind a NodeFront (per-request event streams);
+this module only translates between the wire and the front, and maps errors to status
+codes.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import grpc
+
+from engine.config import EngineConfig, PPConfig
+from kvbridge.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from pipeline.group import RankGroup
+from serving import convert
+from serving.front import NodeFront, Overloaded
+from serving.server import NodeServer
+
+SERVICES = ("kvbridge.v1.Generation", "kvbridge.v1.Admin")
+
+
+class ColocatedGeneration(generation_pb2_grpc.GenerationServicer):
+    def __init__(self, server: NodeServer):
+        self.server = server
+
+    async def Generate(self, request, context):
+        await self.server.admit(context)
+        front = self.server.node.front
+        rid = request.rid or uuid.uuid4().hex
+        try:
+            ids = front.prompt_ids(request.prompt)
+            params = convert.sampling_params(request.sampling)
+            deltas = front.submit(ids, params, rid)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except Overloaded as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        async for d in deltas:
+            if d.error:
+                await context.abort(getattr(grpc.StatusCode, d.code or "UNAVAILABLE"), d.error)
+            resp = generation_pb2.GenerateResponse(rid=rid, token_ids=d.token_ids, text=d.text)
+            if d.finish_reason:
+                resp.finish_reason = d.finish_reason
+                resp.usage.CopyFrom(
+                    common_pb2.Usage(prompt_tokens=d.prompt_tokens, completion_tokens=d.completion_tokens)
+                )
+            yield resp
+
+    async def GetModelInfo(self, request, context):
+        if self.server.node is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the {self.server.role} node is still loading")
+        node = self.server.node.ranks
+        return generation_pb2.ModelInfo(
+            model=node.config.model,
+            fingerprint=node.model.fingerprint,
+            max_context=node.max_context,
+            role=self.server.role,
+        )
+
+
+class ColocatedNode:
+    """A colocated node: its rank processes and its front."""
+
+    def __init__(self, config: EngineConfig, pp: PPConfig, progress: bool = False):
+        self.ranks = RankGroup(config, pp, progress=progress)
+        self.front = NodeFront(self.ranks)
+
+    def shutdown(self):
+        self.front.close()
+        return self.ranks.shutdown()
+
+
+class ColocatedServer(NodeServer):
+    """`kvbridge serve`: Generation and Admin on one port; `stop()` returns the rank reports."""
+
+    role = "colocated"
+    SERVICES = SERVICES
+
+    def servicers(self):
+        return [(generation_pb2_grpc.add_GenerationServicer_to_server, ColocatedGeneration(self)), *super().servicers()]
+
+
+def start_colocated(
+    config: EngineConfig,
+    pp: PPConfig,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    progress: bool = False,
+    metrics_port: int = -1,
+) -> ColocatedServer:
+    server = ColocatedServer(host, port, metrics_port, {"model": config.model})
+    return server.load(lambda: ColocatedNode(config, pp, progress))

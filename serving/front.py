@@ -1,0 +1,282 @@
+"""A running node seen from its services: submit a request, iterate its events.
+
+The front lives on the node server's asyncio event loop (common.rpc.EventLoop): a request
+costs an asyncio queue and the coroutine that reads it, never a thread. One dispatcher
+thread reads rank 0's event queue (a multiprocessing queue, so a blocking read), takes every
+event already there in one go, and hands the batch to the loop, which routes each event to
+its request's stream or to a status waiter. Text is detokenized incrementally here
+(engine/detok.py: bounded work per token), holding back what might still turn out to be
+the start of a stop string.
+
+Callers on the loop use `submit`, `abort`, `astatus`, `arequests`, `acheck`; other threads
+(the rank watcher, SIGTERM handling, /metrics scrapes, tests) use the blocking `status`,
+`requests`, `check` and `fail_all`, which run on the loop and wait for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from common.limits import PROMPT_BYTES_PER_TOKEN, rid_problem
+from common.metrics import NodeMetrics, outcome_of
+from common.rpc import EventLoop, shown
+from engine.detok import TextStream
+from engine.request import SamplingParams
+from kvbridge.v1 import common_pb2
+from pipeline.group import RankGroup
+from pipeline.messages import Answer, Ask, Finish, Register, Token
+from serving import convert
+
+MAX_BATCH = 4096  # events handed to the loop in one call, at most
+
+
+class Overloaded(Exception):
+    """The node takes no more requests now (RESOURCE_EXHAUSTED): a router tries another node."""
+
+
+@dataclass
+class Delta:
+    token_ids: list[int]  # new tokens
+    text: str  # their text, as far as it is final
+    finish_reason: str = ""  # set on the last delta
+    prompt_tokens: int = 0  # set on the last delta
+    completion_tokens: int = 0  # set on the last delta
+    error: str = ""  # the request failed (last delta): why
+    code: str = ""  # and the gRPC status code name to report it with
+    kv_bytes: int = 0  # disaggregated: KV bytes moved for it
+    kv_seconds: float = 0.0  # disaggregated, first delta: from registration to the KV landing on every rank
+
+
+class NodeFront:
+    def __init__(self, ranks: RankGroup):
+        self.ranks = ranks
+        self.tokenizer = ranks.model.tokenizer
+        self.loop: EventLoop | None = None  # set by attach(): where streams are read
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._status: dict[int, asyncio.Future] = {}  # token -> waiter of a status / requests answer
+        self._timing: dict[str, list] = {}  # rid -> [submitted, first token seen] (perf_counter)
+        self.metrics: NodeMetrics | None = None  # set by the server: counted on the loop
+        self._tokens = itertools.count()
+        self._closed = False
+        # rank 0's role-specific messages, by type (e.g. a decode node's Preallocated): called on the
+        # loop, so they must not block (start a task for anything that waits)
+        self.handlers: dict[type, Callable] = {}
+        self._thread = threading.Thread(target=self._dispatch, name="kvbridge-dispatch", daemon=True)
+
+    def attach(self, loop: EventLoop) -> None:
+        """Serve on `loop` from now on (the node server's); starts reading rank 0's events."""
+        self.loop = loop
+        self._thread.start()
+
+    # ------------------------------------------------------------------ on the loop
+
+    def prompt_ids(self, prompt: common_pb2.Prompt) -> list[int]:
+        """The prompt's token ids; ValueError for one that cannot fit the context, found before
+        the tokenizer runs on it (its UTF-8 bytes against max_context * PROMPT_BYTES_PER_TOKEN)."""
+        limit = self.ranks.max_context * PROMPT_BYTES_PER_TOKEN
+        kind = prompt.WhichOneof("kind")
+        if kind == "text":
+            size = len(prompt.text.encode())
+        elif kind == "chat":
+            size = sum(len(m.content.encode()) + len(m.role.encode()) for m in prompt.chat.messages)
+        else:
+            size = 0
+        if size > limit:
+            raise ValueError(
+                f"prompt.{kind} has {size} bytes; a prompt that fits the context of {self.ranks.max_context} "
+                f"tokens has at most {limit}"
+            )
+        return convert.prompt_ids(prompt, self.tokenizer)
+
+    def submit(
+        self, prompt_ids: list[int], params: SamplingParams, rid: str, extra: dict | None = None
+    ) -> AsyncIterator[Delta]:
+        """Start a request; iterate its deltas (the last has finish_reason). Raises ValueError on bad
+        input, Overloaded when the node holds max_pending_requests already."""
+        limit = self.ranks.config.max_pending_requests
+        problem = rid_problem(rid)
+        if problem:
+            raise ValueError(problem)
+        if rid in self._streams:
+            raise ValueError(f"duplicate request id {shown(rid)}")
+        if len(self._streams) >= limit:
+            raise Overloaded(f"the node holds {len(self._streams)} requests, its limit (--max-pending-requests)")
+        self.ranks.add_request(prompt_ids, params, rid, extra)  # ValueError: nothing was registered yet
+        events: asyncio.Queue = asyncio.Queue()
+        self._streams[rid] = events
+        self._timing[rid] = [time.perf_counter(), None]
+        return self._deltas(rid, events, TextStream(self.tokenizer, params.stop, params.min_tokens), len(prompt_ids))
+
+    async def _deltas(self, rid: str, events: asyncio.Queue, text: TextStream, prompt_tokens: int):
+        """The request's deltas. Closed before its last one (the client went away: its call's
+        coroutine was cancelled, or the reader stopped), the request is aborted on every rank."""
+        over = False
+        try:
+            while True:
+                ev = await events.get()
+                if ev is None:
+                    over = True
+                    raise RuntimeError("the node stopped")
+                if isinstance(ev, Finish):
+                    over = True
+                    yield self._last_delta(ev, text, prompt_tokens)
+                    return
+                # tokens that queued up while the reader was busy go out as one delta
+                ids, kv_seconds = [ev.token], ev.kv_seconds
+                last = None
+                while not events.empty() and last is None:
+                    more = events.get_nowait()
+                    if isinstance(more, Token):
+                        ids.append(more.token)
+                    else:
+                        last = more
+                yield Delta(ids, "".join(text.push(t) for t in ids), kv_seconds=kv_seconds)
+                if last is not None:
+                    events.put_nowait(last)
+        finally:
+            if not over:
+                self.abort(rid)
+            self._streams.pop(rid, None)
+
+    @staticmethod
+    def _last_delta(ev: Finish, text: TextStream, prompt_tokens: int) -> Delta:
+        return Delta(
+            [],
+            text.finish(ev.text),
+            ev.finish_reason,
+            prompt_tokens,
+            len(ev.output_ids),
+            error=ev.error,
+            code=ev.code,
+            kv_bytes=ev.kv_bytes,
+        )
+
+    def abort(self, rid: str, reason: str = "", source: str = "client") -> bool:
+        """End a request in whatever phase; `reason` (when given) is the error its stream ends with.
+        False when the request is not (or no longer) here."""
+        live = rid in self._streams
+        if live:
+            self.ranks.abort(rid, reason)
+            if self.metrics is not None:
+                self.metrics.aborts.labels(source).inc()
+        return live
+
+    async def astatus(self, timeout: float = 5.0) -> dict:
+        """Rank 0's counters and queues (see Leader.status); TimeoutError if it does not answer."""
+        return await self._ask("status", timeout)
+
+    async def arequests(self, timeout: float = 5.0) -> list[dict]:
+        """Every request rank 0 holds (see Leader.list_requests)."""
+        return (await self._ask("requests", timeout))["requests"]
+
+    async def acheck(self, timeout: float = 5.0) -> dict:
+        """Rank 0's invariant check: {"problems": [...], "log": decisions made so far}."""
+        return await self._ask("check", timeout)
+
+    async def register(self, room: int, registration: dict, timeout: float = 10.0) -> dict:
+        """Prefill node: hand a decode node's registration of `room` to rank 0; its verdict
+        {"code": gRPC status name or "", "error": why} (a room registered twice: ALREADY_EXISTS)."""
+        return await self._ask("register", timeout, lambda token: Register(room, registration, token))
+
+    async def _ask(self, op: str, timeout: float, message=None) -> dict:
+        token = next(self._tokens)
+        waiter = asyncio.get_running_loop().create_future()
+        self._status[token] = waiter
+        self.ranks.inbox.put(message(token) if message else Ask(op, token))
+        try:
+            return (await asyncio.wait_for(waiter, timeout)).body
+        finally:
+            self._status.pop(token, None)
+
+    def _fail_all(self, error: str, code: str) -> int:
+        streams = list(self._streams.items())
+        for rid, q in streams:
+            q.put_nowait(Finish(rid, "error", (), "", 0, error=error, code=code))
+            self._count_finish(rid, "error", 0, 0)
+        return len(streams)
+
+    def _close(self) -> None:
+        for q in self._streams.values():
+            q.put_nowait(None)
+
+    # ------------------------------------------------------------------ from other threads
+
+    def status(self, timeout: float = 5.0) -> dict:
+        return self.loop.run(self.astatus(timeout), timeout + 1)
+
+    def requests(self, timeout: float = 5.0) -> list[dict]:
+        return self.loop.run(self.arequests(timeout), timeout + 1)
+
+    def check(self, timeout: float = 5.0) -> dict:
+        return self.loop.run(self.acheck(timeout), timeout + 1)
+
+    def fail_all(self, error: str, code: str = "UNAVAILABLE") -> int:
+        """End every open stream with `error` (the node cannot finish them: a rank died). Returns how many."""
+        return self.loop.invoke(self._fail_all, error, code)
+
+    def close(self) -> None:
+        self._closed = True
+        if self.loop is not None:
+            self.loop.call(self._close)
+
+    # ------------------------------------------------------------------ events
+
+    def _count_finish(self, rid: str, outcome: str, prompt_tokens: int, output_tokens: int) -> None:
+        self.ranks.forget(rid)
+        timing = self._timing.pop(rid, None)
+        if self.metrics is None or timing is None:
+            return
+        m = self.metrics
+        m.requests.labels(outcome).inc()
+        m.prompt_tokens.inc(prompt_tokens)
+        m.generation_tokens.inc(output_tokens)
+        m.e2e.observe(time.perf_counter() - timing[0])
+
+    def _dispatch(self) -> None:
+        """The dispatcher thread: rank 0's events, in batches, to the loop."""
+        outbox = self.ranks.outbox
+        while not self._closed:
+            batch: list = []
+            try:
+                batch.append(outbox.get(timeout=0.5))
+                while len(batch) < MAX_BATCH:
+                    batch.append(outbox.get_nowait())
+            except queue.Empty:
+                pass
+            except (EOFError, OSError, ValueError):  # the queue was closed: the node stopped
+                return
+            if batch:
+                self.loop.call(self._deliver, batch)
+
+    def _deliver(self, batch: list) -> None:
+        """On the loop: each message to its request's stream, its waiter, or its role's handler."""
+        for ev in batch:
+            match ev:
+                case Answer(token):
+                    waiter = self._status.get(token)
+                    if waiter is not None and not waiter.done():
+                        waiter.set_result(ev)
+                    continue
+                case Token(rid):
+                    timing = self._timing.get(rid)
+                    if timing is not None and timing[1] is None:
+                        timing[1] = time.perf_counter()
+                        if self.metrics is not None:
+                            self.metrics.ttft.observe(timing[1] - timing[0])
+                case Finish(rid):
+                    if ev.timeout and self.metrics is not None:
+                        self.metrics.timeouts.labels(ev.timeout).inc()
+                    outcome = outcome_of(ev.finish_reason, ev.error)
+                    self._count_finish(rid, outcome, ev.prompt_tokens, len(ev.output_ids))
+                case _:
+                    self.handlers[type(ev)](ev)
+                    continue
+            target = self._streams.get(ev.rid)
+            if target is not None:
+                target.put_nowait(ev)
