@@ -1,11 +1,11 @@
-"""A decode node: its rank processes (role `decode_role`) and its front."""
+"""A decode node: its rank processes (each runs `decode_rank`) and its front."""
 
 from __future__ import annotations
 
 from google.protobuf import json_format
 
 from decode_node.agent import DecodeAgent
-from decode_node.loop import DecodeLeader, DecodeScheduler
+from decode_node.role import DecodeRole
 from engine.config import EngineConfig, PPConfig
 from engine.llm import resolve_device
 from kv_transfer import KVReceiverEndpoint, ReceiverConfig, remove_stale_segments
@@ -14,22 +14,20 @@ from kv_transfer.factory import CPU_BACKENDS
 from kv_transfer.layout import dtype_name, node_layout
 from kvbridge.v1 import prefill_pb2
 from pipeline import dist as pp_dist
-from pipeline.control import ControlChannel, GlooTransport, end_rank
-from pipeline.group import RankContext, RankGroup, RankRole
-from pipeline.messages import Fail, Wake
+from pipeline.group import RankContext, RankGroup, RankSetup
+from pipeline.messages import Fail
+from pipeline.rank0 import Rank0Loop
 from pipeline.stage import StageLoop
 from serving.front import NodeFront
 
 RESERVE_TOKENS = 64  # free room kept for decoding when a request's pages are preallocated
 
 
-def decode_role(ctx: RankContext) -> RankRole:
+def decode_rank(ctx: RankContext) -> RankSetup:
+    """What one rank process of a decode node runs: rank 0 the loop with DecodeRole, the others a
+    stage; every rank receives its layers' KV into its pool (KVReceiverEndpoint, DecodeAgent)."""
     pp, config, mc = ctx.pp, ctx.config, ctx.model.config
-    transport = GlooTransport(ctx.control_group, ctx.rank, pp.pp_size) if pp.pp_size > 1 else None
-    wake = (lambda: ctx.inbox.put(Wake())) if ctx.rank == 0 else None
-    # a failed channel: rank 0's loop wakes and take_decisions raises; any other rank ends at once
-    fail = (lambda e: wake()) if ctx.rank == 0 else end_rank
-    chan = ControlChannel(ctx.rank, pp.pp_size, transport, on_decisions=wake, collect=ctx.rank == 0, on_failure=fail)
+    chan = ctx.control_channel()
     agent = DecodeAgent(ctx.rank, None, chan)
     lo, hi = ctx.stage.layer_range
     receiver = KVReceiverEndpoint(
@@ -57,15 +55,15 @@ def decode_role(ctx: RankContext) -> RankRole:
         receiver.close()
 
     if ctx.rank == 0:
-        scheduler = ctx.make_scheduler(receiver.pool, DecodeScheduler)
-        loop = DecodeLeader(
+        scheduler = ctx.make_scheduler(receiver.pool, evict="retract")  # a prompt it never had cannot be recomputed
+        loop = Rank0Loop(
             ctx.stage, receiver.pool, scheduler, link, pp.pp_size, pp.pp_loop_size, ctx.inbox, ctx.outbox, agent,
-            chan=chan, receiver=receiver, reserve_tokens=RESERVE_TOKENS,
+            role=DecodeRole(chan, receiver, reserve_tokens=RESERVE_TOKENS),
         )  # fmt: skip
     else:
         loop = StageLoop(ctx.rank, pp.pp_size, ctx.stage, receiver.pool, link, agent)
     endpoint = json_format.MessageToDict(kv_wire.rank_to_proto(receiver.endpoint), preserving_proto_field_name=True)
-    return RankRole(loop, endpoint=endpoint, close=close)
+    return RankSetup(loop, endpoint=endpoint, close=close)
 
 
 class DecodeNode:
@@ -77,7 +75,7 @@ class DecodeNode:
         remove_stale_segments()  # pools of decode ranks killed before they could unlink them
         # a TCPStore per rank only where the torch engine may be used
         role_args = {"host": host, "torch_store": backend in ("auto", "torch")}
-        self.ranks = RankGroup(config, pp, progress=progress, build=decode_role, role_args=role_args)
+        self.ranks = RankGroup(config, pp, progress=progress, build=decode_rank, role_args=role_args)
         self.front = NodeFront(self.ranks)
         self.device = resolve_device(config.device)
         ranks = tuple(

@@ -1,10 +1,12 @@
-"""A generation request and its sampling parameters."""
+"""A generation request, its sampling parameters, where it is (`Phase`) and, when it is served
+disaggregated, its hand-off (`Handoff`)."""
 
 from __future__ import annotations
 
 import os
 import time
 from dataclasses import dataclass, field, replace
+from enum import Enum
 from typing import TYPE_CHECKING
 
 from engine.pages import PageTable
@@ -56,6 +58,39 @@ class SamplingParams:
         return replace(self, max_new_tokens=max(n, self.min_tokens))
 
 
+class Phase(str, Enum):
+    """Where a live request is on its node; one value per queue that can hold it. The value is what
+    operators see (Admin.ListRequests, `event=phase` log lines)."""
+
+    WAITING = "waiting"  # in the scheduler's queue, no pages yet (or preempted: to be recomputed)
+    PREFILLING = "prefilling"  # running: prompt chunks left
+    DECODING = "decoding"  # running: one token per step
+    BOOTSTRAP = "bootstrap"  # prefill node: first token out, the decode node's registration not yet in
+    TRANSFERRING = "transferring"  # prefill: pages wait for every rank's pushes; decode: for the KV to land
+    PREALLOC = "prealloc"  # decode node: waiting for pages for its prompt and a reserve
+    RETRACTED = "retracted"  # decode node: its KV in host memory, waiting for pages
+    RESUMING = "resuming"  # decode node: new pages given, its KV being copied back on every rank
+
+
+@dataclass
+class Handoff:
+    """A disaggregated request's hand-off between its prefill and decode nodes."""
+
+    room: int  # the key pairing its prefill and decode halves
+    peer: str = ""  # the other node's address (shown by Admin)
+    sources: tuple[tuple[int, int, int], ...] = ()  # decode: (prefill rank, layer_start, layer_end) of its KV
+    backend: str = ""  # decode: the transfer backend the pair uses
+    secret: str = ""  # decode: the room's write key (hex); every KV write carries it
+    routed: bool = False  # prefill: the decode node's registration arrived (a ROUTE decision went out)
+    transferred: bool = False  # prefill: consensus agreed every push landed (may come before the first token)
+    deadline: float = float("inf")  # perf_counter time at which the phase it waits in times out
+    timeout: str = ""  # which timeout that is: "bootstrap" | "prealloc" | "transfer"
+    preallocated_s: float = 0.0  # decode: when every rank expected its pages (for kv_seconds)
+
+    def expires(self, now: float, after_s: float, timeout: str) -> None:
+        self.deadline, self.timeout = now + after_s, timeout
+
+
 @dataclass
 class Request:
     rid: str
@@ -66,7 +101,6 @@ class Request:
     num_computed: int = 0  # tokens whose K/V is in the cache, or scheduled into it by a batch in flight
     awaiting_output: bool = False  # a batch in flight samples this request's next token
     announced: bool = False  # its ADMIT decision went down the pipeline (PP)
-    room: int | None = None  # disaggregated serving: the key pairing its prefill and decode halves
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     text: str = ""  # detokenized output, set when the request finishes
     arrival_s: float = field(default_factory=time.perf_counter)
@@ -74,7 +108,8 @@ class Request:
     finish_s: float | None = None
     seed: int = 0  # the sampling seed: params.seed, or a random one drawn at creation
     num_sampled: int = 0  # tokens sampled for this request so far (where sampling starts: see sampler.py)
-    peer: str = ""  # disaggregated serving: the other node's address (shown by Admin)
+    phase: Phase | None = None  # None until its role places it; then set by whoever moves it (Rank0Loop.move)
+    handoff: Handoff | None = None  # disaggregated serving only
     stop_checker: StopChecker | None = None  # rank 0, with stop strings: the text so far (Scheduler.stop_reason)
 
     def __post_init__(self) -> None:

@@ -3,8 +3,10 @@
 Each step: every running request that is decoding gets one token; then prompt chunks fill
 the chunked-prefill budget, first for requests already prefilling, then for new
 admissions from the waiting queue (FCFS). Pages are allocated as tokens are scheduled;
-when decode runs out of pages the newest running request is preempted (pages freed,
-recomputed later from its prompt and output so far, so its tokens do not change).
+when decode runs out of pages the newest running request is preempted: pages freed and
+recomputed later from its prompt and output so far, so its tokens do not change
+(`evict="recompute"`), or handed to the caller (`evict="retract"`: `take_evicted()`; a decode
+node copies their KV to host memory instead of recomputing it).
 
 A scheduled token counts as computed at once (`num_computed` advances when the batch is
 built), so with pipeline parallelism the next chunk of a prompt can be scheduled while
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -23,7 +26,7 @@ from engine.batch import ForwardBatch
 from engine.config import EngineConfig
 from engine.detok import StopChecker
 from engine.pages import PageAllocator
-from engine.request import Request
+from engine.request import Phase, Request
 from engine.tokenizer import Tokenizer
 
 
@@ -47,7 +50,13 @@ class Scheduler:
         tokenizer: Tokenizer | None = None,
         eos_token_ids: tuple[int, ...] = (),
         chunk_policy: ChunkPolicy | None = None,
+        hold_finished: bool = False,
+        evict: str = "recompute",
     ):
+        """hold_finished: a request that finishes (stop, length) keeps its pages until release() (a
+        prefill node's KV waits for its transfer). evict: what preemption does (module docstring)."""
+        if evict not in ("recompute", "retract"):
+            raise ValueError(f"evict must be recompute or retract, got {evict!r}")
         self.config = config
         self.allocator = allocator
         self.max_context = max_context
@@ -58,7 +67,8 @@ class Scheduler:
         self.running: list[Request] = []  # admitted: holds pages, in admission order
         # finished computing but still holding pages until release() (a prefill node's KV in transfer)
         self.held: dict[str, Request] = {}
-        self.hold_pages_on_finish = False
+        self.hold_finished, self.evict = hold_finished, evict
+        self._evicted: list[tuple[Request, list[int]]] = []  # evict="retract": (request, the pages it had)
 
     @property
     def num_unfinished(self) -> int:
@@ -190,18 +200,29 @@ class Scheduler:
         self.finish(req, reason)
 
     def preempt(self, req: Request) -> None:
-        """Free a running request's pages and requeue it first; it is recomputed on readmission."""
+        """Free a running request's pages. recompute: requeue it first, recomputed on readmission;
+        retract: hand it to take_evicted() (its pages are free at once: whoever takes it must copy
+        their KV out before any later step can reuse them)."""
         self.running.remove(req)
-        self.allocator.free(req.rid, req.page_table.pages)
-        req.page_table.pages = []
+        pages, req.page_table.pages = req.page_table.pages, []
+        self.allocator.free(req.rid, pages)
+        if self.evict == "retract":
+            self._evicted.append((req, pages))
+            return
         req.num_computed = 0
+        req.phase = Phase.WAITING
         self.waiting.appendleft(req)
+
+    def take_evicted(self) -> list[tuple[Request, list[int]]]:
+        """evict="retract": the requests preempted since the last call, with the pages each had."""
+        out, self._evicted = self._evicted, []
+        return out
 
     def finish(self, req: Request, reason: str) -> None:
         req.finish_reason = reason
         if req in self.running:
             self.running.remove(req)
-            if self.hold_pages_on_finish and reason != "abort":
+            if self.hold_finished and reason != "abort":
                 self.held[req.rid] = req
             else:
                 self.allocator.free(req.rid, req.page_table.pages)
@@ -222,13 +243,11 @@ class Scheduler:
         assert req.output_ids and req.num_computed == len(req.prompt_ids), req.rid
         self.running.append(req)
 
-    def reserved(self) -> list[Request]:
-        """Requests holding pages outside the running list (a decode node's preallocated ones)."""
-        return []
-
-    def check_invariants(self) -> None:
+    def check_invariants(self, elsewhere: Iterable[Request] = ()) -> None:
+        """`elsewhere`: requests holding pages outside the running list (a decode node's preallocated
+        ones, say): with them, every page in use is accounted for."""
         self.allocator.check_invariants()
-        held = sum(len(r.page_table.pages) for r in (*self.running, *self.held.values(), *self.reserved()))
+        held = sum(len(r.page_table.pages) for r in (*self.running, *self.held.values(), *elsewhere))
         if held != self.allocator.num_used:
             raise AssertionError(f"pages held by running requests ({held}) != pages used ({self.allocator.num_used})")
         if any(r.page_table.pages for r in self.waiting):

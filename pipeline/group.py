@@ -62,7 +62,7 @@ class RankGroup:
         pp: PPConfig,
         progress: bool = True,
         timeout_s: float = 120.0,
-        build: Callable[[RankContext], RankRole] | None = None,
+        build: Callable[[RankContext], RankSetup] | None = None,
         role_args: dict | None = None,
     ):
         self.config, self.pp = config, pp
@@ -85,7 +85,7 @@ class RankGroup:
                 target=rank_main,
                 args=(
                     rank,
-                    build or colocated_role,
+                    build or colocated_rank,
                     asdict(config),
                     asdict(pp),
                     addr,
@@ -255,7 +255,7 @@ class RankGroup:
 
 @dataclass
 class RankContext:
-    """What a rank process has when its role is built (see `colocated_role`)."""
+    """What a rank process has when its role is built (see `colocated_rank`)."""
 
     rank: int
     config: EngineConfig
@@ -273,8 +273,21 @@ class RankContext:
         mc = self.model.config
         return min(self.config.max_context or mc.max_position_embeddings, mc.max_position_embeddings)
 
-    def make_scheduler(self, pool: KVPool, scheduler_cls=Scheduler) -> Scheduler:
-        """Rank 0's scheduler, with the dynamic chunk planner when asked for (profiles now)."""
+    def control_channel(self):
+        """This rank's consensus channel (pipeline/control.py). A failed channel: rank 0's loop wakes
+        and its role's next take_decisions raises; any other rank ends at once."""
+        from pipeline.control import ControlChannel, GlooTransport, end_rank
+        from pipeline.messages import Wake
+
+        pp, lead = self.pp, self.rank == 0
+        transport = GlooTransport(self.control_group, self.rank, pp.pp_size) if pp.pp_size > 1 else None
+        wake = (lambda: self.inbox.put(Wake())) if lead else None
+        fail = (lambda e: wake()) if lead else end_rank
+        return ControlChannel(self.rank, pp.pp_size, transport, on_decisions=wake, collect=lead, on_failure=fail)
+
+    def make_scheduler(self, pool: KVPool, **options) -> Scheduler:
+        """Rank 0's scheduler, with the dynamic chunk planner when asked for (profiles now).
+        options: Scheduler's (hold_finished, evict)."""
         policy = None
         if self.pp.enable_dynamic_chunking:
             from engine.profile import plan_chunks, prefill_timer
@@ -282,11 +295,13 @@ class RankContext:
             policy = plan_chunks(self.config, prefill_timer([self.stage], [pool]), self.max_context, progress=False)
         mc = self.model.config
         allocator = PageAllocator(self.config.total_pages)
-        return scheduler_cls(self.config, allocator, self.max_context, self.model.tokenizer, mc.eos_token_ids, policy)
+        return Scheduler(
+            self.config, allocator, self.max_context, self.model.tokenizer, mc.eos_token_ids, policy, **options
+        )
 
 
 @dataclass
-class RankRole:
+class RankSetup:
     """A built role: the loop to run, and what the front learns when the rank is ready."""
 
     loop: object  # has run() -> list[LogEntry]; rank 0 also .requests and .scheduler
@@ -294,7 +309,7 @@ class RankRole:
     close: Callable[[], None] = lambda: None  # frees what the role holds (shared memory, servers)
 
 
-def colocated_role(ctx: RankContext) -> RankRole:
+def colocated_rank(ctx: RankContext) -> RankSetup:
     from pipeline.rank0 import Rank0Loop
     from pipeline.stage import StageLoop
 
@@ -302,10 +317,10 @@ def colocated_role(ctx: RankContext) -> RankRole:
     link = pp_dist.Link(ctx.data_group)
     if ctx.rank == 0:
         scheduler = ctx.make_scheduler(pool)
-        return RankRole(
+        return RankSetup(
             Rank0Loop(ctx.stage, pool, scheduler, link, ctx.pp.pp_size, ctx.pp.pp_loop_size, ctx.inbox, ctx.outbox)
         )
-    return RankRole(StageLoop(ctx.rank, ctx.pp.pp_size, ctx.stage, pool, link))
+    return RankSetup(StageLoop(ctx.rank, ctx.pp.pp_size, ctx.stage, pool, link))
 
 
 def rank_main(
@@ -325,7 +340,7 @@ def rank_main(
     security,
     store_key,
 ) -> None:
-    """Entry point of a rank process. `build(RankContext)` makes its RankRole (a module-level
+    """Entry point of a rank process. `build(RankContext)` makes its RankSetup (a module-level
     function: spawn hands it to the child by reference)."""
     # the front decides when ranks stop (Ctrl-C or SIGTERM to the process group must not kill
     # them before they free their shared memory); if the front itself dies, they stop on their own
@@ -348,7 +363,7 @@ def rank_main(
         stage = ModelStage(model.config, model.weights, layers, device, resolve_dtype(config.dtype, device))
         data_group, control_group = pp_dist.init(rank, pp.pp_size, addr, timeout_s, store_key)
         ctx = RankContext(rank, config, pp, model, stage, data_group, control_group, inbox, outbox, role_args)
-        built: RankRole = build(ctx)
+        built: RankSetup = build(ctx)
     except Exception as e:
         reports.put({"rank": rank, "error": f"{type(e).__name__}: {e}"})
         return

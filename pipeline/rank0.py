@@ -5,6 +5,10 @@ from the inbox, schedule a microbatch if a slot is free, send its description an
 its hidden states to rank 1, and, when the slots are full (or there is nothing new to
 launch), wait for the oldest microbatch's tokens from the last rank and post-process
 them while later microbatches compute.
+
+What a role adds (prefill, decode: queues before or after the scheduler, its own messages, the
+one way its requests fail) is an object passed in, `role=` (pipeline/roles.py); this loop calls it
+at fixed points and is the same for every role.
 """
 
 from __future__ import annotations
@@ -26,20 +30,19 @@ from engine.batch import AttentionMetadata
 from engine.kv_pool import KVPool
 from engine.model import ModelStage
 from engine.pages import PageTable
-from engine.request import Request, SamplingParams
+from engine.request import Phase, Request, SamplingParams
 from engine.sampler import sample
 from engine.scheduler import ScheduledStep, Scheduler
 from pipeline.agent import KVAgent
 from pipeline.dist import Link
 from pipeline.log import ABORT, ADMIT, CONTROL, FINISH, SHUTDOWN, STEP, LogEntry, Message, PipelineLog
 from pipeline.messages import Abort, Add, Answer, Ask, Finish, Register, Shutdown, Token, Wake
+from pipeline.roles import ColocatedRole, Role
 
 log = logging.getLogger("kvbridge.node")
 
 
 class Rank0Loop:
-    role = "colocated"  # in logs and request listings
-
     def __init__(
         self,
         stage: ModelStage,
@@ -51,6 +54,7 @@ class Rank0Loop:
         inbox,
         outbox,
         agent: KVAgent | None = None,
+        role: Role | None = None,
     ):
         self.stage, self.pool, self.scheduler, self.link = stage, pool, scheduler, link
         self.agent = agent or KVAgent()  # rank 0 holds layers too: it moves their KV like any rank
@@ -63,10 +67,11 @@ class Rank0Loop:
         self._unsent: list[LogEntry] = []  # made but not yet sent down the pipeline
         self.stopping = False
         self.served = 0  # requests retired (any outcome) since start
-        self.phases: dict[str, str] = {}  # rid -> the phase last logged
         self.metrics = rank_metrics()
         self.faults = faults.current()
-        # the role, bound once: a pipeline of one rank samples here instead of on rank P-1
+        self.role = role or ColocatedRole()
+        self.role.bind(self)
+        # the pipeline's shape, bound once: a pipeline of one rank samples here instead of on rank P-1
         if pp_size == 1:
             self._sampled: deque[list[int]] = deque()
             self._send, self._send_hidden, self._recv_tokens = _drop, self._sample_here, self._take_sampled
@@ -79,12 +84,15 @@ class Rank0Loop:
 
     def run(self) -> PipelineLog:
         while not (self.stopping and not self.inflight):
-            idle = not (self.inflight or self.scheduler.num_unfinished or self._unsent or self.undecided())
+            idle = not (self.inflight or self.scheduler.num_unfinished or self._unsent or self.role.undecided())
             self._drain_inbox(block=idle)
-            self._tick()
+            self.role.tick(time.perf_counter())
             step = None
             if len(self.inflight) < self.loop_size and not self.stopping:
                 step = self.scheduler.schedule(self._decode_cap())
+                # (a retracting scheduler's victims: their RETRACT goes down before any step reuses their pages)
+                for req, pages in self.scheduler.take_evicted():
+                    self.role.evicted(req, pages)
             if step is not None:
                 self._launch(step)
             elif self._unsent:
@@ -101,14 +109,12 @@ class Rank0Loop:
 
     def _launch(self, step: ScheduledStep) -> None:
         for req, q_len in zip(step.requests, step.batch.q_lens):
-            if not req.announced:
-                req.announced = True
-                self._decide(ADMIT, req.rid, replace(req.params, seed=req.seed))
+            self.announce(req)
             if req.num_computed <= len(req.prompt_ids):  # (num_computed already counts this step)
                 self.metrics.chunk_tokens.observe(q_len)
-                self._set_phase(req, "prefilling")
+                self.move(req, Phase.PREFILLING)
             else:
-                self._set_phase(req, "decoding")
+                self.move(req, Phase.DECODING)
         self._send(Message(STEP, self._take_unsent(), step.batch))
         meta = AttentionMetadata.build(step.batch, self.pool.page_size, self.stage.device)
         ids = torch.tensor(step.batch.input_ids, dtype=torch.long, device=self.stage.device)
@@ -128,7 +134,8 @@ class Rank0Loop:
             if was_live:
                 self.outbox.put(Token(req.rid, tok, len(req.output_ids) - 1))
         for req in finished:
-            self._retire(req, FINISH)
+            if not self.role.finished(req):  # (a prefill node keeps it: its KV is still to move)
+                self.retire(req, FINISH)
 
     # ------------------------------------------------------------------ the pipeline
 
@@ -169,41 +176,27 @@ class Rank0Loop:
         try:
             self._handle(msg)
         except Exception as e:
-            error = f"rank 0 of the {self.role} node could not handle {type(msg).__name__}: {type(e).__name__}: {e}"
+            name = self.role.name
+            error = f"rank 0 of the {name} node could not handle {type(msg).__name__}: {type(e).__name__}: {e}"
             log.exception("%s", error)
             rid = getattr(msg, "rid", None)
             if rid in self.requests:
-                self.fail_request(self.requests[rid], error, "INTERNAL")
+                self.role.fail(self.requests[rid], error, "INTERNAL")
             elif isinstance(msg, Add):  # refused before it was registered: its stream still ends
                 self.outbox.put(Finish(rid, "error", (), "", len(msg.prompt_ids), error=error, code="INTERNAL"))
             elif isinstance(msg, Register):
                 self.outbox.put(Answer(msg.token, {"code": "INTERNAL", "error": error}))
 
-    def fail_request(self, req: Request, error: str, code: str) -> None:
-        """End a live request with `error` on every rank and free what it holds (roles: their queues too)."""
-        self.scheduler.finish(req, "abort")
-        self.scheduler.release(req)
-        req.finish_reason, req.finish_s = "error", time.perf_counter()
-        self._retire(req, ABORT, error=error, code=code)
-
     def _handle(self, msg) -> None:
-        """A message from the front (pipeline/messages.py); roles handle theirs first (`handle`)."""
-        if self.handle(msg):
-            return
+        """A message from the front (pipeline/messages.py); the role's own go to the role."""
         match msg:
             case Add():
                 req = Request(msg.rid, list(msg.prompt_ids), msg.params, PageTable(self.pool.page_size))
-                req.peer = msg.peer
                 self.requests[msg.rid] = req
-                self._admit_new(req, msg)
-                if msg.rid in self.requests:  # (a role may refuse it at once)
-                    self._set_phase(req, self.phase_of(req))
+                self.role.admit(req, msg)
             case Abort(rid, reason) if rid in self.requests:
-                req = self.requests[rid]
-                self.scheduler.finish(req, "abort")
-                req.finish_s = time.perf_counter()
-                # an operator's abort ends with its reason and CANCELLED; a client's has nobody left to tell
-                self._retire(req, ABORT, **({"error": reason, "code": "CANCELLED"} if reason else {}))
+                # an operator's abort ends with its reason; a client's has nobody left to tell
+                self.role.fail(self.requests[rid], reason or "aborted", "CANCELLED", reason="abort")
             case Ask("status", token):
                 self.outbox.put(Answer(token, self.status()))
             case Ask("requests", token):
@@ -213,28 +206,71 @@ class Rank0Loop:
             case Shutdown():
                 self.stopping = True
                 for req in list(self.requests.values()):
-                    self.scheduler.finish(req, "abort")
-                    self._retire(req, ABORT)
+                    self.role.fail(req, f"the {self.role.name} node is shutting down", "UNAVAILABLE", reason="abort")
+                # every request has ended and nothing is handed out again: a tick at the end of time
+                # releases what rests (a decode node's quarantined pages; no late write can matter now)
+                self.role.tick(math.inf)
             case Wake() | Abort():
-                pass  # decisions are taken in _tick; an abort of a request that has ended already
+                pass  # decisions are taken in the role's tick; an abort of a request that has ended already
+            case _ if self.role.handle(msg):
+                pass
             case _:
-                raise AssertionError(f"rank 0 of a {self.role} node got {msg!r}")
+                raise AssertionError(f"rank 0 of a {self.role.name} node got {msg!r}")
 
-    def handle(self, msg) -> bool:
-        """Hook: a role's own messages, or its own take on common ones; True when handled."""
-        return False
+    # ------------------------------------------------------------------ what roles call
 
-    def _tick(self) -> None:
-        """Once per turn, before scheduling: roles move their own queues here."""
+    def move(self, req: Request, phase: Phase, **fields) -> None:
+        """`req` is in `phase` now; a change is one log line."""
+        if req.phase is not phase:
+            req.phase = phase
+            self._log_phase(req, phase.value, **fields)
 
-    def undecided(self) -> bool:
-        """Hook: a change this thread made that its role's consensus has not ruled on yet (the loop
-        takes another turn instead of sleeping)."""
-        return False
+    def decide(self, kind: str, rid: str, params: SamplingParams | None = None, info: dict | None = None) -> None:
+        """Append an entry to the node's log; it goes down the pipeline with the next message."""
+        d = LogEntry(self.log.count, kind, rid, params, info)
+        self.log.append(d)
+        self._unsent.append(d)
+        self.metrics.decisions.labels(kind).inc()
+        self.agent.on_decision(d)
 
-    def _admit_new(self, req: Request, add: Add) -> None:
-        """A new request from the front; roles with queues before scheduling override this."""
-        self.scheduler.add(req)
+    def announce(self, req: Request) -> None:
+        """Every rank learns the request (its ADMIT, with the seed it samples with), once."""
+        if not req.announced:
+            req.announced = True
+            self.decide(ADMIT, req.rid, replace(req.params, seed=req.seed))
+
+    def end(self, req: Request, error: str, code: str, reason: str = "error", release: bool = True, **event) -> None:
+        """What every role's fail() ends with: out of the scheduler, its pages freed (unless the role
+        keeps them: `release=False`), every rank and the front told."""
+        self.scheduler.finish(req, "abort")
+        if release:
+            self.scheduler.release(req)
+        req.finish_reason, req.finish_s = reason, time.perf_counter()
+        self.retire(req, ABORT, error=error, code=code, **event)
+
+    def retire(self, req: Request, kind: str, **event) -> None:
+        """The request is over here: tell every rank (if they know it) and the front."""
+        del self.requests[req.rid]
+        self.served += 1
+        if req.announced:
+            self.decide(kind, req.rid)
+        fields = {"reason": req.finish_reason, "output_tokens": len(req.output_ids)}
+        if event.get("error"):
+            fields |= {"code": event.get("code", ""), "error": event["error"]}
+        self._log_phase(req, "finished", **fields)
+        self.outbox.put(
+            Finish(req.rid, req.finish_reason, tuple(req.output_ids), req.text, len(req.prompt_ids), **event)
+        )
+
+    def _log_phase(self, req: Request, phase: str, **fields) -> None:
+        room = req.handoff.room if req.handoff else None
+        log_event(log, "phase", role=self.role.name, rid=req.rid, room=room_tag(room), phase=phase, **fields)
+
+    def _take_unsent(self) -> tuple[LogEntry, ...]:
+        out, self._unsent = tuple(self._unsent), []
+        return out
+
+    # ------------------------------------------------------------------ what operators and checks see
 
     def status(self) -> dict:
         alloc = self.scheduler.allocator
@@ -245,99 +281,62 @@ class Rank0Loop:
                 "waiting": len(self.scheduler.waiting),
                 "running": len(self.scheduler.running),
                 "inflight_microbatches": len(self.inflight),
+                **self.role.sizes(),
             },
             "served": self.served,
             "requests_in_flight": len(self.requests),
-            "transfers_in_flight": self.transfers_in_flight(),
+            "transfers_in_flight": self.role.transfers_in_flight(),
         }
-
-    def transfers_in_flight(self) -> int:
-        return 0
 
     def queues(self) -> dict[str, list[str]]:
         """Every queue a live request can be in, by name: each live request is in exactly one."""
         s = self.scheduler
-        return {"waiting": [r.rid for r in s.waiting], "running": [r.rid for r in s.running], "held": list(s.held)}
+        return {"waiting": [r.rid for r in s.waiting], "running": [r.rid for r in s.running], **self.role.queues()}
 
     def check_invariants(self) -> list[str]:
         """What is wrong with rank 0's state ([] when nothing): pages owned = pages of live requests,
-        every live request in exactly one queue, nothing queued that is not live."""
+        every live request in exactly one queue, one of its phase, nothing queued that is not live."""
         problems = []
         try:
-            self.scheduler.check_invariants()
+            self.scheduler.check_invariants(elsewhere=self.role.holders())
         except AssertionError as e:
             problems.append(f"pages: {e}")
         where: dict[str, list[str]] = {}
         for name, rids in self.queues().items():
             for rid in rids:
                 where.setdefault(rid, []).append(name)
-        for rid in self.requests:
+        for rid, req in self.requests.items():
             if len(where.get(rid, ())) != 1:
                 problems.append(f"request {rid} is in {len(where.get(rid, ()))} queues: {where.get(rid, [])}")
+            elif where[rid][0] in SCHEDULER_PHASES and req.phase not in SCHEDULER_PHASES[where[rid][0]]:
+                problems.append(f"request {rid} is in the scheduler's {where[rid][0]} queue in phase {req.phase}")
         problems += [
             f"{rid} is queued ({names}) but not live" for rid, names in where.items() if rid not in self.requests
         ]
-        stray = self.scheduler.allocator.owners() - self.requests.keys() - self.resting_owners()
+        problems += self.role.problems()
+        stray = self.scheduler.allocator.owners() - self.requests.keys() - self.role.resting()
         problems += [f"pages owned by {owner!r}, which is not a live request" for owner in sorted(stray)]
         return problems
-
-    def resting_owners(self) -> set[str]:
-        """Rids that are over but whose pages are still held on purpose (a role's quarantine)."""
-        return set()
-
-    def phase_of(self, req: Request) -> str:
-        """Where the request is now, as operators see it (Admin.ListRequests, logs)."""
-        if req.output_ids and not req.has_prompt_left:
-            return "decoding"
-        return "prefilling" if req.num_computed else "waiting"
 
     def list_requests(self) -> list[dict]:
         now = time.perf_counter()
         return [
             {
                 "rid": req.rid,
-                "room": req.room or 0,
-                "phase": self.phase_of(req),
+                "room": req.handoff.room if req.handoff else 0,
+                "phase": req.phase.value,
                 "age_s": now - req.arrival_s,
                 "kv_pages": len(req.page_table.pages),
-                "peer": req.peer,
+                "peer": req.handoff.peer if req.handoff else "",
                 "prompt_tokens": len(req.prompt_ids),
                 "output_tokens": len(req.output_ids),
             }
             for req in self.requests.values()
         ]
 
-    def _set_phase(self, req: Request, phase: str, **fields) -> None:
-        """Log the request's move to `phase` (once per change)."""
-        if self.phases.get(req.rid) != phase:
-            self.phases[req.rid] = phase
-            log_event(log, "phase", role=self.role, rid=req.rid, room=room_tag(req.room), phase=phase, **fields)
 
-    def _retire(self, req: Request, kind: str, **event) -> None:
-        """The request is over here: tell every rank (if they know it) and the front."""
-        del self.requests[req.rid]
-        self.served += 1
-        if req.announced:
-            self._decide(kind, req.rid)
-        self.phases.pop(req.rid, None)
-        fields = {"reason": req.finish_reason, "output_tokens": len(req.output_ids)}
-        if event.get("error"):
-            fields |= {"code": event.get("code", ""), "error": event["error"]}
-        log_event(log, "phase", role=self.role, rid=req.rid, room=room_tag(req.room), phase="finished", **fields)
-        self.outbox.put(
-            Finish(req.rid, req.finish_reason, tuple(req.output_ids), req.text, len(req.prompt_ids), **event)
-        )
-
-    def _decide(self, kind: str, rid: str, params: SamplingParams | None = None, info: dict | None = None) -> None:
-        d = LogEntry(self.log.count, kind, rid, params, info)
-        self.log.append(d)
-        self._unsent.append(d)
-        self.metrics.decisions.labels(kind).inc()
-        self.agent.on_decision(d)
-
-    def _take_unsent(self) -> tuple[LogEntry, ...]:
-        out, self._unsent = tuple(self._unsent), []
-        return out
+# the phases a request in the scheduler's own queues may be in (the roles' queues check their own)
+SCHEDULER_PHASES = {"waiting": {Phase.WAITING}, "running": {Phase.PREFILLING, Phase.DECODING}}
 
 
 def _drop(msg: Message) -> None:

@@ -1,0 +1,220 @@
+"""Rank 0 of a decode node: the role its loop runs (pipeline/roles.py), and the queues around the
+scheduler (decode_node/queues.py).
+
+A request's prompt is never recomputed here: its pages are preallocated, every rank expects the
+room, the prefill node writes the KV straight into them, and the request joins decoding with the
+first token the prefill node sampled. Out of pages, the scheduler retracts instead of recomputing:
+the newest running request's KV goes to host memory on every rank and comes back when pages free
+up. A failure on any rank (consensus FAILED), a failed registration, a prefill node gone, or an
+abort ends the request on every rank and frees its pages.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+from consensus import Stream as S
+from consensus import Verdict
+from decode_node.queues import PreallocQueue, Quarantine, RetractedQueue, TransferQueue
+from engine.request import Handoff, Phase, Request
+from pipeline.control import ControlChannel
+from pipeline.log import ABORT, ADMIT, FINISH, RESUME, RETRACT
+from pipeline.messages import Add, Fail, PeerDown, Preallocated, Token
+from pipeline.rank0 import Rank0Loop
+
+TIMEOUT_CHECK_S = 0.1  # how often timeouts are looked for
+QUARANTINE_S = 2.0  # pages of a hand-off that failed rest this long before reuse (late writes land harmlessly)
+AWAITING_KV = (Phase.PREALLOC, Phase.TRANSFERRING)  # phases that still need the prefill node
+
+
+class DecodeRole:
+    name = "decode"
+
+    def __init__(self, chan: ControlChannel, receiver, reserve_tokens: int = 64):
+        self.chan = chan
+        self.receiver = receiver  # rank 0's KV receiver: where the first token arrives
+        self.reserve_tokens = reserve_tokens  # free room kept for decoding when preallocating
+        self.prealloc = PreallocQueue()
+        self.transfer = TransferQueue()
+        self.retracted = RetractedQueue()
+        self.quarantine = Quarantine()
+        self._next_check = 0.0
+
+    def bind(self, loop: Rank0Loop) -> None:
+        self.loop = loop
+        self.config = loop.scheduler.config
+        assert loop.scheduler.evict == "retract", "a decode node cannot recompute a prompt it never had"
+
+    # ---------------------------------------------------------------- inputs
+
+    def admit(self, req: Request, add: Add) -> None:
+        req.handoff = Handoff(add.room, add.peer, add.sources, add.backend, add.secret)
+        if any(r.handoff.room == add.room for r in self.loop.requests.values() if r is not req):
+            req.finish_reason = "error"
+            error = f"room {add.room} is in use by another request"
+            self.loop.retire(req, ABORT, error=error, code="ALREADY_EXISTS")
+            return
+        req.handoff.expires(req.arrival_s, self.config.prealloc_timeout_s, "prealloc")
+        self.loop.move(req, Phase.PREALLOC)
+        self.prealloc.admit(req)
+
+    def handle(self, msg: object) -> bool:
+        match msg:
+            case Fail(rid, code, error):
+                if rid in self.loop.requests:  # (else: the request ended already)
+                    self.fail(self.loop.requests[rid], error, code)
+            case PeerDown(addr):  # the prefill node died: requests still waiting for its KV cannot get it
+                for req in [r for r in self.loop.requests.values() if r.handoff.peer == addr]:
+                    if req.phase in AWAITING_KV:
+                        self.fail(req, f"the prefill node {addr} is unreachable", "UNAVAILABLE")
+            case _:
+                return False
+        return True
+
+    # ---------------------------------------------------------------- consensus, queues, timeouts
+
+    def undecided(self) -> bool:
+        return self.chan.has_changes
+
+    def tick(self, now: float) -> None:
+        for ruling in self.chan.take_decisions():
+            req = self.loop.requests.get(ruling.rid)
+            if req is None:
+                continue
+            if ruling.verdict in (Verdict.FAILED, Verdict.ABORTED):
+                self.fail(req, "the KV transfer failed on a decode rank", "UNAVAILABLE")
+            elif ruling.stream == S.DECODE_PREALLOCATED:
+                # every rank expects the room: the front may now register it with the prefill node
+                req.handoff.preallocated_s = time.perf_counter()
+                self.loop.outbox.put(Preallocated(req.rid, tuple(req.page_table.pages)))
+            elif self.transfer.on_verdict(req, ruling):
+                self._join(req)
+            elif self.retracted.on_verdict(req, ruling):  # every rank has its KV back
+                self.loop.scheduler.running.append(req)
+                self.loop.move(req, Phase.DECODING)
+        for req in self.quarantine.due(now):
+            self.loop.scheduler.release(req)
+        self._resume()
+        self._preallocate()
+        if now >= self._next_check:
+            self._next_check = now + TIMEOUT_CHECK_S
+            for req in [r for r in self.loop.requests.values() if r.handoff.deadline <= now]:
+                self._time_out(req)
+
+    def _time_out(self, req: Request) -> None:
+        config = self.config
+        if req.handoff.timeout == "prealloc":
+            why = f"no KV pages for the request within {config.prealloc_timeout_s:g} s"
+            self.fail(req, why, "RESOURCE_EXHAUSTED", timeout="prealloc")
+        else:
+            why = f"the KV cache did not arrive within {config.transfer_timeout_s:g} s"
+            self.fail(req, why, "DEADLINE_EXCEEDED", timeout="transfer")
+
+    def evicted(self, req: Request, pages: list[int]) -> None:
+        """The scheduler freed a running request's pages: every rank copies them out first (the
+        RETRACT entry reaches each rank before any step that could reuse them)."""
+        self.loop.decide(RETRACT, req.rid, info={"pages": pages})
+        self.loop.move(req, Phase.RETRACTED, pages=len(pages))
+        self.retracted.admit(req)
+        self.loop.metrics.retractions.inc()
+
+    def _resume(self) -> None:
+        """Retracted requests get pages back before new ones are preallocated (they are older)."""
+        alloc = self.loop.scheduler.allocator
+        while (req := self.retracted.next_to_resume()) is not None:
+            need = req.page_table.num_pages_needed(req.num_computed)
+            if not alloc.can_allocate(need + 1):  # and room to grow, or it would be retracted again at once
+                return
+            req.page_table.pages = alloc.allocate(req.rid, need)
+            self.loop.move(req, Phase.RESUMING)
+            self.loop.decide(RESUME, req.rid, info={"pages": list(req.page_table.pages)})
+
+    def _preallocate(self) -> None:
+        alloc, ps = self.loop.scheduler.allocator, self.loop.pool.page_size
+        while (req := self.prealloc.first()) is not None:
+            need = req.page_table.num_pages_needed(len(req.prompt_ids))
+            reserve = -(-min(self.reserve_tokens, req.params.max_new_tokens) // ps)
+            reserve = min(reserve, alloc.num_pages - need)  # never more than the pool: it would wait for ever
+            if not alloc.can_allocate(need + reserve):
+                return
+            self.prealloc.remove(req)
+            req.page_table.pages = alloc.allocate(req.rid, need)
+            h = req.handoff
+            h.expires(time.perf_counter(), self.config.transfer_timeout_s, "transfer")
+            req.announced = True
+            info = {
+                "room": h.room,
+                "page_ids": list(req.page_table.pages),
+                "sources": [list(s) for s in h.sources],
+                "backend": h.backend,
+                "secret": h.secret,
+                "first_sample_index": 1,  # the prefill node sampled token 0
+            }
+            self.loop.decide(ADMIT, req.rid, replace(req.params, seed=req.seed), info)
+            self.loop.move(req, Phase.TRANSFERRING)
+            self.transfer.admit(req)
+
+    def _join(self, req: Request) -> None:
+        """The request's KV is here on every rank: it starts decoding after its first token."""
+        req.handoff.expires(0.0, float("inf"), "")
+        token, _ = self.receiver.first_token(req.handoff.room)
+        vocab = self.loop.stage.config.vocab_size
+        if not 0 <= token < vocab:  # from the network: a broken peer must not crash the model
+            error = f"the prefill node sent first token {token}, outside the vocabulary [0, {vocab})"
+            self.fail(req, error, "DATA_LOSS")
+            return
+        req.num_computed = len(req.prompt_ids)
+        req.num_sampled = 1
+        req.output_ids.append(token)
+        req.first_token_s = time.perf_counter()
+        kv_seconds = req.first_token_s - (req.handoff.preallocated_s or req.first_token_s)
+        self.loop.outbox.put(Token(req.rid, token, 0, kv_seconds))
+        scheduler = self.loop.scheduler
+        scheduler.add_prebuilt(req)
+        self.loop.move(req, Phase.DECODING, kv_seconds=round(kv_seconds, 6))
+        reason = scheduler.stop_reason(req, token)
+        if reason:  # the first token already ends it (EOS, max_new_tokens == 1, a stop string)
+            scheduler.conclude(req, reason, req.first_token_s)
+            self.loop.retire(req, FINISH)
+
+    # ---------------------------------------------------------------- endings
+
+    def finished(self, req: Request) -> bool:
+        """Retracted while its last token was in flight: it ends from the retracted queue."""
+        if self.retracted.remove(req) and req.phase is Phase.RESUMING:
+            self.loop.scheduler.release(req)  # the pages it was given back
+        return False
+
+    def fail(self, req: Request, error: str, code: str, reason: str = "error", **event) -> None:
+        self.prealloc.remove(req)
+        self.retracted.remove(req)
+        receiving = self.transfer.remove(req)
+        self.chan.abort(req.rid)
+        # a prefill rank may be writing into these pages right now (shared memory, GPU IPC): they
+        # are handed out again only after QUARANTINE_S, once every push that started has landed
+        resting = receiving and bool(req.page_table.pages)
+        if resting:
+            self.quarantine.add(req, time.perf_counter() + QUARANTINE_S)
+        self.loop.end(req, error, code, reason, release=not resting, **event)
+
+    # ---------------------------------------------------------------- what the loop and checks see
+
+    def queues(self) -> dict[str, list[str]]:
+        return {"prealloc": self.prealloc.rids(), "transfer": self.transfer.rids(), "retracted": self.retracted.rids()}
+
+    def sizes(self) -> dict[str, int]:
+        return {"prealloc": len(self.prealloc), "transfer": len(self.transfer), "retracted": len(self.retracted)}
+
+    def problems(self) -> list[str]:
+        return self.prealloc.check_invariants() + self.transfer.check_invariants() + self.retracted.check_invariants()
+
+    def holders(self) -> list[Request]:
+        """Live requests (and quarantined ones) holding pages outside the scheduler's running list."""
+        return [*self.transfer, *self.retracted.resuming(), *self.quarantine.requests()]
+
+    def resting(self) -> set[str]:
+        return self.quarantine.rids()
+
+    def transfers_in_flight(self) -> int:
+        return len(self.transfer)

@@ -1,0 +1,61 @@
+"""The queues a prefill request waits in after the scheduler (pipeline/roles.py PhaseQueue).
+
+    scheduler (chunked prefill, at once) --(first token sampled, no registration yet)--> bootstrap
+    --(the decode node registered: ROUTE)--> inflight --(consensus PREFILL_TRANSFERRED)--> done
+
+A request registered before its first token was sampled goes from the scheduler straight to
+inflight. Both queues hold requests whose pages the scheduler keeps (`hold_finished`).
+"""
+
+from __future__ import annotations
+
+from consensus import Ruling, Verdict
+from consensus import Stream as S
+from engine.request import Phase, Request
+from pipeline.roles import PhaseQueue
+
+
+class BootstrapQueue(PhaseQueue):
+    """Prefilled (first token out) and waiting for the decode node's registration."""
+
+    phases = frozenset({Phase.BOOTSTRAP})
+
+
+class InflightQueue(PhaseQueue):
+    """Routed and prefilled: its pages wait until every rank's pushes landed."""
+
+    phases = frozenset({Phase.TRANSFERRING})
+
+    def on_verdict(self, req: Request, ruling: Ruling) -> bool:
+        """True when `ruling` says every push of `req` landed (it leaves the queue: its pages may go)."""
+        done = ruling.verdict == Verdict.READY and ruling.stream == S.PREFILL_TRANSFERRED
+        return done and self.remove(req)
+
+
+class Registrations:
+    """Decode nodes' registrations that came before their request's Prefill call, by room, each
+    dropped when its request has not come within `ttl_s`."""
+
+    def __init__(self, limit: int, ttl_s: float):
+        self.limit, self.ttl_s = limit, ttl_s
+        self._by_room: dict[int, tuple[float, dict]] = {}  # room -> (arrival, registration)
+
+    def __contains__(self, room: int) -> bool:
+        return room in self._by_room
+
+    def __len__(self) -> int:
+        return len(self._by_room)
+
+    def full(self) -> bool:
+        return len(self._by_room) >= self.limit
+
+    def add(self, room: int, registration: dict, now: float) -> None:
+        self._by_room[room] = (now, registration)
+
+    def pop(self, room: int) -> dict | None:
+        entry = self._by_room.pop(room, None)
+        return entry and entry[1]
+
+    def expire(self, now: float) -> None:
+        for room in [r for r, (t, _) in self._by_room.items() if now - t > self.ttl_s]:
+            del self._by_room[room]

@@ -1,0 +1,187 @@
+"""Rank 0 of a prefill node: the role its loop runs (pipeline/roles.py), and the queues after the
+scheduler (prefill_node/queues.py).
+
+Registration overlaps prefill: a request is scheduled as soon as it arrives, and the decode
+node's registration (where its KV goes) may come at any point, before its request or after. It
+becomes a ROUTE entry of the node's log: each rank then pushes what it computed before the route
+as soon as it learns it, and every later chunk right after its forward; the last rank holds the
+first token until then. A failure on any rank (consensus FAILED) or an abort ends the request on
+every rank.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+from consensus import Stream as S
+from consensus import Verdict
+from engine.request import Handoff, Phase, Request
+from pipeline.control import ControlChannel
+from pipeline.log import ABORT, FINISH, ROUTE
+from pipeline.messages import Add, Answer, Register
+from pipeline.rank0 import Rank0Loop
+from prefill_node.queues import BootstrapQueue, InflightQueue, Registrations
+
+TIMEOUT_CHECK_S = 0.1  # how often timeouts are looked for
+
+
+class PrefillRole:
+    name = "prefill"
+
+    def __init__(self, chan: ControlChannel):
+        self.chan = chan
+        self.bootstrap = BootstrapQueue()
+        self.inflight = InflightQueue()
+        self.rooms: dict[int, str] = {}  # room -> rid of every live request (one request per room)
+        self._next_check = 0.0
+
+    def bind(self, loop: Rank0Loop) -> None:
+        self.loop = loop
+        self.config = loop.scheduler.config
+        assert loop.scheduler.hold_finished, "a prefill node's pages must outlive the forward: they are still to move"
+        self.registrations = Registrations(self.config.max_pending_requests, self.config.bootstrap_timeout_s)
+
+    # ---------------------------------------------------------------- inputs
+
+    def admit(self, req: Request, add: Add) -> None:
+        # a prefill node samples the first token only (index 0: held back from EOS when min_tokens > 0)
+        req.params = replace(req.params, max_new_tokens=1, min_tokens=min(req.params.min_tokens, 1))
+        req.handoff = Handoff(add.room)
+        if add.room in self.rooms:  # the registration for it would route this request's KV to another's pages
+            req.finish_reason = "error"
+            error = f"room {add.room} is in use by another request"
+            self.loop.retire(req, ABORT, error=error, code="ALREADY_EXISTS")
+            return
+        req.handoff.expires(req.arrival_s, self.config.bootstrap_timeout_s, "bootstrap")
+        self.rooms[add.room] = req.rid
+        if (registration := self.registrations.pop(add.room)) is not None:
+            self._route(req, registration)
+        self.loop.move(req, Phase.WAITING)
+        self.loop.scheduler.add(req)
+
+    def handle(self, msg: object) -> bool:
+        if isinstance(msg, Register):
+            self.loop.outbox.put(Answer(msg.token, self._register(msg.room, msg.registration)))
+            return True
+        return False
+
+    def _register(self, room: int, registration: dict) -> dict:
+        """A decode node's registration of `room`: routes its request, or waits for it; the verdict."""
+        rid = self.rooms.get(room)
+        if rid is not None and not self.loop.requests[rid].handoff.routed:
+            self._route(self.loop.requests[rid], registration)
+        elif rid is not None or room in self.registrations:  # a second registration would redirect its KV
+            return {"code": "ALREADY_EXISTS", "error": f"room {room} is registered already"}
+        elif self.registrations.full():
+            return {"code": "RESOURCE_EXHAUSTED", "error": f"{len(self.registrations)} rooms wait for their requests"}
+        else:
+            self.registrations.add(room, registration, time.perf_counter())
+        return {"code": "", "error": ""}
+
+    def _route(self, req: Request, registration: dict) -> None:
+        """Every rank learns where the KV goes (a ROUTE entry), connects and pushes what it has."""
+        h = req.handoff
+        h.peer, h.routed = registration.get("decode_addr", ""), True
+        h.expires(0.0, float("inf"), "")  # no bootstrap deadline any more; the transfer's starts at the first token
+        self.loop.announce(req)  # (registered before its first chunk ran)
+        self.loop.decide(ROUTE, req.rid, info=registration)
+        if self.bootstrap.remove(req):  # prefilled already: its pushes start now
+            self._await_transfer(req)
+
+    # ---------------------------------------------------------------- consensus, timeouts
+
+    def undecided(self) -> bool:
+        return self.chan.has_changes
+
+    def tick(self, now: float) -> None:
+        for ruling in self.chan.take_decisions():
+            req = self.loop.requests.get(ruling.rid)
+            if req is None:
+                continue
+            if ruling.verdict in (Verdict.FAILED, Verdict.ABORTED):
+                self.fail(req, "the KV transfer failed on a prefill rank", "UNAVAILABLE")
+            elif self.inflight.on_verdict(req, ruling):
+                self._transferred(req)
+            elif ruling.verdict == Verdict.READY and ruling.stream == S.PREFILL_TRANSFERRED:
+                req.handoff.transferred = (
+                    True  # before rank 0 post-processed its first token: its pushes were that fast
+                )
+        if now >= self._next_check:
+            self._next_check = now + TIMEOUT_CHECK_S
+            self.registrations.expire(now)  # registrations whose Prefill call never came
+            for req in [r for r in self.loop.requests.values() if r.handoff.deadline <= now]:
+                self._time_out(req)
+
+    def _time_out(self, req: Request) -> None:
+        h, config = req.handoff, self.config
+        if h.timeout == "bootstrap":
+            why = f"the decode node did not register room {h.room} within {config.bootstrap_timeout_s:g} s"
+        else:
+            why = f"the KV transfer did not finish within {config.transfer_timeout_s:g} s of the first token"
+        self.fail(req, why, "DEADLINE_EXCEEDED", timeout=h.timeout)
+
+    # ---------------------------------------------------------------- endings
+
+    def finished(self, req: Request) -> bool:
+        """Its first token is out: its pages stay for the pushes, until they are agreed done."""
+        if not req.handoff.routed:  # where its KV goes is not known yet
+            self.loop.move(req, Phase.BOOTSTRAP)
+            self.bootstrap.admit(req)
+        elif req.handoff.transferred:
+            self._transferred(req)
+        else:
+            self._await_transfer(req)
+        return True
+
+    def _await_transfer(self, req: Request) -> None:
+        req.handoff.expires(time.perf_counter(), self.config.transfer_timeout_s, "transfer")
+        self.loop.move(req, Phase.TRANSFERRING)
+        self.inflight.admit(req)
+
+    def _transferred(self, req: Request) -> None:
+        """Every rank's pushes landed: the pages are free again and the request is done here."""
+        self._release_room(req)
+        pages = len(req.page_table.pages)
+        self.loop.scheduler.release(req)
+        self.loop.retire(req, FINISH, kv_bytes=pages * self._page_bytes_all_layers())
+
+    def fail(self, req: Request, error: str, code: str, reason: str = "error", **event) -> None:
+        self.bootstrap.remove(req)
+        self.inflight.remove(req)
+        self._release_room(req)
+        self.chan.abort(req.rid)
+        self.loop.end(req, error, code, reason, **event)
+
+    def evicted(self, req: Request, pages: list[int]) -> None:
+        raise AssertionError("a prefill scheduler recomputes what it preempts")
+
+    def _release_room(self, req: Request) -> None:
+        if self.rooms.get(req.handoff.room) == req.rid:  # (a request refused for another's room never held it)
+            del self.rooms[req.handoff.room]
+
+    def _page_bytes_all_layers(self) -> int:
+        """Bytes of one KV page over every layer of the model (all ranks together)."""
+        pool = self.loop.pool
+        per_layer = pool.buffer[0].numel() * pool.buffer.element_size() // (pool.layer_end - pool.layer_start)
+        return per_layer * self.loop.stage.config.num_hidden_layers
+
+    # ---------------------------------------------------------------- what the loop and checks see
+
+    def queues(self) -> dict[str, list[str]]:
+        return {"bootstrap": self.bootstrap.rids(), "inflight": self.inflight.rids()}
+
+    def sizes(self) -> dict[str, int]:
+        return {"bootstrap": len(self.bootstrap), "inflight": len(self.inflight)}
+
+    def problems(self) -> list[str]:
+        return self.bootstrap.check_invariants() + self.inflight.check_invariants()
+
+    def holders(self) -> list[Request]:
+        return []  # its queues' pages are the scheduler's held ones
+
+    def resting(self) -> set[str]:
+        return set()
+
+    def transfers_in_flight(self) -> int:
+        return len(self.inflight)
