@@ -2,22 +2,19 @@
 
 from __future__ import annotations
 
-from google.protobuf import json_format
-
 from decode_node.agent import DecodeAgent
 from decode_node.role import DecodeRole
-from engine.config import EngineConfig, PPConfig
 from engine.llm import resolve_device
 from kv_transfer import KVReceiverEndpoint, ReceiverConfig, remove_stale_segments
 from kv_transfer import adapters as kv_wire
 from kv_transfer.factory import CPU_BACKENDS
 from kv_transfer.layout import dtype_name, node_layout
-from kvbridge.v1 import prefill_pb2
 from pipeline import dist as pp_dist
 from pipeline.group import RankContext, RankGroup, RankSetup
 from pipeline.messages import Fail
 from pipeline.rank0 import Rank0Loop
 from pipeline.stage import StageLoop
+from serving.config import NodeConfig
 from serving.front import NodeFront
 
 RESERVE_TOKENS = 64  # free room kept for decoding when a request's pages are preallocated
@@ -62,28 +59,24 @@ def decode_rank(ctx: RankContext) -> RankSetup:
         )  # fmt: skip
     else:
         loop = StageLoop(ctx.rank, pp.pp_size, ctx.stage, receiver.pool, link, agent)
-    endpoint = json_format.MessageToDict(kv_wire.rank_to_proto(receiver.endpoint), preserving_proto_field_name=True)
+    endpoint = kv_wire.rank_to_dict(receiver.endpoint)
     return RankSetup(loop, endpoint=endpoint, close=close)
 
 
 class DecodeNode:
     """The rank processes, the front, and this node's KV layout (with every rank's receiver)."""
 
-    def __init__(
-        self, config: EngineConfig, pp: PPConfig, host: str = "127.0.0.1", progress: bool = False, backend: str = "auto"
-    ):
+    def __init__(self, config: NodeConfig, progress: bool = False):
+        pp = config.pp
         remove_stale_segments()  # pools of decode ranks killed before they could unlink them
-        # a TCPStore per rank only where the torch engine may be used
-        role_args = {"host": host, "torch_store": backend in ("auto", "torch")}
-        self.ranks = RankGroup(config, pp, progress=progress, build=decode_rank, role_args=role_args)
+        # a TCPStore per rank only where the torch backend may be used
+        role_args = {"host": config.host, "torch_store": config.transfer_backend in ("auto", "torch")}
+        self.ranks = RankGroup(config.engine, pp, progress=progress, build=decode_rank, role_args=role_args)
         self.front = NodeFront(self.ranks)
-        self.device = resolve_device(config.device)
-        ranks = tuple(
-            kv_wire.rank_from_proto(json_format.ParseDict(self.ranks.endpoints[r], prefill_pb2.RankEndpoint()))
-            for r in range(pp.pp_size)
-        )
+        self.device = resolve_device(config.engine.device)
+        ranks = tuple(kv_wire.rank_from_dict(self.ranks.endpoints[r]) for r in range(pp.pp_size))
         backends = tuple(b for b in CPU_BACKENDS if b != "torch" or role_args["torch_store"])
-        self.layout = node_layout(config, self.ranks.model, ranks, backends)
+        self.layout = node_layout(config.engine, self.ranks.model, ranks, backends)
 
     def fail(self, rid: str, code: str, error: str) -> None:
         self.ranks.inbox.put(Fail(rid, code, error))

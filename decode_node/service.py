@@ -12,10 +12,9 @@ from collections.abc import Callable
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from common import rpc
+from common import rpc, sampling
 from common.limits import normalized_address
 from decode_node.node import DecodeNode
-from engine.config import EngineConfig, PPConfig
 from kv_transfer import NodeLayout, choose_backend, incompatibility
 from kv_transfer import adapters as kv_wire
 from kvbridge.v1 import (
@@ -26,7 +25,6 @@ from kvbridge.v1 import (
     prefill_pb2_grpc,
 )
 from pipeline.messages import PeerDown, Preallocated
-from serving import convert
 from serving.front import Overloaded
 from serving.server import NodeServer
 
@@ -75,7 +73,7 @@ class PrefillPeers:
         stub = prefill_pb2_grpc.BootstrapStub(channel)
         try:
             answer = await stub.GetLayout(prefill_pb2.GetLayoutRequest(), timeout=CALL_DEADLINE_S)
-            layout = convert.layout_from_proto(answer)
+            layout = kv_wire.layout_from_proto(answer)
         except BaseException:
             await channel.close()
             raise
@@ -179,7 +177,7 @@ class DecodeGenerationService(generation_pb2_grpc.GenerationServicer):
         entry = (stub, route.room, backend, secret)  # until rank 0 preallocated the pages (see _register)
         try:
             ids = front.prompt_ids(request.prompt)
-            params = convert.sampling_params(request.sampling)
+            params = sampling.from_proto(request.sampling)
             sources = [(s.rank, s.layer_start, s.layer_end) for s in kv_wire.sources_of(layout)]
             if self.pending.setdefault(rid, entry) is not entry:  # (the front would refuse it too, but later)
                 raise ValueError(f"duplicate request id {rpc.shown(rid)}")
@@ -277,16 +275,3 @@ class DecodeServer(NodeServer):
         if self.loop.running:
             self.loop.run(self.generation.peers.close(), timeout=10)
         return super().stop(grace_s)
-
-
-def start_decode(
-    config: EngineConfig,
-    pp: PPConfig,
-    host: str = "127.0.0.1",
-    port: int = 0,
-    backend: str = "auto",
-    metrics_port: int = -1,
-    progress: bool = False,
-) -> DecodeServer:
-    server = DecodeServer(host, port, metrics_port, {"model": config.model, "transfer_backend": backend})
-    return server.load(lambda: DecodeNode(config, pp, host, progress=progress, backend=backend))

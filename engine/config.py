@@ -6,6 +6,8 @@ import json
 import re
 from dataclasses import dataclass, field, fields
 
+from common.flags import setting
+
 
 @dataclass(frozen=True)
 class RopeScaling:
@@ -112,27 +114,44 @@ class ModelConfig:
 class EngineConfig:
     """How one node runs a model: device, precision, KV pool and batching limits."""
 
-    model: str = "smollm2-135m-instruct"  # preset name, .gguf file or Hugging Face directory
-    device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
-    dtype: str = "auto"  # "auto" (float32 on CPU, bfloat16 on CUDA) | float32 | float16 | bfloat16
-    page_size: int = 16  # tokens per KV page
-    num_pages: int = 0  # KV pool size in pages; 0 = derived from kv_cache_tokens
-    kv_cache_tokens: int = 65536  # pool capacity in tokens when num_pages is 0
-    chunked_prefill_size: int = 512  # max prompt tokens scheduled per step; 0 = no chunking
-    max_running_requests: int = 64  # decode batch size cap
-    max_context: int = 0  # 0 = the model's max_position_embeddings
-    # a request without max_new_tokens (0: OpenAI's max_tokens omitted) gets the rest of the context, at
-    # most this many tokens; 0 = no cap
-    max_default_tokens: int = 128
-    threads: int = 0  # torch intra-op threads on CPU; 0 = torch's default
-    max_pending_requests: int = 1024  # requests a node holds at once (every phase); beyond: RESOURCE_EXHAUSTED
+    model: str = setting(
+        "smollm2-135m-instruct",
+        "preset (smollm2-135m-instruct, tiny-random), .gguf file, or Hugging Face directory",
+    )
+    device: str = setting("auto", "auto | cpu | cuda | cuda:N")
+    dtype: str = setting("auto", "auto (float32 on CPU, bfloat16 on CUDA) | float32 | float16 | bfloat16")
+    page_size: int = setting(16, "tokens per KV page")
+    num_pages: int = setting(0, "KV pool size in pages (0: from --kv-cache-tokens)")
+    kv_cache_tokens: int = setting(65536, "KV pool capacity in tokens when --num-pages is 0")
+    chunked_prefill_size: int = setting(512, "max prompt tokens per step (0: no chunking)")
+    max_running_requests: int = setting(64, "decode batch size cap")
+    max_context: int = setting(0, "context length cap (0: the model's)")
+    max_default_tokens: int = setting(
+        128,
+        "a request without max_new_tokens (OpenAI: no max_tokens) gets the rest "
+        "of the context, at most this many tokens (0: no cap)",
+    )
+    threads: int = setting(0, "torch CPU threads (0: torch's default; with PP, the cores split over the local ranks)")
+    max_pending_requests: int = setting(
+        1024,
+        "requests a node holds at once, every phase; more are refused (RESOURCE_EXHAUSTED)",
+    )
     # The hand-off timeouts count time spent queued behind other requests too (a decode node reserves a
     # request's pages, then waits for the prefill node to get to it), so they are set to bound a hang,
     # not a burst: dead peers are found sooner by health streams and keepalive (seconds).
-    bootstrap_timeout_s: float = 300.0  # prefill: a request waiting for its decode node's registration
-    prealloc_timeout_s: float = 300.0  # decode: a request waiting for KV pages
-    transfer_timeout_s: float = 300.0  # KV hand-off: decode from its pages reserved, prefill from the first token
-    fault_inject: str = ""  # tests and drills only: see engine/faults.py ("" = no faults)
+    bootstrap_timeout_s: float = setting(
+        300.0,
+        "prefill node: fail a request whose decode node has not registered after this, seconds",
+    )
+    prealloc_timeout_s: float = setting(300.0, "decode node: fail a request that got no KV pages within this, seconds")
+    transfer_timeout_s: float = setting(
+        300.0,
+        "fail a KV hand-off not done this long after the decode pages were reserved, seconds",
+    )
+    fault_inject: str = setting(
+        "",
+        "tests and drills: faults such as transfer_fail=0.05,rank1:step_delay_ms=50 (engine/faults.py)",
+    )
 
     def __post_init__(self) -> None:
         from engine.faults import parse
@@ -167,12 +186,12 @@ class EngineConfig:
 class PPConfig:
     """How a node spreads its layers over rank processes."""
 
-    pp_size: int = 1  # rank processes; each holds a contiguous layer range
-    async_batch_depth: int = 0  # extra microbatches in flight beyond pp_size
-    enable_dynamic_chunking: bool = False  # size prompt chunks from a start-up latency profile
-    num_hosts: int = 1  # hosts the ranks are spread over
-    host_rank: int = 0  # this host's index in [0, num_hosts)
-    dist_init_addr: str = ""  # host:port of the torch.distributed rendezvous; "" = a free local port
+    pp_size: int = setting(1, "pipeline-parallel rank processes (each holds a layer range)")
+    async_batch_depth: int = setting(0, "microbatches in flight beyond pp_size")
+    enable_dynamic_chunking: bool = setting(False, "size prompt chunks from a start-up prefill latency profile")
+    num_hosts: int = setting(1, "hosts the pipeline ranks are spread over")
+    host_rank: int = setting(0, "this host's index in [0, num_hosts)")
+    dist_init_addr: str = setting("", "host:port of the torch.distributed rendezvous (required with --num-hosts > 1)")
 
     def __post_init__(self) -> None:
         if self.pp_size < 1:
@@ -192,9 +211,9 @@ class PPConfig:
         return self.pp_size + self.async_batch_depth
 
     @property
-    def ranks_per_node(self) -> int:
+    def ranks_per_host(self) -> int:
         return self.pp_size // self.num_hosts
 
     @property
     def local_ranks(self) -> range:
-        return range(self.host_rank * self.ranks_per_node, (self.host_rank + 1) * self.ranks_per_node)
+        return range(self.host_rank * self.ranks_per_host, (self.host_rank + 1) * self.ranks_per_host)

@@ -13,11 +13,12 @@ from dataclasses import dataclass
 
 import torch
 
+from common.sampling import SamplingParams
 from engine.batch import AttentionMetadata, ForwardBatch
 from engine.config import EngineConfig
 from engine.model import ModelStage, stage_ranges
 from engine.pages import PageAllocator, PageTable
-from engine.request import Request, SamplingParams
+from engine.request import Request
 from engine.sampler import sample
 from engine.scheduler import ChunkPolicy, Scheduler
 from engine.weights import LoadedModel, load_model

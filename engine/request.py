@@ -5,57 +5,15 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING
 
+from common.sampling import SamplingParams
 from engine.pages import PageTable
 
 if TYPE_CHECKING:
     from engine.detok import StopChecker
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    # 0 = unset: the node makes it the rest of the context, at most EngineConfig.max_default_tokens (resolved())
-    max_new_tokens: int = 128
-    temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0  # nucleus mass kept, (0, 1]
-    top_k: int = 0  # 0 = no top-k cut
-    seed: int | None = None  # same seed + same prompt = same output, alone or batched
-    stop: tuple[str, ...] = ()  # generation ends when the text contains one of these (excluded)
-    stop_token_ids: tuple[int, ...] = ()  # besides the model's EOS tokens
-    ignore_eos: bool = False
-    # EOS and stop_token_ids cannot be sampled, and stop strings do not count, until this many tokens are out
-    min_tokens: int = 0
-
-    def __post_init__(self) -> None:
-        if self.max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 1 (or 0: the rest of the context), got {self.max_new_tokens}")
-        if self.min_tokens < 0 or (self.max_new_tokens and self.min_tokens > self.max_new_tokens):
-            raise ValueError(f"min_tokens must be in [0, max_new_tokens={self.max_new_tokens}], got {self.min_tokens}")
-        if not all(self.stop):
-            raise ValueError("stop strings must not be empty (one would match at once)")
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
-
-    def resolved(self, prompt_tokens: int, max_context: int, max_default_tokens: int) -> SamplingParams:
-        """With max_new_tokens unset (0): the rest of the context after the prompt, at most
-        max_default_tokens (0: no cap), at least min_tokens. Set: unchanged."""
-        if self.max_new_tokens:
-            return self
-        n = max(max_context - prompt_tokens, 1)
-        if max_default_tokens:
-            n = min(n, max_default_tokens)
-        return replace(self, max_new_tokens=max(n, self.min_tokens))
 
 
 class Phase(str, Enum):

@@ -1,4 +1,6 @@
-"""Thin adapters between kv_transfer's dataclasses and kvbridge.v1 protobuf messages.
+"""Thin adapters between kv_transfer's dataclasses and kvbridge.v1 protobuf messages: the one
+checked conversion of a peer's layout (`layout_from_proto`), and the JSON form a layout and a
+rank endpoint take inside a node (a pipeline log entry, a rank's start-up report).
 
 RankEndpoint has no field for a CUDA IPC handle: a rank whose pool is on a GPU puts
 "cuda-ipc:" + the handle in hex in shm_name (the field for "the rank's shared pool").
@@ -6,7 +8,9 @@ RankEndpoint has no field for a CUDA IPC handle: a rank whose pool is on a GPU p
 
 from __future__ import annotations
 
-from kv_transfer.layout import NodeLayout, PageGeometry, RankInfo
+from google.protobuf import json_format
+
+from kv_transfer.layout import DTYPES, NodeLayout, PageGeometry, RankInfo
 from kv_transfer.rooms import Source
 from kvbridge.v1 import prefill_pb2
 
@@ -49,16 +53,69 @@ def layout_to_proto(layout: NodeLayout) -> prefill_pb2.KVLayout:
     )
 
 
-def layout_from_proto(m: prefill_pb2.KVLayout) -> NodeLayout:
+def layout_from_proto(msg: prefill_pb2.KVLayout) -> NodeLayout:
+    """A peer's layout, checked: its ranks must tile the model's layers. ValueError otherwise."""
+    expected = 0
+    for i, r in enumerate(msg.ranks):
+        if r.rank != i:
+            raise ValueError(f"layout rank {i} says it is rank {r.rank}: ranks must be listed in order from 0")
+        if r.layer_start != expected or r.layer_end <= r.layer_start:
+            raise ValueError(
+                f"layout rank {i} has layers [{r.layer_start}, {r.layer_end}), expected to start at {expected}"
+            )
+        expected = r.layer_end
+    if not msg.ranks or expected != msg.num_layers:
+        raise ValueError(f"layout ranks cover {expected} layers of {msg.num_layers}")
+    if not msg.page_size or not msg.num_pages:
+        raise ValueError(f"layout page_size {msg.page_size} and num_pages {msg.num_pages} must be > 0")
+    if not msg.num_kv_heads or not msg.head_dim:
+        raise ValueError(f"layout num_kv_heads {msg.num_kv_heads} and head_dim {msg.head_dim} must be > 0")
+    if msg.dtype not in DTYPES:
+        raise ValueError(f"layout dtype must be one of {', '.join(DTYPES)}, got {_show(msg.dtype)}")
+    for r in msg.ranks:
+        shm = r.shm_name
+        if shm.startswith(CUDA_IPC_PREFIX):
+            try:
+                bytes.fromhex(shm[len(CUDA_IPC_PREFIX) :])
+            except ValueError:
+                raise ValueError(f"layout rank {r.rank}: shm_name {_show(shm)} holds no hex CUDA IPC handle") from None
     return NodeLayout(
-        geometry=PageGeometry(m.page_size, m.num_kv_heads, m.head_dim, m.dtype),
-        num_layers=m.num_layers,
-        num_pages=m.num_pages,
-        ranks=tuple(rank_from_proto(r) for r in m.ranks),
-        model_fingerprint=m.model_fingerprint,
-        backends=tuple(m.backends),
-        host_id=m.host_id,
+        geometry=PageGeometry(msg.page_size, msg.num_kv_heads, msg.head_dim, msg.dtype),
+        num_layers=msg.num_layers,
+        num_pages=msg.num_pages,
+        ranks=tuple(rank_from_proto(r) for r in msg.ranks),
+        model_fingerprint=msg.model_fingerprint,
+        backends=tuple(msg.backends),
+        host_id=msg.host_id,
     )
+
+
+def layout_to_dict(layout: NodeLayout) -> dict:
+    """JSON-safe form, for entries sent down a pipeline."""
+    return json_format.MessageToDict(layout_to_proto(layout), preserving_proto_field_name=True)
+
+
+def layout_from_dict(d: dict) -> NodeLayout:
+    """Checked like layout_from_proto; ValueError for a dict that is not a layout."""
+    try:
+        return layout_from_proto(json_format.ParseDict(d, prefill_pb2.KVLayout()))
+    except json_format.ParseError as e:
+        raise ValueError(f"not a layout: {e}") from None
+
+
+def rank_to_dict(info: RankInfo) -> dict:
+    """JSON-safe form, for a rank's start-up report to its node's front."""
+    return json_format.MessageToDict(rank_to_proto(info), preserving_proto_field_name=True)
+
+
+def rank_from_dict(d: dict) -> RankInfo:
+    return rank_from_proto(json_format.ParseDict(d, prefill_pb2.RankEndpoint()))
+
+
+def _show(value: str, limit: int = 80) -> str:
+    """A peer's string for an error message: quoted and cut short."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def sources_of(prefill: NodeLayout) -> list[Source]:

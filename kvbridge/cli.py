@@ -5,58 +5,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import fields
-from functools import partial
 
+from common.flags import add_config_flags, from_flags
+from common.sampling import SamplingParams
 from common.security import add_tls_flags
 from engine.config import EngineConfig, PPConfig
-from engine.request import SamplingParams
-
-_ENGINE_HELP = {
-    "model": "preset (smollm2-135m-instruct, tiny-random), .gguf file, or Hugging Face directory",
-    "device": "auto | cpu | cuda | cuda:N",
-    "dtype": "auto (float32 on CPU, bfloat16 on CUDA) | float32 | float16 | bfloat16",
-    "page_size": "tokens per KV page",
-    "num_pages": "KV pool size in pages (0: from --kv-cache-tokens)",
-    "kv_cache_tokens": "KV pool capacity in tokens when --num-pages is 0",
-    "chunked_prefill_size": "max prompt tokens per step (0: no chunking)",
-    "max_running_requests": "decode batch size cap",
-    "max_context": "context length cap (0: the model's)",
-    "max_default_tokens": "a request without max_new_tokens (OpenAI: no max_tokens) gets the rest of the context, "
-    "at most this many tokens (0: no cap)",
-    "threads": "torch CPU threads (0: torch's default; with PP, the cores split over the local ranks)",
-    "max_pending_requests": "requests a node holds at once, every phase; more are refused (RESOURCE_EXHAUSTED)",
-    "bootstrap_timeout_s": "prefill node: fail a request whose decode node has not registered after this, seconds",
-    "prealloc_timeout_s": "decode node: fail a request that got no KV pages within this, seconds",
-    "transfer_timeout_s": "fail a KV hand-off not done this long after the decode pages were reserved, seconds",
-    "fault_inject": "tests and drills: faults such as transfer_fail=0.05,rank1:step_delay_ms=50 (engine/faults.py)",
-    "pp_size": "pipeline-parallel rank processes (each holds a layer range)",
-    "async_batch_depth": "microbatches in flight beyond pp_size",
-    "enable_dynamic_chunking": "size prompt chunks from a start-up prefill latency profile",
-    "num_hosts": "hosts the pipeline ranks are spread over",
-    "host_rank": "this host's index in [0, num_hosts)",
-    "dist_init_addr": "host:port of the torch.distributed rendezvous (required with --num_hosts > 1)",
-}
 
 
 class UsageError(Exception):
     """Bad input from the command line: printed as one line, exit status 2."""
-
-
-def add_config_flags(parser: argparse.ArgumentParser, config_cls) -> None:
-    """One flag per field of a frozen config dataclass; the default lives in the dataclass."""
-    for f in fields(config_cls):
-        flag = "--" + f.name.replace("_", "-")
-        if isinstance(f.default, bool):
-            parser.add_argument(flag, action="store_true", help=_ENGINE_HELP[f.name])
-        else:
-            parser.add_argument(
-                flag, type=type(f.default), default=f.default, help=f"{_ENGINE_HELP[f.name]} (default: {f.default!r})"
-            )
-
-
-def from_flags(config_cls, args: argparse.Namespace):
-    return config_cls(**{f.name: getattr(args, f.name) for f in fields(config_cls)})
 
 
 def _token_ids(text: str) -> list[int]:
@@ -98,26 +55,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt")
     gen.add_argument("--quiet", action="store_true", help="no progress output")
 
-    roles = {
-        "serve": "a colocated node (prefill and decode in one pipeline) serving Generation",
-        "prefill": "a prefill node (Prefill and Bootstrap)",
-        "decode": "a decode node (Generation for disaggregated requests)",
-    }
-    for role, what in roles.items():
-        node = sub.add_parser(role, help=what)
+    from kvbridge.nodes import COMMANDS
+    from serving.config import NodeConfig
+
+    for command, spec in COMMANDS.items():
+        role = spec.name
+        node = sub.add_parser(command, help=spec.help)
         add_config_flags(node, EngineConfig)
         add_config_flags(node, PPConfig)
-        node.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
-        node.add_argument("--port", type=int, default=0, help="gRPC port (0: a free one, printed when ready)")
-        if role != "serve":
-            node.add_argument(
-                "--transfer-backend", default="auto", choices=["auto", "shm", "torch", "grpc", "cuda_ipc"],
-                help="KV transfer engine: on a decode node, the one it asks for (auto: the fastest the pair "
-                "supports); on a prefill node, the only one it offers (auto: all it can drive)",
-            )  # fmt: skip
-        node.add_argument(
-            "--metrics-port", type=int, default=-1, help="Prometheus /metrics port (0: a free one; default -1: off)"
-        )
+        add_config_flags(node, NodeConfig, skip=("transfer_backend",) if role == "colocated" else ())
         node.add_argument("--log-level", default="info", help="debug | info | warning | error (default: info)")
         node.add_argument(
             "--shutdown-grace-s", type=float, default=30.0,
@@ -236,42 +182,24 @@ def cmd_node(args: argparse.Namespace) -> int:
         raise UsageError(str(e)) from None
     if not args.shutdown_grace_s >= 0:
         raise UsageError(f"--shutdown-grace-s must be >= 0, got {args.shutdown_grace_s}")
-    for flag, port in (("--port", args.port), ("--metrics-port", args.metrics_port)):
-        if not -1 <= port < 65536 or (flag == "--port" and port < 0):
-            raise UsageError(f"{flag} must be in [0, 65535], got {port}")
     try:
         logs.setup(args.log_level)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    config, progress = from_flags(EngineConfig, args), not args.quiet
+    from kvbridge.nodes import COMMANDS, bind_node, load_node
+    from serving.config import NodeConfig
+
+    role, progress = COMMANDS[args.command].name, not args.quiet
     try:
-        pp = from_flags(PPConfig, args)
-        settings = {"model": config.model, "transfer_backend": getattr(args, "transfer_backend", "")}
-        bind = (args.host, args.port, args.metrics_port, settings)
-        if args.command == "serve":
-            from serving.colocated import ColocatedNode, ColocatedServer
-
-            server = ColocatedServer(*bind)
-            make_node = partial(ColocatedNode, config, pp, progress)
-        elif args.command == "prefill":
-            from prefill_node.node import PrefillNode
-            from prefill_node.service import PrefillServer
-
-            server = PrefillServer(*bind)
-            make_node = partial(PrefillNode, config, pp, progress=progress, backend=args.transfer_backend)
-        else:
-            from decode_node.node import DecodeNode
-            from decode_node.service import DecodeServer
-
-            server = DecodeServer(*bind)
-            make_node = partial(DecodeNode, config, pp, args.host, progress=progress, backend=args.transfer_backend)
+        config = from_flags(NodeConfig, args, engine=from_flags(EngineConfig, args), pp=from_flags(PPConfig, args))
+        server = bind_node(role, config)
     except (ValueError, FileNotFoundError) as e:  # a bad value, or the port is taken
         raise UsageError(str(e)) from None
     stop = stop_on_signal()
     metrics = f", metrics on {args.host}:{server.metrics_port}" if server.metrics_port >= 0 else ""
     print(f"kvbridge {args.command}: bound {server.address}{metrics}; loading", file=sys.stderr, flush=True)
     try:
-        server.load(make_node)
+        load_node(server, role, config, progress)
     except (ValueError, FileNotFoundError) as e:
         raise UsageError(str(e)) from None
     print(f"kvbridge {args.command}: listening on {server.address}{metrics}", file=sys.stderr, flush=True)

@@ -68,15 +68,16 @@ def ask(port: int, question: str, max_new_tokens: int) -> dict:
 def start_fleet(config: EngineConfig, prefill_pp: int, decode_pp: int, backend: str = "auto", metrics: bool = False):
     """A prefill node, a decode node and a router over them, on free ports (started in that order;
     the caller stops them in reverse). metrics: each serves /metrics on a free port too."""
-    from decode_node.service import start_decode
-    from prefill_node.service import start_prefill
+    from kvbridge.nodes import start_node
     from router.config import RouterConfig
     from router.server import start_router
+    from serving.config import NodeConfig
 
     port = 0 if metrics else -1
     with ThreadPoolExecutor(2) as pool:
-        p = pool.submit(start_prefill, config, PPConfig(pp_size=prefill_pp), metrics_port=port)
-        d = pool.submit(start_decode, config, PPConfig(pp_size=decode_pp), backend=backend, metrics_port=port)
+        p = pool.submit(start_node, "prefill", NodeConfig(config, PPConfig(pp_size=prefill_pp), metrics_port=port))
+        d_node = NodeConfig(config, PPConfig(pp_size=decode_pp), transfer_backend=backend, metrics_port=port)
+        d = pool.submit(start_node, "decode", d_node)
         prefill, decode = p.result(), d.result()
     try:
         router = start_router(

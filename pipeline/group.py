@@ -30,6 +30,7 @@ from common import logs, rpc
 from common.metrics import RankFiles, init_rank_metrics
 from common.net import free_port
 from common.progress import Progress
+from common.sampling import SamplingParams
 from common.security import Security
 from engine import faults
 from engine.config import EngineConfig, PPConfig
@@ -37,7 +38,6 @@ from engine.kv_pool import KVPool
 from engine.llm import Completion, resolve_device, resolve_dtype
 from engine.model import ModelStage, stage_ranges
 from engine.pages import PageAllocator
-from engine.request import SamplingParams
 from engine.scheduler import Scheduler
 from engine.weights import LoadedModel, load_model
 from pipeline import dist as pp_dist
@@ -79,7 +79,7 @@ class RankGroup:
         # every rendezvous key under a prefix only this node's ranks know (the store takes any
         # writer); ranks on other hosts (num_hosts > 1) could not learn it, so none then
         store_key = secrets.token_hex(16) if pp.num_hosts == 1 else ""
-        threads = config.threads or max(1, (os.cpu_count() or 1) // pp.ranks_per_node)
+        threads = config.threads or max(1, (os.cpu_count() or 1) // pp.ranks_per_host)
         self.procs = [
             ctx.Process(
                 target=rank_main,

@@ -12,8 +12,8 @@ import json
 from collections import deque
 from dataclasses import asdict, dataclass
 
+from common.sampling import SamplingParams
 from engine.batch import ForwardBatch
-from engine.request import SamplingParams
 
 ADMIT, ROUTE, FINISH, ABORT = "admit", "route", "finish", "abort"
 RETRACT, RESUME = "retract", "resume"  # decode: a request's KV to host memory and back (info: its pages)

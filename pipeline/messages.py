@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.request import SamplingParams
+from common.sampling import SamplingParams
 
 # ---------------------------------------------------------------- front -> rank 0
 

@@ -25,12 +25,13 @@ import torch
 from common.limits import room_tag
 from common.logs import log_event
 from common.metrics import rank_metrics
+from common.sampling import SamplingParams
 from engine import faults
 from engine.batch import AttentionMetadata
 from engine.kv_pool import KVPool
 from engine.model import ModelStage
 from engine.pages import PageTable
-from engine.request import Phase, Request, SamplingParams
+from engine.request import Phase, Request
 from engine.sampler import sample
 from engine.scheduler import ScheduledStep, Scheduler
 from pipeline.agent import KVAgent

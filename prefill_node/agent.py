@@ -23,10 +23,10 @@ from engine.batch import ForwardBatch
 from engine.faults import INJECTED
 from engine.kv_pool import KVPool
 from kv_transfer import KVPoll, StatusChange, make_sender
+from kv_transfer.adapters import layout_from_dict
 from pipeline.agent import KVAgent
 from pipeline.control import ControlChannel
 from pipeline.log import ABORT, FINISH, ROUTE, LogEntry
-from serving.convert import layout_from_dict
 
 log = logging.getLogger("kvbridge.transfer")
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from engine.config import EngineConfig, PPConfig
 from engine.model import stage_ranges
 from kv_transfer.factory import CPU_BACKENDS
 from kv_transfer.layout import RankInfo, node_layout
@@ -12,6 +11,7 @@ from pipeline.rank0 import Rank0Loop
 from pipeline.stage import StageLoop
 from prefill_node.agent import PrefillAgent
 from prefill_node.role import PrefillRole
+from serving.config import NodeConfig
 from serving.front import NodeFront
 
 BACKENDS = CPU_BACKENDS  # the engines a prefill rank can drive here (cuda_ipc needs GPUs)
@@ -44,14 +44,16 @@ def prefill_rank(ctx: RankContext) -> RankSetup:
 class PrefillNode:
     """The rank processes, the front, and this node's KV layout."""
 
-    def __init__(self, config: EngineConfig, pp: PPConfig, progress: bool = False, backend: str = "auto"):
+    def __init__(self, config: NodeConfig, progress: bool = False):
+        backend, pp = config.transfer_backend, config.pp
         if backend != "auto" and backend not in BACKENDS:
             raise ValueError(f"transfer backend must be auto or one of {', '.join(BACKENDS)}, got {backend!r}")
-        self.ranks = RankGroup(config, pp, progress=progress, build=prefill_rank)
+        self.ranks = RankGroup(config.engine, pp, progress=progress, build=prefill_rank)
         self.front = NodeFront(self.ranks)
         ranges = stage_ranges(self.ranks.model.config.num_hidden_layers, pp.pp_size)
         ranks = tuple(RankInfo(i, lo, hi) for i, (lo, hi) in enumerate(ranges))
-        self.layout = node_layout(config, self.ranks.model, ranks, BACKENDS if backend == "auto" else (backend,))
+        offered = BACKENDS if backend == "auto" else (backend,)
+        self.layout = node_layout(config.engine, self.ranks.model, ranks, offered)
 
     def shutdown(self):
         self.front.close()

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import grpc
 
+from common import sampling
 from common.rpc import shown
-from engine.config import EngineConfig, PPConfig
+from kv_transfer import adapters as kv_wire
 from kv_transfer.layout import incompatibility
 from kvbridge.v1 import prefill_pb2, prefill_pb2_grpc
 from prefill_node.node import PrefillNode
-from serving import convert
 from serving.front import Overloaded
 from serving.server import NodeServer
 
@@ -30,7 +30,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
             )
         try:
             ids = front.prompt_ids(request.prompt)
-            params = convert.sampling_params(request.sampling)
+            params = sampling.from_proto(request.sampling)
             deltas = front.submit(ids, params, request.rid, {"room": request.room})
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -61,13 +61,13 @@ class BootstrapService(prefill_pb2_grpc.BootstrapServicer):
     async def GetLayout(self, request, context):
         if self.node is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the prefill node is still loading")
-        return convert.layout_to_proto(self.node.layout)
+        return kv_wire.layout_to_proto(self.node.layout)
 
     async def Register(self, request, context):
         if self.node is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the prefill node is still loading")
         try:
-            decode = convert.layout_from_proto(request.decode_layout)
+            decode = kv_wire.layout_from_proto(request.decode_layout)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"decode_layout: {e}")
         problem = incompatibility(self.node.layout, decode)
@@ -96,7 +96,7 @@ class BootstrapService(prefill_pb2_grpc.BootstrapServicer):
             "secret": request.secret.hex(),
             "backend": request.backend,
             "page_ids": list(request.page_ids),
-            "decode": convert.layout_to_dict(decode),
+            "decode": kv_wire.layout_to_dict(decode),
             "decode_addr": request.decode_addr,
         }
         wait_s = self.node.ranks.config.bootstrap_timeout_s  # rank 0 answers between steps, behind its queue
@@ -120,16 +120,3 @@ class PrefillServer(NodeServer):
             (prefill_pb2_grpc.add_BootstrapServicer_to_server, BootstrapService(self)),
             *super().servicers(),
         ]
-
-
-def start_prefill(
-    config: EngineConfig,
-    pp: PPConfig,
-    host: str = "127.0.0.1",
-    port: int = 0,
-    backend: str = "auto",
-    metrics_port: int = -1,
-    progress: bool = False,
-) -> PrefillServer:
-    server = PrefillServer(host, port, metrics_port, {"model": config.model, "transfer_backend": backend})
-    return server.load(lambda: PrefillNode(config, pp, progress=progress, backend=backend))

@@ -7,13 +7,11 @@ costs no upstream call. Each check raises ValueError naming the field and the ba
 
 from __future__ import annotations
 
-import math
-
+from common import sampling
 from common.limits import MAX_CLIENT_RID_CHARS, rid_problem
 from kvbridge.v1 import generation_pb2
 
 CHAT_ROLES = ("system", "user", "assistant")
-MAX_STOP_STRINGS = 16
 
 
 def check_generate(req: generation_pb2.GenerateRequest) -> None:
@@ -43,15 +41,4 @@ def check_prompt(req: generation_pb2.GenerateRequest) -> None:
 
 
 def check_sampling(req: generation_pb2.GenerateRequest) -> None:
-    s = req.sampling
-    if not (math.isfinite(s.temperature) and s.temperature >= 0):
-        raise ValueError(f"sampling.temperature must be >= 0 and finite, got {s.temperature}")
-    if not 0 <= s.top_p <= 1:  # 0 = unset (1.0); NaN fails too
-        raise ValueError(f"sampling.top_p must be in (0, 1], got {s.top_p}")
-    if s.max_new_tokens and s.min_tokens > s.max_new_tokens:
-        raise ValueError(f"sampling.min_tokens ({s.min_tokens}) must be <= max_new_tokens ({s.max_new_tokens})")
-    if len(s.stop) > MAX_STOP_STRINGS:
-        raise ValueError(f"sampling.stop has {len(s.stop)} strings; at most {MAX_STOP_STRINGS}")
-    for i, stop in enumerate(s.stop):
-        if not stop:
-            raise ValueError(f"sampling.stop[{i}] is empty")
+    sampling.from_proto(req.sampling)  # the nodes' own rules (common/sampling.py)

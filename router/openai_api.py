@@ -25,8 +25,9 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from common.sampling import MAX_STOP_STRINGS
 from kvbridge.v1 import common_pb2, generation_pb2
-from router.checks import MAX_STOP_STRINGS, check_generate
+from router.checks import check_generate
 
 UINT32_MAX = (1 << 32) - 1
 UINT64_MAX = (1 << 64) - 1

@@ -12,10 +12,10 @@ import uuid
 
 import grpc
 
-from engine.config import EngineConfig, PPConfig
+from common import sampling
 from kvbridge.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from pipeline.group import RankGroup
-from serving import convert
+from serving.config import NodeConfig
 from serving.front import NodeFront, Overloaded
 from serving.server import NodeServer
 
@@ -32,7 +32,7 @@ class ColocatedGeneration(generation_pb2_grpc.GenerationServicer):
         rid = request.rid or uuid.uuid4().hex
         try:
             ids = front.prompt_ids(request.prompt)
-            params = convert.sampling_params(request.sampling)
+            params = sampling.from_proto(request.sampling)
             deltas = front.submit(ids, params, rid)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -64,8 +64,8 @@ class ColocatedGeneration(generation_pb2_grpc.GenerationServicer):
 class ColocatedNode:
     """A colocated node: its rank processes and its front."""
 
-    def __init__(self, config: EngineConfig, pp: PPConfig, progress: bool = False):
-        self.ranks = RankGroup(config, pp, progress=progress)
+    def __init__(self, config: NodeConfig, progress: bool = False):
+        self.ranks = RankGroup(config.engine, config.pp, progress=progress)
         self.front = NodeFront(self.ranks)
 
     def shutdown(self):
@@ -81,15 +81,3 @@ class ColocatedServer(NodeServer):
 
     def servicers(self):
         return [(generation_pb2_grpc.add_GenerationServicer_to_server, ColocatedGeneration(self)), *super().servicers()]
-
-
-def start_colocated(
-    config: EngineConfig,
-    pp: PPConfig,
-    host: str = "127.0.0.1",
-    port: int = 0,
-    progress: bool = False,
-    metrics_port: int = -1,
-) -> ColocatedServer:
-    server = ColocatedServer(host, port, metrics_port, {"model": config.model})
-    return server.load(lambda: ColocatedNode(config, pp, progress))

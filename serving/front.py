@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from common.limits import PROMPT_BYTES_PER_TOKEN, rid_problem
 from common.metrics import NodeMetrics, outcome_of
 from common.rpc import EventLoop, shown
+from common.sampling import SamplingParams
 from engine.detok import TextStream
-from engine.request import SamplingParams
 from kvbridge.v1 import common_pb2
 from pipeline.group import RankGroup
 from pipeline.messages import Answer, Ask, Finish, Register, Token

@@ -36,9 +36,9 @@ from hypothesis import HealthCheck, Phase
 from hypothesis import strategies as st
 
 from common import rpc
-from decode_node.service import start_decode
 from engine.config import PPConfig
 from kv_transfer import adapters as kv_wire
+from kvbridge.nodes import start_node
 from kvbridge.v1 import (
     admin_pb2,
     admin_pb2_grpc,
@@ -48,10 +48,9 @@ from kvbridge.v1 import (
     prefill_pb2,
     prefill_pb2_grpc,
 )
-from prefill_node.service import start_prefill
 from router.config import RouterConfig
 from router.server import start_router
-from serving.colocated import start_colocated
+from serving.config import NodeConfig
 from tests.pd import TINY, token_prompt
 
 HARD_TIMEOUT_S = 900  # a test module (slow run included); faulthandler dumps every thread and exits past it
@@ -167,9 +166,9 @@ def stop_node(server) -> None:
 
 def start_fleet() -> Fleet:
     with ThreadPoolExecutor(3) as pool:
-        c = pool.submit(start_colocated, TINY, PPConfig())
-        p = pool.submit(start_prefill, TINY, PPConfig(pp_size=2))
-        d = pool.submit(start_decode, TINY, PPConfig(pp_size=2), backend="grpc")
+        c = pool.submit(start_node, "colocated", NodeConfig(TINY, PPConfig()))
+        p = pool.submit(start_node, "prefill", NodeConfig(TINY, PPConfig(pp_size=2)))
+        d = pool.submit(start_node, "decode", NodeConfig(TINY, PPConfig(pp_size=2), transfer_backend="grpc"))
         c, p, d = c.result(), p.result(), d.result()
     router = start_router(
         RouterConfig(
@@ -493,11 +492,20 @@ def node_expect(f: Fleet, prompt: common_pb2.Prompt, s: common_pb2.SamplingParam
         oov = [t for t in prompt.token_ids.ids if t >= VOCAB] if kind == "token_ids" else []
         if oov:
             e.add(bad, f"token id {oov[0]}")
+    sampling_expect(s, e)
+    return e
+
+
+def sampling_expect(s: common_pb2.SamplingParams, e: Expect) -> Expect:
+    """What the router and every node say about sampling params (the same rules: common/sampling.py)."""
+    bad = C.INVALID_ARGUMENT
     t, p = s.temperature, s.top_p or 1.0
     if not t >= 0 or (t > 0 and not 1e-5 <= t < math.inf):
         e.add(bad, "temperature")
     if not 0 < p <= 1:
         e.add(bad, "top_p")
+    if len(s.stop) > 16:
+        e.add(bad, "stop has")
     if "" in s.stop:
         e.add(bad, "stop[")
     return e
@@ -512,14 +520,7 @@ def router_checks(rid: str, prompt: common_pb2.Prompt, s: common_pb2.SamplingPar
     kind = prompt.WhichOneof("kind")
     if kind is None or (kind == "text" and not prompt.text) or (kind == "token_ids" and not prompt.token_ids.ids):
         e.add(bad, "is empty")
-    if not (math.isfinite(s.temperature) and s.temperature >= 0):
-        e.add(bad, "temperature")
-    if not 0 <= s.top_p <= 1:
-        e.add(bad, "top_p")
-    if len(s.stop) > 16:
-        e.add(bad, "stop has")
-    if "" in s.stop:
-        e.add(bad, "stop[")
+    sampling_expect(s, e)
     if kind == "chat" and not prompt.chat.messages:
         e.add(bad, "no messages")
     if kind == "chat" and any(m.role not in ("system", "user", "assistant") for m in prompt.chat.messages):

@@ -10,8 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from common import rpc
-from decode_node.service import start_decode
 from engine.config import EngineConfig, PPConfig
+from kvbridge.nodes import start_node
 from kvbridge.v1 import (
     admin_pb2,
     admin_pb2_grpc,
@@ -21,7 +21,7 @@ from kvbridge.v1 import (
     prefill_pb2,
     prefill_pb2_grpc,
 )
-from prefill_node.service import start_prefill
+from serving.config import NodeConfig
 
 TINY = EngineConfig(model="tiny-random", page_size=4, kv_cache_tokens=4096, chunked_prefill_size=16)
 
@@ -31,8 +31,11 @@ def start_nodes(specs: dict[str, tuple], config: EngineConfig = TINY) -> dict:
 
     def start(spec):
         if spec[0] == "prefill":
-            return start_prefill(config if len(spec) < 3 else spec[2], PPConfig(pp_size=spec[1]))
-        return start_decode(config if len(spec) < 4 else spec[3], PPConfig(pp_size=spec[1]), backend=spec[2])
+            return start_node("prefill", NodeConfig(config if len(spec) < 3 else spec[2], PPConfig(pp_size=spec[1])))
+        return start_node(
+            "decode",
+            NodeConfig(config if len(spec) < 4 else spec[3], PPConfig(pp_size=spec[1]), transfer_backend=spec[2]),
+        )
 
     with ThreadPoolExecutor(len(specs)) as pool:
         futures = {name: pool.submit(start, spec) for name, spec in specs.items()}

@@ -19,10 +19,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common import rpc
 from engine.config import PPConfig
+from kvbridge.nodes import start_node
 from kvbridge.v1 import admin_pb2, admin_pb2_grpc, common_pb2, generation_pb2, generation_pb2_grpc
 from router.config import RouterConfig
 from router.server import start_router
-from serving.colocated import start_colocated
+from serving.config import NodeConfig
 from tests.pd import TINY, start_nodes, stop_nodes, token_prompt, wait_idle
 
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
@@ -238,7 +239,7 @@ def test_list_requests_pages_and_filters(fleet):
 
 def test_drain_refuses_new_requests_finishes_in_flight_ones_and_resume_serves_again(hard_timeout):
     config = replace(TINY, fault_inject="step_delay_ms=50")
-    node = start_colocated(config, PPConfig(), metrics_port=0)
+    node = start_node("colocated", NodeConfig(config, PPConfig(), metrics_port=0))
     try:
         stub = generation_pb2_grpc.GenerationStub(rpc.make_channel(node.address))
         sampling = common_pb2.SamplingParams(max_new_tokens=20, ignore_eos=True)
@@ -282,7 +283,7 @@ def test_drain_refuses_new_requests_finishes_in_flight_ones_and_resume_serves_ag
 
 def test_a_killed_rank_turns_health_not_serving_and_fails_its_requests(hard_timeout):
     config = replace(TINY, fault_inject="step_delay_ms=50")
-    node = start_colocated(config, PPConfig(pp_size=2))
+    node = start_node("colocated", NodeConfig(config, PPConfig(pp_size=2)))
     try:
         assert health_of(node.address, "kvbridge.v1.Generation") == SERVING
         stub = generation_pb2_grpc.GenerationStub(rpc.make_channel(node.address))
@@ -313,7 +314,7 @@ def test_a_killed_rank_turns_health_not_serving_and_fails_its_requests(hard_time
 def test_admin_cli_against_a_real_node(capsys, hard_timeout):
     from kvbridge.cli import main
 
-    node = start_colocated(replace(TINY, fault_inject="step_delay_ms=50"), PPConfig())
+    node = start_node("colocated", NodeConfig(replace(TINY, fault_inject="step_delay_ms=50"), PPConfig()))
     try:
         stub = generation_pb2_grpc.GenerationStub(rpc.make_channel(node.address))
         sampling = common_pb2.SamplingParams(max_new_tokens=200, ignore_eos=True)

@@ -14,8 +14,9 @@ from common import rpc
 from engine.config import EngineConfig, PPConfig
 from kvbridge import admin_cli
 from kvbridge.cli import main
+from kvbridge.nodes import start_node
 from kvbridge.v1 import admin_pb2, admin_pb2_grpc
-from serving.colocated import start_colocated
+from serving.config import NodeConfig
 
 COLOCATED = admin_pb2.Status(
     role="colocated",
@@ -375,7 +376,9 @@ def test_nodes_add_and_remove(capsys, fake):
 
 @pytest.fixture(scope="module")
 def node():
-    serving = start_colocated(EngineConfig(model="tiny-random", page_size=4, kv_cache_tokens=8192), PPConfig())
+    serving = start_node(
+        "colocated", NodeConfig(EngineConfig(model="tiny-random", page_size=4, kv_cache_tokens=8192), PPConfig())
+    )
     yield serving
     serving.stop()
 

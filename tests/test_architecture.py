@@ -23,6 +23,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("serving",),  # a node's gRPC server, Admin, its front, wire adapters, the colocated node
     ("prefill_node", "decode_node"),  # the roles
     ("router",),  # the front door (speaks to nodes over gRPC only)
+    ("kvbridge.nodes",),  # ROLES and start_node: the one way to build a node
     ("kvbridge.bench",),  # benchmarks (start fleets in-process or as child processes)
     ("kvbridge",),  # the commands: cli, demo, admin
 ]

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from engine.request import SamplingParams
+from common.sampling import SamplingParams
 from tests.conftest import make_llm
 
 

@@ -7,8 +7,8 @@ import random
 
 import pytest
 
+from common.sampling import SamplingParams
 from engine.detok import MAX_WORK_PER_TOKEN, IncrementalDetokenizer, StopChecker, StopMatcher, TextStream, special_ids
-from engine.request import SamplingParams
 from tests.conftest import make_llm, make_prompts
 
 TEXT = "Hello, wörld! Ça va? 世界你好 😀🎉 naïve café — “quotes” ½ ∑ ok.\n"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.request import SamplingParams
+from common.sampling import SamplingParams
 from tests.conftest import make_llm, make_prompts
 
 GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)

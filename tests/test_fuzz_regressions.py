@@ -15,8 +15,8 @@ from dataclasses import replace
 import grpc
 import pytest
 
-from decode_node.service import start_decode
 from engine.config import PPConfig
+from kvbridge.nodes import start_node
 from kvbridge.v1 import (
     admin_pb2,
     admin_pb2_grpc,
@@ -27,6 +27,7 @@ from kvbridge.v1 import (
     prefill_pb2,
     prefill_pb2_grpc,
 )
+from serving.config import NodeConfig
 from tests.fuzz_fleet import (
     CALL_S,
     C,
@@ -52,7 +53,7 @@ def scratch(fleet):
     """A decode node (pp 1) of its own, with a pool of 8 pages and a context of 32 tokens, fed by the
     fake prefill node: the known-bug tests may break it (the last one kills its rank)."""
     config = replace(TINY, kv_cache_tokens=32, max_context=32, prealloc_timeout_s=20.0, transfer_timeout_s=20.0)
-    node = start_decode(config, PPConfig(pp_size=1), backend="grpc")
+    node = start_node("decode", NodeConfig(config, PPConfig(pp_size=1), transfer_backend="grpc"))
     yield node
     stop_node(node)
 

@@ -1,8 +1,8 @@
 """The decoders of what crosses between processes without a gRPC schema, fuzzed: the inter-rank
 pipeline message (pipeline/log.py Message.decode: JSON from rank 0 to ranks 1..P-1), the
 consensus round (consensus/codec.py RoundMsg.decode) and KV layouts (kv_transfer/adapters.py
-layout_from_proto, and its checked form serving/convert.py layout_from_proto that the
-Bootstrap service and the decode node use). Inputs: arbitrary bytes, arbitrary JSON, valid
+layout_from_proto, the one checked conversion the Bootstrap service, the decode node and the
+prefill ranks use). Inputs: arbitrary bytes, arbitrary JSON, valid
 messages with one part replaced by arbitrary JSON, and valid encodings with bytes flipped,
 inserted, deleted or cut. Each decoder returns a value that re-encodes to what it decodes to, or
 raises ValueError: never another exception.
@@ -20,15 +20,14 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from common.sampling import MIN_TEMPERATURE, SamplingParams
 from consensus.codec import RoundMsg, Tally
 from consensus.types import Ruling, Stream, Verdict
 from engine.batch import ForwardBatch
-from engine.request import SamplingParams
 from kv_transfer import adapters as kv_wire
 from kv_transfer.layout import DTYPES, incompatibility
 from kvbridge.v1 import prefill_pb2
 from pipeline.log import ADMIT, CONTROL, KINDS, SHUTDOWN, STEP, LogEntry, Message
-from serving import convert
 from tests.fuzz_fleet import SCALES, say, summary
 
 # default examples per test (x SLOW_SCALE under -m slow)
@@ -75,7 +74,7 @@ def sampling(draw) -> SamplingParams:
     n = draw(st.integers(0, 2**31))
     return SamplingParams(
         max_new_tokens=n,
-        temperature=draw(st.sampled_from([0.0, 0.7, 1.0]) | st.floats(0, 1e6)),
+        temperature=draw(st.sampled_from([0.0, 0.7, 1.0]) | st.floats(MIN_TEMPERATURE, 1e6)),
         top_p=draw(st.sampled_from([1.0, 0.9]) | st.floats(1e-6, 1)),
         top_k=draw(st.integers(0, 2**31)),
         seed=draw(st.none() | st.integers(0, 2**64 - 1)),
@@ -348,7 +347,7 @@ def handle_hex(shm_name: str) -> str | None:
 
 
 def is_valid(m: prefill_pb2.KVLayout) -> bool:
-    """The layout contract (proto/kvbridge/v1/prefill.proto, serving/convert.py)."""
+    """The layout contract (proto/kvbridge/v1/prefill.proto, kv_transfer/adapters.py)."""
     start, tiled = 0, bool(m.ranks)
     for i, r in enumerate(m.ranks):
         tiled = tiled and r.rank == i and r.layer_start == start and r.layer_end > r.layer_start
@@ -365,28 +364,22 @@ def test_a_kv_layout_is_decoded_or_refused(scale):
     @given(kv_layouts())
     def one(m):
         TRIED["kv layout"] += 1
-        ipc = [r.shm_name for r in m.ranks if r.shm_name.startswith(kv_wire.CUDA_IPC_PREFIX)]
-        try:
-            layout = kv_wire.layout_from_proto(m)
-        except ValueError:
-            assert any(handle_hex(name) is None for name in ipc), m
-        else:
-            expected = prefill_pb2.KVLayout()
-            expected.CopyFrom(m)
-            for r in expected.ranks:  # a handle comes back in lower-case hex, an empty one as no name
-                if r.shm_name.startswith(kv_wire.CUDA_IPC_PREFIX):
-                    h = handle_hex(r.shm_name)
-                    r.shm_name = kv_wire.CUDA_IPC_PREFIX + h if h else ""
-            assert kv_wire.layout_to_proto(layout) == expected
         valid = is_valid(m)
         try:
-            checked = convert.layout_from_proto(m)
+            layout = kv_wire.layout_from_proto(m)
         except ValueError:
             assert not valid, m
             return
         assert valid, f"accepted a layout that breaks the contract: {m}"
-        assert checked.layer_ranges[0][0] == 0 and checked.layer_ranges[-1][1] == checked.num_layers
-        assert checked.geometry.layer_block_bytes > 0 and incompatibility(checked, checked) == ""
-        assert convert.layout_from_dict(convert.layout_to_dict(checked)) == checked
+        expected = prefill_pb2.KVLayout()
+        expected.CopyFrom(m)
+        for r in expected.ranks:  # a handle comes back in lower-case hex, an empty one as no name
+            if r.shm_name.startswith(kv_wire.CUDA_IPC_PREFIX):
+                h = handle_hex(r.shm_name)
+                r.shm_name = kv_wire.CUDA_IPC_PREFIX + h if h else ""
+        assert kv_wire.layout_to_proto(layout) == expected
+        assert layout.layer_ranges[0][0] == 0 and layout.layer_ranges[-1][1] == layout.num_layers
+        assert layout.geometry.layer_block_bytes > 0 and incompatibility(layout, layout) == ""
+        assert kv_wire.layout_from_dict(kv_wire.layout_to_dict(layout)) == layout
 
     one()

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from common.sampling import SamplingParams
 from engine.config import EngineConfig
 from engine.llm import LLM
-from engine.request import SamplingParams
 from engine.weights import load_model, smollm2_path
 from tests.conftest import make_prompts
 

@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from common import rpc
-from engine.request import SamplingParams
+from common.sampling import SamplingParams
 from kv_transfer import adapters as kv_wire
 from kvbridge.v1 import (
     admin_pb2,
@@ -92,9 +92,10 @@ def test_a_bad_rid_straight_to_a_generation_node_is_invalid_argument(fleet, colo
 @pytest.fixture(scope="module")
 def colocated():
     from engine.config import PPConfig
-    from serving.colocated import start_colocated
+    from kvbridge.nodes import start_node
+    from serving.config import NodeConfig
 
-    node = start_colocated(TINY, PPConfig(pp_size=2))
+    node = start_node("colocated", NodeConfig(TINY, PPConfig(pp_size=2)))
     yield node
     node.stop()
 

@@ -47,9 +47,10 @@ def start_prefill_process(*flags: str) -> tuple[subprocess.Popen, str]:
 
 
 def test_decode_fails_requests_waiting_for_a_dead_prefill_node_and_frees_their_pages():
-    from decode_node.service import start_decode
+    from kvbridge.nodes import start_node
+    from serving.config import NodeConfig
 
-    decode = start_decode(TINY, PPConfig(pp_size=2), backend="shm")
+    decode = start_node("decode", NodeConfig(TINY, PPConfig(pp_size=2), transfer_backend="shm"))
     victim, p_addr = start_prefill_process("--fault-inject", "step_delay_ms=1000")  # prefills for seconds
     try:
         stub = generation_pb2_grpc.GenerationStub(rpc.make_channel(decode.address))

@@ -8,7 +8,7 @@ import faulthandler
 import grpc
 import pytest
 
-from engine.request import SamplingParams
+from common.sampling import SamplingParams
 from tests.conftest import make_llm, make_prompts
 from tests.pd import TINY, in_parallel, pd_generate, start_nodes, stop_nodes, token_prompt, wait_idle
 

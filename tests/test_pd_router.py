@@ -13,9 +13,9 @@ import pytest
 from safetensors.torch import save_file
 
 from common import rpc
+from common.sampling import SamplingParams
 from engine.config import EngineConfig
 from engine.llm import LLM
-from engine.request import SamplingParams
 from engine.weights import TINY_CONFIG, tiny_random
 from kvbridge.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from router.config import RouterConfig

@@ -7,9 +7,9 @@ import random
 
 import pytest
 
+from common.sampling import SamplingParams
 from engine.batch import ForwardBatch
 from engine.config import EngineConfig, PPConfig
-from engine.request import SamplingParams
 from pipeline.group import RankGroup
 from pipeline.log import ABORT, ADMIT, STEP, LogEntry, Message
 from pipeline.messages import Finish

@@ -12,7 +12,8 @@ import textwrap
 import pytest
 
 from engine.config import PPConfig
-from serving.colocated import start_colocated
+from kvbridge.nodes import start_node
+from serving.config import NodeConfig
 from tests.pd import TINY
 
 CLIENT = textwrap.dedent(
@@ -51,7 +52,7 @@ CLIENT = textwrap.dedent(
 
 @pytest.fixture(scope="module")
 def node():
-    server = start_colocated(TINY, PPConfig())
+    server = start_node("colocated", NodeConfig(TINY, PPConfig()))
     yield server
     server.stop()
 

@@ -13,7 +13,7 @@ from urllib.request import urlopen
 import grpc
 import pytest
 
-from engine.request import SamplingParams
+from common.sampling import SamplingParams
 from tests.conftest import make_llm, make_prompts
 from tests.pd import TINY, in_parallel, pd_generate, start_nodes, stop_nodes, token_prompt, wait_idle
 
@@ -24,12 +24,16 @@ D_POOL_TOKENS = 96  # 24 pages of 4; eight requests grow to about 14 pages each
 @pytest.fixture(scope="module")
 def fleet():
     faulthandler.dump_traceback_later(600, exit=True)
-    from decode_node.service import start_decode
     from engine.config import PPConfig
+    from kvbridge.nodes import start_node
+    from serving.config import NodeConfig
 
     nodes = start_nodes({"p": ("prefill", 1)})
-    nodes["d"] = start_decode(
-        replace(TINY, kv_cache_tokens=D_POOL_TOKENS), PPConfig(pp_size=2), backend="shm", metrics_port=0
+    nodes["d"] = start_node(
+        "decode",
+        NodeConfig(
+            replace(TINY, kv_cache_tokens=D_POOL_TOKENS), PPConfig(pp_size=2), transfer_backend="shm", metrics_port=0
+        ),
     )
     yield nodes
     stop_nodes(nodes)

@@ -15,13 +15,12 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common import __version__, rpc
-from decode_node.service import start_decode
 from engine.config import PPConfig
+from kvbridge.nodes import start_node
 from kvbridge.v1 import admin_pb2, admin_pb2_grpc, common_pb2, generation_pb2, generation_pb2_grpc
-from prefill_node.service import start_prefill
 from router.config import RouterConfig
 from router.server import Router, start_router
-from serving.colocated import start_colocated
+from serving.config import NodeConfig
 from tests.pd import TINY, status, wait_idle
 from tests.test_router_dispatch import wait_until
 
@@ -33,10 +32,10 @@ OPERATOR_ABORTED = "an operator aborted the request (Admin.AbortRequest on the r
 def nodes() -> dict:
     """Two colocated nodes, a prefill and a decode node (one rank each), started in parallel."""
     starts = {
-        "c1": lambda: start_colocated(TINY, PPConfig()),
-        "c2": lambda: start_colocated(TINY, PPConfig()),
-        "p": lambda: start_prefill(TINY, PPConfig()),
-        "d": lambda: start_decode(TINY, PPConfig()),
+        "c1": lambda: start_node("colocated", NodeConfig(TINY, PPConfig())),
+        "c2": lambda: start_node("colocated", NodeConfig(TINY, PPConfig())),
+        "p": lambda: start_node("prefill", NodeConfig(TINY, PPConfig())),
+        "d": lambda: start_node("decode", NodeConfig(TINY, PPConfig())),
     }
     with ThreadPoolExecutor(len(starts)) as pool:
         futures = {name: pool.submit(start) for name, start in starts.items()}

@@ -18,10 +18,11 @@ from hypothesis import strategies as st
 
 from common import rpc
 from engine.config import EngineConfig, PPConfig
+from kvbridge.nodes import start_node
 from kvbridge.v1 import admin_pb2, admin_pb2_grpc, common_pb2, generation_pb2, generation_pb2_grpc
 from router.config import RouterConfig
 from router.server import start_router
-from serving.colocated import start_colocated
+from serving.config import NodeConfig
 from tests.conftest import make_prompts
 
 TINY = EngineConfig(model="tiny-random", page_size=4, kv_cache_tokens=8192)
@@ -35,7 +36,7 @@ def make_router(*addresses: str):
 
 @pytest.fixture(scope="module")
 def nodes():
-    made = [start_colocated(TINY, PPConfig()) for _ in range(2)]
+    made = [start_node("colocated", NodeConfig(TINY, PPConfig())) for _ in range(2)]
     yield made
     for n in made:
         n.stop()
@@ -284,7 +285,7 @@ def test_router_still_serves_after_the_bad_input(router):
 
 
 def test_stopped_node_is_routed_around(nodes):
-    spare = start_colocated(TINY, PPConfig())
+    spare = start_node("colocated", NodeConfig(TINY, PPConfig()))
     r = make_router(nodes[0].address, spare.address)
     try:
         stub = gen_stub(f"127.0.0.1:{r.port}")

@@ -15,10 +15,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from common import rpc
 from common.limits import room_tag
 from engine.config import PPConfig
+from kvbridge.nodes import start_node
 from kvbridge.v1 import admin_pb2, admin_pb2_grpc, common_pb2, generation_pb2, generation_pb2_grpc
 from router.config import RouterConfig
 from router.server import start_router
-from serving.colocated import start_colocated
+from serving.config import NodeConfig
 from tests import test_router_dispatch
 from tests.pd import TINY, wait_idle
 from tests.test_router_dispatch import generate, make_request, wait_until
@@ -28,7 +29,7 @@ fleet = test_router_dispatch.fleet  # the fixture: in-test nodes behind a router
 
 @pytest.fixture(scope="module")
 def node():
-    made = start_colocated(TINY, PPConfig())
+    made = start_node("colocated", NodeConfig(TINY, PPConfig()))
     yield made
     made.stop()
 

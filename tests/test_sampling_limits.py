@@ -18,13 +18,12 @@ import grpc
 import pytest
 
 from common import rpc
+from common.sampling import SamplingParams, to_proto
 from engine.config import EngineConfig, PPConfig
-from engine.request import SamplingParams
 from kvbridge.v1 import generation_pb2, generation_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from pipeline.group import RankGroup
 from router.config import RouterConfig
 from router.server import start_router
-from serving import convert
 from tests.conftest import make_llm, make_prompts
 from tests.pd import TINY, in_parallel, start_nodes, stop_nodes, token_prompt, wait_idle
 
@@ -162,7 +161,7 @@ def fleet(hard_timeout):
 def pd_run(p_addr: str, d_addr: str, prompt: list[int], params: SamplingParams) -> tuple[list[int], str]:
     """What the router does for one request (D.Generate and P.Prefill at once): (tokens, finish reason)."""
     rid, room = secrets.token_hex(8), secrets.randbits(63)
-    sampling = convert.sampling_message(params)
+    sampling = to_proto(params)
     prefill = prefill_pb2_grpc.PrefillStub(rpc.make_channel(p_addr)).Prefill.future(
         prefill_pb2.PrefillRequest(rid=rid, room=room, prompt=token_prompt(prompt), sampling=sampling), timeout=120
     )

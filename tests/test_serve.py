@@ -15,10 +15,11 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common import rpc
+from common.sampling import SamplingParams
 from engine.config import EngineConfig, PPConfig
-from engine.request import SamplingParams
+from kvbridge.nodes import start_node
 from kvbridge.v1 import admin_pb2, admin_pb2_grpc, common_pb2, generation_pb2, generation_pb2_grpc
-from serving.colocated import start_colocated
+from serving.config import NodeConfig
 from tests.conftest import make_llm, make_prompts
 
 TINY = EngineConfig(model="tiny-random", page_size=4, kv_cache_tokens=8192, chunked_prefill_size=16)
@@ -26,7 +27,7 @@ TINY = EngineConfig(model="tiny-random", page_size=4, kv_cache_tokens=8192, chun
 
 @pytest.fixture(scope="module")
 def node():
-    serving = start_colocated(TINY, PPConfig(pp_size=2))
+    serving = start_node("colocated", NodeConfig(TINY, PPConfig(pp_size=2)))
     yield serving
     serving.stop()
 
@@ -156,11 +157,12 @@ def test_serve_command_is_not_serving_while_loading_then_serves_and_stops_on_sig
 
 
 def test_sigterm_drains_finishes_requests_in_flight_frees_shared_memory_and_exits_0(tmp_path):
-    from prefill_node.service import start_prefill
+    from kvbridge.nodes import start_node
+    from serving.config import NodeConfig
     from tests.pd import TINY as PD_TINY
     from tests.pd import pd_generate, token_prompt
 
-    prefill = start_prefill(PD_TINY, PPConfig())
+    prefill = start_node("prefill", NodeConfig(PD_TINY, PPConfig()))
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvbridge", "decode", "--model", "tiny-random", "--page-size", "4", "--pp-size", "2",
          "--transfer-backend", "shm", "--fault-inject", "step_delay_ms=60", "--quiet", "--log-level", "info"],

@@ -47,9 +47,10 @@ def prefill_call(addr: str, ids: list[int], room: int, max_new_tokens: int = 4):
 
 
 def test_a_prefill_request_without_registration_times_out_and_frees_its_pages():
-    from prefill_node.service import start_prefill
+    from kvbridge.nodes import start_node
+    from serving.config import NodeConfig
 
-    p = start_prefill(replace(TINY, bootstrap_timeout_s=1.0), PPConfig(pp_size=2), metrics_port=0)
+    p = start_node("prefill", NodeConfig(replace(TINY, bootstrap_timeout_s=1.0), PPConfig(pp_size=2), metrics_port=0))
     try:
         t0 = time.monotonic()
         with pytest.raises(grpc.RpcError) as e:
@@ -66,13 +67,13 @@ def test_a_prefill_request_without_registration_times_out_and_frees_its_pages():
 
 
 def test_decode_prealloc_and_transfer_timeouts_fail_the_request_and_free_both_sides():
-    from decode_node.service import start_decode
-    from prefill_node.service import start_prefill
+    from kvbridge.nodes import start_node
+    from serving.config import NodeConfig
 
     # P prefills slowly (0.8 s a step); D holds one request's pages at a time and gives up quickly
-    p = start_prefill(replace(TINY, fault_inject="step_delay_ms=800"), PPConfig(), metrics_port=0)
+    p = start_node("prefill", NodeConfig(replace(TINY, fault_inject="step_delay_ms=800"), PPConfig(), metrics_port=0))
     d_config = replace(TINY, kv_cache_tokens=48, prealloc_timeout_s=1.0, transfer_timeout_s=2.0)
-    d = start_decode(d_config, PPConfig(pp_size=2), backend="shm", metrics_port=0)
+    d = start_node("decode", NodeConfig(d_config, PPConfig(pp_size=2), transfer_backend="shm", metrics_port=0))
     nodes = {"p": p, "d": d}
     try:
         # a 40-token prompt takes 3 chunks (2.4 s) on P: longer than D's transfer timeout
@@ -113,9 +114,12 @@ def test_decode_prealloc_and_transfer_timeouts_fail_the_request_and_free_both_si
 
 
 def test_a_node_at_its_request_limit_answers_resource_exhausted_at_once():
-    from serving.colocated import start_colocated
+    from kvbridge.nodes import start_node
+    from serving.config import NodeConfig
 
-    node = start_colocated(replace(TINY, max_pending_requests=2, fault_inject="step_delay_ms=100"), PPConfig())
+    node = start_node(
+        "colocated", NodeConfig(replace(TINY, max_pending_requests=2, fault_inject="step_delay_ms=100"), PPConfig())
+    )
     try:
         stub = generation_pb2_grpc.GenerationStub(rpc.make_channel(node.address))
         sampling = common_pb2.SamplingParams(max_new_tokens=30, ignore_eos=True)
@@ -137,11 +141,16 @@ def test_a_node_at_its_request_limit_answers_resource_exhausted_at_once():
 
 
 def test_a_lost_transfer_notice_ends_in_the_prefill_transfer_timeout_and_the_decode_side_follows():
-    from decode_node.service import start_decode
-    from prefill_node.service import start_prefill
+    from kvbridge.nodes import start_node
+    from serving.config import NodeConfig
 
-    p = start_prefill(replace(TINY, fault_inject="drop_notice=1", transfer_timeout_s=2.0), PPConfig(), metrics_port=0)
-    d = start_decode(replace(TINY, transfer_timeout_s=30.0), PPConfig(), backend="shm", metrics_port=0)
+    p = start_node(
+        "prefill",
+        NodeConfig(replace(TINY, fault_inject="drop_notice=1", transfer_timeout_s=2.0), PPConfig(), metrics_port=0),
+    )
+    d = start_node(
+        "decode", NodeConfig(replace(TINY, transfer_timeout_s=30.0), PPConfig(), transfer_backend="shm", metrics_port=0)
+    )
     try:
         t0 = time.monotonic()
         tokens, _, error = pd_generate(p.address, d.address, token_prompt([1, 2, 3, 4, 5, 6]), 4)

@@ -20,8 +20,8 @@ import pytest
 import trustme
 
 from common import rpc
+from common.sampling import SamplingParams
 from common.security import Security, auth_metadata
-from engine.request import SamplingParams
 from kvbridge.v1 import admin_pb2, admin_pb2_grpc, common_pb2, generation_pb2, generation_pb2_grpc
 from tests.conftest import make_llm
 from tests.test_listeners import LOOPBACK, listening_sockets

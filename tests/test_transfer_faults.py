@@ -12,10 +12,10 @@ from dataclasses import replace
 import grpc
 import pytest
 
-from decode_node.service import start_decode
+from common.sampling import SamplingParams
 from engine.config import PPConfig
-from engine.request import SamplingParams
-from prefill_node.service import start_prefill
+from kvbridge.nodes import start_node
+from serving.config import NodeConfig
 from tests.conftest import make_llm, make_prompts
 from tests.pd import TINY, pd_generate, token_prompt, wait_idle
 
@@ -37,8 +37,10 @@ def reference(tiny_model):
 def test_transfer_failures_on_one_rank(reference, rate):
     prompts, expected = reference
     p_config = replace(TINY, fault_inject=f"rank1:transfer_fail={rate},seed=3")
-    prefill = start_prefill(p_config, PPConfig(pp_size=2))
-    decode = start_decode(replace(TINY, transfer_timeout_s=10), PPConfig(pp_size=2), backend="shm")
+    prefill = start_node("prefill", NodeConfig(p_config, PPConfig(pp_size=2)))
+    decode = start_node(
+        "decode", NodeConfig(replace(TINY, transfer_timeout_s=10), PPConfig(pp_size=2), transfer_backend="shm")
+    )
     stopped = False
     try:
         with ThreadPoolExecutor(16) as pool:

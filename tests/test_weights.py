@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
+from common.sampling import SamplingParams
 from engine.config import EngineConfig
 from engine.llm import LLM
-from engine.request import SamplingParams
 from engine.weights import _unpermute, load_model
 from tests.conftest import make_prompts
 

@@ -20,9 +20,9 @@ import time
 import torch
 
 from common.progress import Progress
+from common.sampling import SamplingParams
 from engine.config import EngineConfig
 from engine.llm import LLM
-from engine.request import SamplingParams
 from engine.weights import load_model, smollm2_path
 
 PREFILL = {1: 512, 16: 128}  # batch -> prompt tokens per request

@@ -18,9 +18,9 @@ import time
 
 import torch
 
+from common.sampling import SamplingParams
 from engine.config import EngineConfig, PPConfig
 from engine.llm import LLM
-from engine.request import SamplingParams
 from pipeline.group import RankGroup
 
 SETUPS = [  # (pp_size, dynamic chunking)

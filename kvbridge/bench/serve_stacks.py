@@ -72,18 +72,19 @@ def start_in_process(name: str, config, pp: int, prefill_pp: int, decode_pp: int
     from engine.config import PPConfig
 
     if name == "colocated":
-        from serving.colocated import start_colocated
+        from kvbridge.nodes import start_node
+        from serving.config import NodeConfig
 
-        [node] = _start_all([lambda: start_colocated(config, PPConfig(pp_size=pp))])
+        [node] = _start_all([lambda: start_node("colocated", NodeConfig(config, PPConfig(pp_size=pp)))])
         nodes, addresses, layout = [node], {"colocated": (node.address,)}, {"pp": pp}
     else:
-        from decode_node.service import start_decode
-        from prefill_node.service import start_prefill
+        from kvbridge.nodes import start_node
+        from serving.config import NodeConfig
 
         p, d = _start_all(
             [
-                lambda: start_prefill(config, PPConfig(pp_size=prefill_pp)),
-                lambda: start_decode(config, PPConfig(pp_size=decode_pp)),
+                lambda: start_node("prefill", NodeConfig(config, PPConfig(pp_size=prefill_pp))),
+                lambda: start_node("decode", NodeConfig(config, PPConfig(pp_size=decode_pp))),
             ]
         )
         nodes, addresses = [d, p], {"prefill": (p.address,), "decode": (d.address,)}

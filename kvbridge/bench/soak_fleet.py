@@ -18,11 +18,11 @@ def faults_of(common: str, own: str, seed: int) -> str:
 def start(args: argparse.Namespace):
     from dataclasses import replace
 
-    from decode_node.service import start_decode
     from engine.config import EngineConfig, PPConfig
-    from prefill_node.service import start_prefill
+    from kvbridge.nodes import start_node
     from router.config import RouterConfig
     from router.server import start_router
+    from serving.config import NodeConfig
 
     t = args.node_timeout_s
     base = EngineConfig(
@@ -33,10 +33,11 @@ def start(args: argparse.Namespace):
     p_config = replace(base, fault_inject=faults_of(args.fault_inject, args.prefill_faults, 2 * args.seed + 1))
     d_config = replace(base, fault_inject=faults_of(args.fault_inject, args.decode_faults, 2 * args.seed + 2))
     with ThreadPoolExecutor(2) as pool:
-        p = pool.submit(start_prefill, p_config, PPConfig(pp_size=args.prefill_pp), metrics_port=0)
-        d = pool.submit(
-            start_decode, d_config, PPConfig(pp_size=args.decode_pp), backend=args.transfer_backend, metrics_port=0
+        p = pool.submit(start_node, "prefill", NodeConfig(p_config, PPConfig(pp_size=args.prefill_pp), metrics_port=0))
+        d_node = NodeConfig(
+            d_config, PPConfig(pp_size=args.decode_pp), transfer_backend=args.transfer_backend, metrics_port=0
         )
+        d = pool.submit(start_node, "decode", d_node)
         errors = [f.exception() for f in (p, d)]
         if any(errors):
             for f in (p, d):
