@@ -1,16 +1,17 @@
 """Prometheus metrics of every kvbridge process, named by the Prometheus conventions
 (prefix `kvbridge_`, base units, `_total` on counters, few and low-cardinality labels).
 
-Three places count:
-- a node's front process (`NodeMetrics`, one registry per node): requests by outcome,
-  aborts, retractions, latencies seen by the node; queue lengths, KV pages and rank
+Every series is defined here; in each process one recorder counts them (the only code that
+touches them), fed events by the code it serves:
+- a node's front process (`NodeMetrics`, one registry per node; serving/metrics.py NodeRecorder):
+  requests by outcome, aborts, latencies seen by the node; queue lengths, KV pages and rank
   liveness are read from the node when scraped (`StatusCollector`);
-- its rank processes (`rank_metrics()`): KV transfer bytes, durations and failures,
-  consensus rounds, decisions, prefill chunk sizes. Ranks are separate processes, so
-  they write prometheus-client's multiprocess files into the node's own directory
-  (`init_rank_metrics`), which the front's registry reads on every scrape;
-- the router (`RouterMetrics`): client-facing latencies (TTFT, inter-token, end to
-  end), requests by outcome, retries, per-node health and load.
+- its rank processes (`RankMetrics`; pipeline/metrics.py RankRecorder): KV transfer bytes,
+  durations and failures, consensus rounds, decisions, prefill chunk sizes, retractions. Ranks
+  are separate processes, so they write prometheus-client's multiprocess files into the node's
+  own directory (`init_rank_metrics`), which the front's registry reads on every scrape;
+- the router (`RouterMetrics`; router/metrics.py Recorder): client-facing latencies (TTFT,
+  inter-token, end to end), requests by outcome, retries, per-node health and load.
 
 `MetricsServer` serves a registry's text format at /metrics on its own port.
 """
@@ -184,32 +185,16 @@ class RouterMetrics:
 
 # ---------------------------------------------------------------------- rank processes
 
-_rank: RankMetrics | None = None
-_rank_lock = threading.Lock()
-
 
 def init_rank_metrics(directory: str) -> RankMetrics:
     """In a rank process, before any rank series is touched: write them to `directory`'s
     multiprocess files (the node front reads them). The mode is switched here rather than
     by the environment at import, so the order of imports in the rank does not matter."""
-    global _rank
     from prometheus_client import values
 
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = directory
     values.ValueClass = values.MultiProcessValue()
-    with _rank_lock:
-        _rank = RankMetrics(None)  # the default registry: in multiprocess mode it is never served here
-    return _rank
-
-
-def rank_metrics() -> RankMetrics:
-    """This rank's series; outside a rank process (unit tests of a loop), a private registry."""
-    global _rank
-    if _rank is None:
-        with _rank_lock:
-            if _rank is None:
-                _rank = RankMetrics(CollectorRegistry())
-    return _rank
+    return RankMetrics(None)  # the default registry: in multiprocess mode it is never served here
 
 
 class RankFiles:

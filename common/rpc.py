@@ -124,7 +124,7 @@ class KeyCheck:
     It wraps the servicer's methods when the server is built, not as a grpc.aio
     ServerInterceptor: an interceptor runs on every call of every service, and under a burst of
     2,000 streams it cost a third more time and ended ~1% of the calls CANCELLED (measured with
-    tests/test_load.py); unguarded services (Prefill, Bootstrap, KVReceiver, health) pay nothing."""
+    tests/e2e/test_load.py); unguarded services (Prefill, Bootstrap, KVReceiver, health) pay nothing."""
 
     def __init__(self, servicer, key: str):
         self._servicer, self._key = servicer, key

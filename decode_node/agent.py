@@ -16,7 +16,6 @@ import torch
 
 from common.limits import room_tag
 from common.logs import log_event
-from common.metrics import failure_reason, rank_metrics
 from consensus import LocalStatus, Stream
 from engine import faults
 from engine.faults import INJECTED
@@ -24,20 +23,20 @@ from kv_transfer import KVPoll, KVReceiverEndpoint, Source, StatusChange
 from pipeline.agent import KVAgent
 from pipeline.control import ControlChannel
 from pipeline.log import ABORT, ADMIT, FINISH, RESUME, RETRACT, LogEntry
+from pipeline.metrics import RankRecorder
 
 log = logging.getLogger("kvbridge.transfer")
 
 
 class DecodeAgent(KVAgent):
-    def __init__(self, rank: int, receiver: KVReceiverEndpoint | None, chan: ControlChannel):
+    def __init__(self, rank: int, receiver: KVReceiverEndpoint | None, chan: ControlChannel, recorder: RankRecorder):
         self.rank, self.receiver, self.chan = rank, receiver, chan
         self.rooms: dict[str, int] = {}  # rid -> room, while its pages may still be written
         self.offloaded: dict[str, torch.Tensor] = {}  # retracted rid -> its pages of this rank, in host memory
         self.expected: dict[str, float] = {}  # rid -> when this rank started expecting its pages
-        self.metrics = rank_metrics()
+        self.recorder = recorder
         self.faults = faults.current()
         self.doomed: set[str] = set()  # fault injection: rids whose transfer fails on this rank
-        self.label = str(rank)
 
     def on_decision(self, d: LogEntry) -> None:
         pd = (d.info or {}).get("room")
@@ -78,17 +77,17 @@ class DecodeAgent(KVAgent):
         if change.state == KVPoll.SUCCESS:
             if change.rid in self.doomed:  # the pages are here, but this rank says they are not
                 self._log_failure(change.rid, change.room, INJECTED)
-                self.metrics.transfer_failures.labels(self.label, "injected").inc()
+                self.recorder.transfer_failed(self.rank, "injected")
                 self.chan.set_local(Stream.DECODE_TRANSFERRED, change.rid, LocalStatus.FAILED)
                 return
             since = self.expected.get(change.rid)
             if since is not None:
-                self.metrics.transfer_duration.labels(self.label).observe(time.perf_counter() - since)
+                self.recorder.transfer_done(self.rank, time.perf_counter() - since)
             rid = change.rid
             self.faults.report_done(lambda: self.chan.set_local(Stream.DECODE_TRANSFERRED, rid, LocalStatus.READY))
         elif change.state == KVPoll.FAILED:
             self._log_failure(change.rid, change.room, change.reason)
-            self.metrics.transfer_failures.labels(self.label, failure_reason(change.reason)).inc()
+            self.recorder.transfer_failed(self.rank, change.reason)
             self.chan.set_local(Stream.DECODE_TRANSFERRED, change.rid, LocalStatus.FAILED)
 
     def _log_failure(self, rid: str, room: int, reason: str) -> None:

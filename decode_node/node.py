@@ -25,7 +25,7 @@ def decode_rank(ctx: RankContext) -> RankSetup:
     stage; every rank receives its layers' KV into its pool (KVReceiverEndpoint, DecodeAgent)."""
     pp, config, mc = ctx.pp, ctx.config, ctx.model.config
     chan = ctx.control_channel()
-    agent = DecodeAgent(ctx.rank, None, chan)
+    agent = DecodeAgent(ctx.rank, None, chan, ctx.recorder)
     lo, hi = ctx.stage.layer_range
     receiver = KVReceiverEndpoint(
         ReceiverConfig(
@@ -55,7 +55,7 @@ def decode_rank(ctx: RankContext) -> RankSetup:
         scheduler = ctx.make_scheduler(receiver.pool, evict="retract")  # a prompt it never had cannot be recomputed
         loop = Rank0Loop(
             ctx.stage, receiver.pool, scheduler, link, pp.pp_size, pp.pp_loop_size, ctx.inbox, ctx.outbox, agent,
-            role=DecodeRole(chan, receiver, reserve_tokens=RESERVE_TOKENS),
+            role=DecodeRole(chan, receiver, reserve_tokens=RESERVE_TOKENS), recorder=ctx.recorder,
         )  # fmt: skip
     else:
         loop = StageLoop(ctx.rank, pp.pp_size, ctx.stage, receiver.pool, link, agent)

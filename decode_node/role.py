@@ -117,7 +117,7 @@ class DecodeRole:
         self.loop.decide(RETRACT, req.rid, info={"pages": pages})
         self.loop.move(req, Phase.RETRACTED, pages=len(pages))
         self.retracted.admit(req)
-        self.loop.metrics.retractions.inc()
+        self.loop.recorder.retracted()
 
     def _resume(self) -> None:
         """Retracted requests get pages back before new ones are preallocated (they are older)."""

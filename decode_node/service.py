@@ -1,6 +1,6 @@
 """The decode node's gRPC front: Generation (the router's half of a disaggregated request),
 Admin, health and reflection on one port. It checks the prefill node's layout, picks the
-transfer engine, and registers each preallocated room with the prefill node."""
+transfer backend, and registers each preallocated room with the prefill node."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ Decode rank (one KVReceiverEndpoint per rank process; ReceiverConfig):
   expect(room, rid, page_ids, sources, backend)
       once the room's pages are preallocated, BEFORE registering with the prefill node:
       its destination pages here, the prefill ranks (wire.sources_of(prefill_layout)) and
-      the engine chosen by choose_backend. The room is WAITING_FOR_INPUT.
+      the backend chosen by choose_backend. The room is WAITING_FOR_INPUT.
   poll(room) / reason(room) / pop_changes() / on_change(StatusChange)
       any time: the room's KVPoll here. SUCCESS = every overlapping prefill rank's pages
       landed and its TransferDone arrived (on rank 0 with awaits_first_token: and the first
@@ -35,9 +35,9 @@ Decode rank (one KVReceiverEndpoint per rank process; ReceiverConfig):
   remove_stale_segments()
       a starting decode node: unlinks every kvbridge segment whose creating process is gone.
 
-Prefill rank (one Sender per engine per rank process; make_sender(name, pool, rank)):
+Prefill rank (one Sender per backend per rank process; make_sender(name, pool, rank)):
   choose_backend(prefill_layout, decode_layout, device)
-      decode rank 0, when it registers a room: "auto" -> an engine name for RegisterRequest.
+      decode rank 0, when it registers a room: "auto" -> a backend name for RegisterRequest.
   connect(room, decode_layout, page_ids, rid)
       when the room's registration is applied (consensus `bootstrapped` waits for every
       rank's WAITING_FOR_INPUT). Non-blocking, like everything below: a worker thread runs
@@ -58,8 +58,8 @@ Prefill rank (one Sender per engine per rank process; make_sender(name, pool, ra
 KVPoll (poll.py): BOOTSTRAPPING -> WAITING_FOR_INPUT -> TRANSFERRING -> SUCCESS, or FAILED
 from any non-terminal state; moving backwards or out of a terminal state raises.
 
-Engines (engines/): shm, cuda_ipc, torch, grpc; chosen once, by name, in factory.make_sender.
-Every engine's TransferDone and FirstToken notices go over gRPC to the decode rank's
+Backends (backends/): shm, cuda_ipc, torch, grpc; chosen once, by name, in factory.make_sender.
+Every backend's TransferDone and FirstToken notices go over gRPC to the decode rank's
 KVReceiver, which checks every page id, layer and byte count it is told about.
 """
 

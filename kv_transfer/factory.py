@@ -1,4 +1,4 @@
-"""Engines are chosen here, once, by name."""
+"""Backends are chosen here, once, by name."""
 
 from __future__ import annotations
 
@@ -15,13 +15,13 @@ from kv_transfer.layout import NodeLayout
 from kv_transfer.poll import StatusChange
 from kv_transfer.sender import Sender, SenderConfig
 
-ENGINES: dict[str, type[Sender]] = {
+SENDERS: dict[str, type[Sender]] = {
     "shm": ShmSender,  # same host, CPU pools: one copy into the decode rank's shared pool
     "cuda_ipc": CudaIpcSender,  # same host, GPU pools: device-to-device copies through IPC handles
     "torch": TorchSender,  # anywhere torch.distributed reaches: gloo (CPU) or NCCL (GPU) pairs
     "grpc": GrpcSender,  # anywhere: pages as bytes on a gRPC stream
 }
-BACKENDS = tuple(ENGINES)  # what a node lists in KVLayout.backends
+BACKENDS = tuple(SENDERS)  # what a node lists in KVLayout.backends
 CHOICES = ("auto", *BACKENDS)  # what --transfer-backend accepts
 CPU_BACKENDS = ("shm", "torch", "grpc")  # what a node whose pools are in host memory can drive
 
@@ -33,16 +33,16 @@ def make_sender(
     config: SenderConfig | None = None,
     on_change: Callable[[StatusChange], None] | None = None,
 ) -> Sender:
-    """The prefill rank's sender for one engine (resolve "auto" with choose_backend first)."""
-    if name not in ENGINES:
-        raise ValueError(f"transfer backend must be one of {list(ENGINES)}, got {name!r}")
-    return ENGINES[name](pool, rank, config, on_change)
+    """The prefill rank's sender for one backend (resolve "auto" with choose_backend first)."""
+    if name not in SENDERS:
+        raise ValueError(f"transfer backend must be one of {list(SENDERS)}, got {name!r}")
+    return SENDERS[name](pool, rank, config, on_change)
 
 
 def choose_backend(prefill: NodeLayout, decode: NodeLayout, device: str | torch.device = "cpu") -> str:
-    """The fastest engine both nodes drive and the pair can use: shm (same host, CPU pools),
+    """The fastest backend both nodes drive and the pair can use: shm (same host, CPU pools),
     cuda_ipc (same host, CUDA pools), torch, then grpc, the universal fallback."""
-    if not all(r.receiver_addr for r in decode.ranks):  # every engine's notices go there
+    if not all(r.receiver_addr for r in decode.ranks):  # every backend's notices go there
         raise ValueError("the decode layout has a rank without a receiver address")
     both = set(prefill.backends) & set(decode.backends)
     same_host = bool(prefill.host_id) and prefill.host_id == decode.host_id

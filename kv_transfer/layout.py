@@ -75,7 +75,7 @@ class RankInfo:
     receiver_addr: str = ""  # host:port of the rank's KVReceiver gRPC service (decode ranks)
     shm_name: str = ""  # the rank's pool segment in /dev/shm ("" when not shared)
     torch_addr: str = ""  # host:port of the rank's TCPStore for torch pairs ("" when none)
-    cuda_ipc_handle: bytes = b""  # the rank's pool as a CUDA IPC handle (engines/cuda_ipc.py); b"" when none
+    cuda_ipc_handle: bytes = b""  # the rank's pool as a CUDA IPC handle (backends/cuda_ipc.py); b"" when none
     torch_key: str = ""  # the secret prefix of every key of its TCPStore that a torch pair uses (hex)
 
     @property
@@ -92,7 +92,7 @@ class NodeLayout:
     num_pages: int  # pool size of each rank: page ids are [0, num_pages)
     ranks: tuple[RankInfo, ...]  # in rank order; their layer ranges tile [0, num_layers)
     model_fingerprint: str = ""  # digest of the weights; must match between P and D
-    backends: tuple[str, ...] = ()  # transfer engines the node can drive
+    backends: tuple[str, ...] = ()  # transfer backends the node can drive
     host_id: str = ""  # equal ids = same machine (shared memory and CUDA IPC possible)
 
     @property
@@ -117,7 +117,7 @@ def incompatibility(prefill: NodeLayout, decode: NodeLayout) -> str:
 
 
 def node_layout(config, model, ranks: tuple[RankInfo, ...], backends: tuple[str, ...]) -> NodeLayout:
-    """A node's layout from its EngineConfig and LoadedModel (engine/), its ranks and the engines it drives."""
+    """A node's layout from its EngineConfig and LoadedModel (engine/), its ranks and the backends it drives."""
     from engine.llm import resolve_device, resolve_dtype
 
     mc = model.config

@@ -1,7 +1,7 @@
-"""The decode rank's side: its KV pool, laid out so every engine can reach it, and its KVReceiver.
+"""The decode rank's side: its KV pool, laid out so every backend can reach it, and its KVReceiver.
 
-CPU pools live in a shared-memory segment (shm engine); CUDA pools export an IPC handle
-(cuda_ipc engine); the torch engine dials the rank's TCPStore; the grpc engine and every
+CPU pools live in a shared-memory segment (shm backend); CUDA pools export an IPC handle
+(cuda_ipc backend); the torch backend dials the rank's TCPStore; the grpc backend and every
 TransferDone / FirstToken notice go to its KVReceiver gRPC service.
 """
 
@@ -41,7 +41,7 @@ class ReceiverConfig:
     dtype: str = "float32"  # "float32" | "float16" | "bfloat16"
     device: str = "cpu"  # "cpu": the pool lives in /dev/shm; "cuda[:i]": on the GPU, exported by IPC handle
     host: str = "127.0.0.1"  # where the gRPC service and the torch store listen (port 0: any free port)
-    shared_memory: bool = True  # CPU only: put the pool in a /dev/shm segment (the shm engine needs it)
+    shared_memory: bool = True  # CPU only: put the pool in a /dev/shm segment (the shm backend needs it)
     torch_store: bool = True  # host a TCPStore so prefill ranks can open torch pairs
     awaits_first_token: bool = False  # rank 0: SUCCESS also needs the FirstToken notice
     max_chunk_bytes: int = 64 << 20  # largest torch message accepted (bounds the staging buffer)
@@ -118,7 +118,7 @@ class KVReceiverEndpoint:
         self, room: int, rid: str, page_ids: Sequence[int], sources: Sequence[Source], backend: str, secret: bytes
     ) -> None:
         """Before registering `room` with the prefill node: its destination pages here, the prefill
-        ranks (with their layer ranges; non-overlapping ones are ignored), the chosen engine and the
+        ranks (with their layer ranges; non-overlapping ones are ignored), the chosen backend and the
         room's write key (what the prefill node gets in the registration)."""
         self.rooms.expect(room, rid, page_ids, sources, backend, secret)
 
@@ -163,7 +163,7 @@ class KVReceiverEndpoint:
     def __exit__(self, *exc):
         self.close()
 
-    # ---- the grpc engine's data path ----
+    # ---- the grpc backend's data path ----
 
     def write_bytes(
         self, room: int, secret: bytes, src: int, lo: int, hi: int, page_ids: list[int], data: bytes

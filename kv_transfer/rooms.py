@@ -77,7 +77,7 @@ class SourceProgress:
 class Room:
     room: int  # pairing key
     rid: str  # request id, for messages
-    backend: str  # the engine the decode node chose
+    backend: str  # the backend the decode node chose
     page_ids: tuple[int, ...]  # destination pages, in prompt order
     position: dict[int, int]  # page id -> index in page_ids
     sources: dict[int, SourceProgress]  # prefill rank -> progress

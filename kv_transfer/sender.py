@@ -1,7 +1,7 @@
-"""The prefill rank's side: one Sender per (rank process, engine), with one worker thread.
+"""The prefill rank's side: one Sender per (rank process, backend), with one worker thread.
 
 The daemon's calls return at once; the worker runs them in order, so a room's pushes land
-before its TransferDone notices go out. Engines (kv_transfer/backends/) subclass Sender and
+before its TransferDone notices go out. Backends (kv_transfer/backends/) subclass Sender and
 fill in how to open a connection to one decode rank and how to write pages through it.
 """
 
@@ -34,7 +34,7 @@ MAX_STUBS = 64  # KVReceiver channels one sender keeps (decode ranks it writes t
 @dataclass(frozen=True)
 class SenderConfig:
     deadline_s: float = 30.0  # every gRPC call: notices, first tokens, page streams
-    grpc_chunk_bytes: int = 4 << 20  # page bytes per PageChunk message (grpc engine)
+    grpc_chunk_bytes: int = 4 << 20  # page bytes per PageChunk message (grpc backend)
     torch_chunk_bytes: int = 64 << 20  # page bytes per torch message; <= the receivers' max_chunk_bytes
     torch_timeout_s: float = 120.0  # a torch pair's send/recv timeout; idle pairs are pinged well within it
     peer_idle_s: float = 300.0  # connections that no room used for this long are closed
@@ -66,7 +66,7 @@ class SenderRoom:
 
 @dataclass
 class _Peer:
-    conn: object  # the engine's connection to one decode rank
+    conn: object  # the backend's connection to one decode rank
     rooms: set[int]  # rooms using it
     last_used: float  # time.monotonic() of the last write or ping
 
@@ -74,7 +74,7 @@ class _Peer:
 class Sender:
     """Pushes one prefill rank's pages to the decode ranks of each room. Call from one thread."""
 
-    name = "base"  # the engine's name in make_sender
+    name = "base"  # the backend's name in make_sender
 
     def __init__(
         self,
@@ -92,7 +92,7 @@ class Sender:
         self._rooms: dict[int, SenderRoom] = {}  # read by the worker, written by the caller under _lock
         self._lock = threading.Lock()
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._peers: dict[str, _Peer] = {}  # worker only: engine key -> connection
+        self._peers: dict[str, _Peer] = {}  # worker only: backend key -> connection
         self._stubs: dict[str, tuple[grpc.Channel, kv_transfer_pb2_grpc.KVReceiverStub]] = {}  # worker only
         self._last_maintain = time.monotonic()
         self._scratch_buf = torch.empty(0, dtype=torch.uint8, device=pool.buffer.device)  # worker only
@@ -182,7 +182,7 @@ class Sender:
     def __exit__(self, *exc):
         self.close()
 
-    # ---- engine hooks ----
+    # ---- backend hooks ----
 
     def _key(self, info: RankInfo) -> str:
         """Connections are shared by every room that goes to the same decode rank endpoint."""

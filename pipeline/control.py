@@ -29,10 +29,10 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from common.metrics import rank_metrics
 from consensus import LocalStatus, RankState, RingDriver, Ruling, Stream, make_role
 from engine import faults
 from pipeline.dist import Sends
+from pipeline.metrics import RankRecorder
 
 log = logging.getLogger("kvbridge.consensus")
 
@@ -132,6 +132,7 @@ class ControlChannel:
         collect: bool = True,
         keep_log: bool = False,
         on_failure: Callable[[BaseException], None] | None = None,
+        recorder: RankRecorder | None = None,
     ):
         self.state = RankState(rank, pp_size, keep_log=keep_log)  # the digest is kept either way
         self.on_decisions = on_decisions  # rank 0: wakes its loop (no arguments, any thread) when decisions wait
@@ -150,7 +151,7 @@ class ControlChannel:
         self._decided: list[Ruling] = []  # issued (rank 0) or applied (rank k), not yet taken
         self._stop = False
         self._closing = False  # ranks 1..P-1: the ring closed; the nudger sends NUDGE_CLOSE and ends
-        self._metrics = rank_metrics()
+        self.recorder = recorder or RankRecorder()
         self._started: dict[int, float] = {}  # rank 0: round id -> when it was sent round the ring
         self.error: BaseException | None = None
         self._local_changes = 0  # set_local and abort calls so far (fault injection counts them)
@@ -237,11 +238,10 @@ class ControlChannel:
         if result.started is not None:
             self._started[result.started] = now
         if result.finished is not None and result.finished in self._started:
-            self._metrics.rounds.inc()
-            self._metrics.round_duration.observe(now - self._started.pop(result.finished))
+            self.recorder.round_done(now - self._started.pop(result.finished))
         for d in result.decisions:
             stream = d.stream.name.lower() if d.stream is not None else "all"
-            self._metrics.verdicts.labels(stream, d.verdict.name.lower()).inc()
+            self.recorder.ruled(stream, d.verdict.name.lower())
 
     def _run(self) -> None:
         fail_after = faults.current().consensus_fail_after

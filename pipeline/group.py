@@ -42,6 +42,7 @@ from engine.scheduler import Scheduler
 from engine.weights import LoadedModel, load_model
 from pipeline import dist as pp_dist
 from pipeline.messages import Abort, Add, Finish, Shutdown, Token
+from pipeline.metrics import RankRecorder
 
 
 @dataclass(frozen=True)
@@ -267,6 +268,7 @@ class RankContext:
     inbox: object  # rank 0: requests from the front
     outbox: object  # rank 0: events to the front
     role_args: dict  # role-specific settings from the front
+    recorder: RankRecorder  # what this rank counts (pipeline/metrics.py)
 
     @property
     def max_context(self) -> int:
@@ -283,7 +285,9 @@ class RankContext:
         transport = GlooTransport(self.control_group, self.rank, pp.pp_size) if pp.pp_size > 1 else None
         wake = (lambda: self.inbox.put(Wake())) if lead else None
         fail = (lambda e: wake()) if lead else end_rank
-        return ControlChannel(self.rank, pp.pp_size, transport, on_decisions=wake, collect=lead, on_failure=fail)
+        return ControlChannel(
+            self.rank, pp.pp_size, transport, on_decisions=wake, collect=lead, on_failure=fail, recorder=self.recorder
+        )
 
     def make_scheduler(self, pool: KVPool, **options) -> Scheduler:
         """Rank 0's scheduler, with the dynamic chunk planner when asked for (profiles now).
@@ -317,9 +321,11 @@ def colocated_rank(ctx: RankContext) -> RankSetup:
     link = pp_dist.Link(ctx.data_group)
     if ctx.rank == 0:
         scheduler = ctx.make_scheduler(pool)
-        return RankSetup(
-            Rank0Loop(ctx.stage, pool, scheduler, link, ctx.pp.pp_size, ctx.pp.pp_loop_size, ctx.inbox, ctx.outbox)
+        pp = ctx.pp
+        loop = Rank0Loop(
+            ctx.stage, pool, scheduler, link, pp.pp_size, pp.pp_loop_size, ctx.inbox, ctx.outbox, recorder=ctx.recorder
         )
+        return RankSetup(loop)
     return RankSetup(StageLoop(ctx.rank, ctx.pp.pp_size, ctx.stage, pool, link))
 
 
@@ -348,7 +354,7 @@ def rank_main(
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     closers: list[Callable[[], None]] = []
     _exit_with_parent(rank, closers)
-    init_rank_metrics(metrics_dir)  # before any series is made
+    recorder = RankRecorder(init_rank_metrics(metrics_dir))  # before any series is made
     logs.setup()  # the front's level, inherited through the environment
     rpc.configure(Security(**security))  # the front's TLS: KV receivers and senders are servers and channels
     config, pp = EngineConfig(**config), PPConfig(**pp)
@@ -362,7 +368,7 @@ def rank_main(
         layers = stage_ranges(model.config.num_hidden_layers, pp.pp_size)[rank]
         stage = ModelStage(model.config, model.weights, layers, device, resolve_dtype(config.dtype, device))
         data_group, control_group = pp_dist.init(rank, pp.pp_size, addr, timeout_s, store_key)
-        ctx = RankContext(rank, config, pp, model, stage, data_group, control_group, inbox, outbox, role_args)
+        ctx = RankContext(rank, config, pp, model, stage, data_group, control_group, inbox, outbox, role_args, recorder)
         built: RankSetup = build(ctx)
     except Exception as e:
         reports.put({"rank": rank, "error": f"{type(e).__name__}: {e}"})

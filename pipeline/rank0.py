@@ -24,7 +24,6 @@ import torch
 
 from common.limits import room_tag
 from common.logs import log_event
-from common.metrics import rank_metrics
 from common.sampling import SamplingParams
 from engine import faults
 from engine.batch import AttentionMetadata
@@ -38,6 +37,7 @@ from pipeline.agent import KVAgent
 from pipeline.dist import Link
 from pipeline.log import ABORT, ADMIT, CONTROL, FINISH, SHUTDOWN, STEP, LogEntry, Message, PipelineLog
 from pipeline.messages import Abort, Add, Answer, Ask, Finish, Register, Shutdown, Token, Wake
+from pipeline.metrics import RankRecorder
 from pipeline.roles import ColocatedRole, Role
 
 log = logging.getLogger("kvbridge.node")
@@ -56,6 +56,7 @@ class Rank0Loop:
         outbox,
         agent: KVAgent | None = None,
         role: Role | None = None,
+        recorder: RankRecorder | None = None,
     ):
         self.stage, self.pool, self.scheduler, self.link = stage, pool, scheduler, link
         self.agent = agent or KVAgent()  # rank 0 holds layers too: it moves their KV like any rank
@@ -68,7 +69,7 @@ class Rank0Loop:
         self._unsent: list[LogEntry] = []  # made but not yet sent down the pipeline
         self.stopping = False
         self.served = 0  # requests retired (any outcome) since start
-        self.metrics = rank_metrics()
+        self.recorder = recorder or RankRecorder()
         self.faults = faults.current()
         self.role = role or ColocatedRole()
         self.role.bind(self)
@@ -112,7 +113,7 @@ class Rank0Loop:
         for req, q_len in zip(step.requests, step.batch.q_lens):
             self.announce(req)
             if req.num_computed <= len(req.prompt_ids):  # (num_computed already counts this step)
-                self.metrics.chunk_tokens.observe(q_len)
+                self.recorder.chunk(q_len)
                 self.move(req, Phase.PREFILLING)
             else:
                 self.move(req, Phase.DECODING)
@@ -231,7 +232,7 @@ class Rank0Loop:
         d = LogEntry(self.log.count, kind, rid, params, info)
         self.log.append(d)
         self._unsent.append(d)
-        self.metrics.decisions.labels(kind).inc()
+        self.recorder.decided(kind)
         self.agent.on_decision(d)
 
     def announce(self, req: Request) -> None:

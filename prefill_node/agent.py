@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 
 from common.limits import room_tag
 from common.logs import log_event
-from common.metrics import failure_reason, rank_metrics
 from consensus import LocalStatus, Stream
 from engine import faults
 from engine.batch import ForwardBatch
@@ -27,6 +26,7 @@ from kv_transfer.adapters import layout_from_dict
 from pipeline.agent import KVAgent
 from pipeline.control import ControlChannel
 from pipeline.log import ABORT, FINISH, ROUTE, LogEntry
+from pipeline.metrics import RankRecorder
 
 log = logging.getLogger("kvbridge.transfer")
 
@@ -37,7 +37,7 @@ class Route:
 
     rid: str
     room: int  # pairing key
-    backend: str  # the transfer engine the decode node chose
+    backend: str  # the transfer backend the decode node chose
     page_ids: list[int]  # destination pages, in token order (page i holds tokens [i*ps, (i+1)*ps))
     finishing: bool = False  # every push is queued: waiting for TransferDone acknowledgements
     routed_s: float = field(default_factory=time.perf_counter)  # when this rank learned the route
@@ -55,15 +55,14 @@ class Unrouted:
 
 
 class PrefillAgent(KVAgent):
-    def __init__(self, rank: int, is_last: bool, pool: KVPool, chan: ControlChannel):
+    def __init__(self, rank: int, is_last: bool, pool: KVPool, chan: ControlChannel, recorder: RankRecorder):
         self.rank, self.is_last, self.pool, self.chan = rank, is_last, pool, chan
         self.page_size = pool.page_size
         self.routes: dict[str, Route] = {}  # rid -> route, while the request transfers
         self.unrouted: dict[str, Unrouted] = {}  # rid -> what was computed before its route
         self.senders: dict[str, object] = {}  # backend name -> its Sender, made on first use
-        self.metrics = rank_metrics()
+        self.recorder = recorder
         self.faults = faults.current()
-        self.label = str(rank)
         # bytes of one page of this rank's layers
         self.page_bytes = pool.buffer[0].numel() * pool.buffer.element_size()
 
@@ -123,7 +122,7 @@ class PrefillAgent(KVAgent):
         except (ValueError, KeyError) as e:  # a registration that does not fit the prompt
             sender.abort(route.room, str(e))
             return False
-        self.metrics.transfer_bytes.labels(self.label).inc((last - first) * self.page_bytes)
+        self.recorder.pushed(self.rank, (last - first) * self.page_bytes)
         return True
 
     def on_sampled(self, batch: ForwardBatch, tokens: list[int]) -> None:
@@ -152,11 +151,11 @@ class PrefillAgent(KVAgent):
         if change.state == KVPoll.SUCCESS:
             route = self.routes.get(rid)
             if route is not None:
-                self.metrics.transfer_duration.labels(self.label).observe(time.perf_counter() - route.routed_s)
+                self.recorder.transfer_done(self.rank, time.perf_counter() - route.routed_s)
             self.faults.report_done(lambda: self.chan.set_local(Stream.PREFILL_TRANSFERRED, rid, LocalStatus.READY))
         elif change.state == KVPoll.FAILED:
             self._log_failure(rid, change.room, change.reason)
-            self.metrics.transfer_failures.labels(self.label, failure_reason(change.reason)).inc()
+            self.recorder.transfer_failed(self.rank, change.reason)
             self.chan.set_local(Stream.PREFILL_TRANSFERRED, rid, LocalStatus.FAILED)
 
     def close(self) -> None:

@@ -14,7 +14,7 @@ from prefill_node.role import PrefillRole
 from serving.config import NodeConfig
 from serving.front import NodeFront
 
-BACKENDS = CPU_BACKENDS  # the engines a prefill rank can drive here (cuda_ipc needs GPUs)
+BACKENDS = CPU_BACKENDS  # the backends a prefill rank can drive here (cuda_ipc needs GPUs)
 
 
 def prefill_rank(ctx: RankContext) -> RankSetup:
@@ -23,7 +23,7 @@ def prefill_rank(ctx: RankContext) -> RankSetup:
     pp = ctx.pp
     pool = ctx.stage.new_kv_pool(ctx.config.total_pages, ctx.config.page_size)
     chan = ctx.control_channel()
-    agent = PrefillAgent(ctx.rank, ctx.rank == pp.pp_size - 1, pool, chan)
+    agent = PrefillAgent(ctx.rank, ctx.rank == pp.pp_size - 1, pool, chan, ctx.recorder)
     link = pp_dist.Link(ctx.data_group)
 
     def close() -> None:
@@ -34,7 +34,7 @@ def prefill_rank(ctx: RankContext) -> RankSetup:
         scheduler = ctx.make_scheduler(pool, hold_finished=True)  # pages live until every rank's pushes landed
         loop = Rank0Loop(
             ctx.stage, pool, scheduler, link, pp.pp_size, pp.pp_loop_size, ctx.inbox, ctx.outbox, agent,
-            role=PrefillRole(chan),
+            role=PrefillRole(chan), recorder=ctx.recorder,
         )  # fmt: skip
     else:
         loop = StageLoop(ctx.rank, pp.pp_size, ctx.stage, pool, link, agent)

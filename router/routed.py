@@ -36,7 +36,7 @@ in kvbridge_router_timeouts_total{timeout}.
 Liveness: how soon the requests on a node that dies end (retried, or failed if a token was sent).
 - The node's process dies (crash, kill -9) on a host that stays up: the kernel closes its sockets,
   gRPC fails every call open on it with UNAVAILABLE at once, and its health watch fails (the pool
-  routes nothing new to it). Bound: under 1 s (tests/test_failover.py measures it).
+  routes nothing new to it). Bound: under 1 s (tests/nodes/test_failover.py measures it).
 - The host vanishes without closing anything: gRPC keepalive (common/rpc.py: a ping after 10 s
   without traffic, 5 s for its answer) may fail the calls, but gRPC spaces its pings out on a
   connection the router sends nothing on (a minute apart after the first two), so the bound is the

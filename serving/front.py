@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from common.limits import PROMPT_BYTES_PER_TOKEN, rid_problem
-from common.metrics import NodeMetrics, outcome_of
+from common.metrics import outcome_of
 from common.rpc import EventLoop, shown
 from common.sampling import SamplingParams
 from engine.detok import TextStream
@@ -32,6 +32,7 @@ from kvbridge.v1 import common_pb2
 from pipeline.group import RankGroup
 from pipeline.messages import Answer, Ask, Finish, Register, Token
 from serving import convert
+from serving.metrics import NodeRecorder
 
 MAX_BATCH = 4096  # events handed to the loop in one call, at most
 
@@ -61,7 +62,7 @@ class NodeFront:
         self._streams: dict[str, asyncio.Queue] = {}
         self._status: dict[int, asyncio.Future] = {}  # token -> waiter of a status / requests answer
         self._timing: dict[str, list] = {}  # rid -> [submitted, first token seen] (perf_counter)
-        self.metrics: NodeMetrics | None = None  # set by the server: counted on the loop
+        self.recorder = NodeRecorder()  # the server sets its own; counted on the loop
         self._tokens = itertools.count()
         self._closed = False
         # rank 0's role-specific messages, by type (e.g. a decode node's Preallocated): called on the
@@ -163,8 +164,7 @@ class NodeFront:
         live = rid in self._streams
         if live:
             self.ranks.abort(rid, reason)
-            if self.metrics is not None:
-                self.metrics.aborts.labels(source).inc()
+            self.recorder.aborted(source)
         return live
 
     async def astatus(self, timeout: float = 5.0) -> dict:
@@ -230,13 +230,8 @@ class NodeFront:
     def _count_finish(self, rid: str, outcome: str, prompt_tokens: int, output_tokens: int) -> None:
         self.ranks.forget(rid)
         timing = self._timing.pop(rid, None)
-        if self.metrics is None or timing is None:
-            return
-        m = self.metrics
-        m.requests.labels(outcome).inc()
-        m.prompt_tokens.inc(prompt_tokens)
-        m.generation_tokens.inc(output_tokens)
-        m.e2e.observe(time.perf_counter() - timing[0])
+        if timing is not None:
+            self.recorder.finished(outcome, prompt_tokens, output_tokens, time.perf_counter() - timing[0])
 
     def _dispatch(self) -> None:
         """The dispatcher thread: rank 0's events, in batches, to the loop."""
@@ -267,11 +262,10 @@ class NodeFront:
                     timing = self._timing.get(rid)
                     if timing is not None and timing[1] is None:
                         timing[1] = time.perf_counter()
-                        if self.metrics is not None:
-                            self.metrics.ttft.observe(timing[1] - timing[0])
+                        self.recorder.first_token(timing[1] - timing[0])
                 case Finish(rid):
-                    if ev.timeout and self.metrics is not None:
-                        self.metrics.timeouts.labels(ev.timeout).inc()
+                    if ev.timeout:
+                        self.recorder.timed_out(ev.timeout)
                     outcome = outcome_of(ev.finish_reason, ev.error)
                     self._count_finish(rid, outcome, ev.prompt_tokens, len(ev.output_ids))
                 case _:

@@ -29,14 +29,14 @@ from dataclasses import asdict
 
 import grpc
 from grpc_health.v1 import health_pb2
-from prometheus_client import CollectorRegistry
 
 from common import __version__, rpc
 from common.limits import listed_room
 from common.logs import log_event
-from common.metrics import MetricsServer, NodeMetrics, StatusCollector
+from common.metrics import MetricsServer, StatusCollector
 from kv_transfer import remove_segments_of
 from kvbridge.v1 import admin_pb2, admin_pb2_grpc
+from serving.metrics import NodeRecorder
 
 WATCH_S = 0.25  # how often rank liveness is checked
 CHECK_IDLE_S = 5.0  # how often an idle node checks its invariants
@@ -62,8 +62,8 @@ class NodeServer:
         # non-zero then, so that a supervisor restarts the node; in-process users read .dead
         self.on_death: Callable[[], None] | None = None
         self.started = time.monotonic()
-        self.registry = CollectorRegistry()
-        self.metrics = NodeMetrics(self.registry)
+        self.recorder = NodeRecorder()  # the front and this server count here
+        self.registry = self.recorder.registry
         self._stopped = threading.Event()
         self._serving: bool | None = None
         self.server = rpc.AioServer(host, port, self.servicers(), self.SERVICES, serving=False, name="kvbridge-node")
@@ -90,7 +90,7 @@ class NodeServer:
         except BaseException:
             self._close_servers(0)
             raise
-        node.front.metrics = self.metrics
+        node.front.recorder = self.recorder
         node.front.attach(self.loop)
         self.registry.register(StatusCollector(self.status))
         node.ranks.rank_files.collector(self.registry)
@@ -214,7 +214,7 @@ class NodeServer:
             log_event(log, "invariant_violation", logging.ERROR, role=self.role, problem=problem)
         self.violations += len(problems)
         if problems:
-            self.metrics.invariant_violations.inc(len(problems))
+            self.recorder.violations(len(problems))
         return problems
 
     def status(self) -> dict:

@@ -1,8 +1,14 @@
-"""Shared factories: small engines on tiny-random, and the default model loaded once."""
+"""Shared factories: small engines on tiny-random, and the default model loaded once; a colocated
+tiny-random node; the hard timeouts that turn a hang into a failure; the node checks after every
+test."""
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
+import os
 import random
+import threading
 import time
 
 import pytest
@@ -30,6 +36,68 @@ def make_llm(model, num_stages: int = 1, **overrides) -> LLM:
 def make_prompts(n: int, vocab: int, seed: int = 0, min_len: int = 3, max_len: int = 90) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab) for _ in range(rng.randint(min_len, max_len))] for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def colocated_node():
+    """A colocated node (pp 1) on tests/pd.py's TINY config, started once per module."""
+    from engine.config import PPConfig
+    from kvbridge.nodes import start_node
+    from serving.config import NodeConfig
+    from tests.pd import TINY
+
+    made = start_node("colocated", NodeConfig(TINY, PPConfig()))
+    yield made
+    made.stop()
+
+
+@contextlib.contextmanager
+def hard_deadline(seconds: float, before_exit=None):
+    """A hang must fail the run, not stall it: past `seconds`, dump every thread's stack and exit.
+
+    faulthandler's watchdog does it (it runs even while a thread holds the GIL); with `before_exit`
+    a timer thread calls it first (e.g. to kill the child processes a test started), then dumps and
+    exits (status 3)."""
+    if before_exit is None:
+        faulthandler.dump_traceback_later(seconds, exit=True)
+        try:
+            yield
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+        return
+
+    def expire() -> None:
+        before_exit()
+        faulthandler.dump_traceback(all_threads=True)
+        os._exit(3)
+
+    timer = threading.Timer(seconds, expire)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
+def _deadline_of(module):
+    """A test module's hard deadline: its HARD_TIMEOUT_S (600 s unless set) and its before_hard_exit()."""
+    return getattr(module, "HARD_TIMEOUT_S", 600), getattr(module, "before_hard_exit", None)
+
+
+@pytest.fixture(scope="module")
+def hard_timeout(request):
+    """Fail (not hang) the module: from the first test that asks for it (or a module fixture that
+    does) to the end of the module, past the module's HARD_TIMEOUT_S (see hard_deadline)."""
+    with hard_deadline(*_deadline_of(request.module)):
+        yield
+
+
+@pytest.fixture
+def hard_timeout_per_test(request):
+    """The same bound on each test that asks for it, alone (HARD_TIMEOUT_S of its module)."""
+    with hard_deadline(*_deadline_of(request.module)):
+        yield
 
 
 @pytest.fixture(autouse=True)

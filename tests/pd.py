@@ -77,8 +77,12 @@ def pd_generate(
     return [t for r in responses for t in r.token_ids], responses, prefill.result()
 
 
+def admin(addr: str) -> admin_pb2_grpc.AdminStub:
+    return admin_pb2_grpc.AdminStub(rpc.make_channel(addr))
+
+
 def status(addr: str) -> admin_pb2.Status:
-    return admin_pb2_grpc.AdminStub(rpc.make_channel(addr)).GetStatus(admin_pb2.GetStatusRequest(), timeout=10)
+    return admin(addr).GetStatus(admin_pb2.GetStatusRequest(), timeout=10)
 
 
 def wait_idle(addr: str, timeout: float = 30) -> admin_pb2.Status:
@@ -94,10 +98,10 @@ def wait_idle(addr: str, timeout: float = 30) -> admin_pb2.Status:
 
 
 def wait_phase(addr: str, rid: str, phase: str, timeout: float = 60) -> admin_pb2.RequestInfo:
-    admin = admin_pb2_grpc.AdminStub(rpc.make_channel(addr))
+    stub = admin(addr)
     deadline = time.monotonic() + timeout
     while True:
-        found = [r for r in admin.ListRequests(admin_pb2.ListRequestsRequest(), timeout=10).requests if r.rid == rid]
+        found = [r for r in stub.ListRequests(admin_pb2.ListRequestsRequest(), timeout=10).requests if r.rid == rid]
         if found and found[0].phase == phase:
             return found[0]
         assert time.monotonic() < deadline, f"{rid} never reached phase {phase} on {addr}: {found}"

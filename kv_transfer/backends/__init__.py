@@ -1,1 +1,1 @@
-"""Transfer engines: each module holds both halves of one engine (prefill sender, decode side)."""
+"""Transfer backends: each module holds both halves of one backend (prefill sender, decode side)."""

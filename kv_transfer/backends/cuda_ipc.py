@@ -79,11 +79,11 @@ class CudaIpcSender(Sender):
 
     def _open(self, info: RankInfo, decode: NodeLayout) -> _IpcConn:
         if not torch.cuda.is_available():
-            raise RuntimeError("the cuda_ipc engine needs CUDA")
+            raise RuntimeError("the cuda_ipc backend needs CUDA")
         if not info.cuda_ipc_handle:
             raise ValueError(f"decode rank {info.rank} exports no CUDA IPC handle")
         if self.pool.buffer.device.type != "cuda":
-            raise ValueError("the cuda_ipc engine moves CUDA pools; use shm for CPU pools")
+            raise ValueError("the cuda_ipc backend moves CUDA pools; use shm for CPU pools")
         return _IpcConn(info, decode)
 
     def _write(self, conn: _IpcConn, r: SenderRoom, target: Target, src: Sequence[int], dst: Sequence[int]) -> int:

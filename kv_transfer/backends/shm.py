@@ -124,7 +124,7 @@ class ShmSender(Sender):
         if not info.shm_name:
             raise ValueError(f"decode rank {info.rank} shares no pool segment")
         if self.pool.buffer.device.type != "cpu":
-            raise ValueError("the shm engine moves CPU pools; use cuda_ipc for GPU pools")
+            raise ValueError("the shm backend moves CPU pools; use cuda_ipc for GPU pools")
         return _ShmConn(info, decode)
 
     def _write(self, conn: _ShmConn, r: SenderRoom, target: Target, src: Sequence[int], dst: Sequence[int]) -> int:

@@ -1,0 +1,141 @@
+"""The shape of the code, checked by walking its syntax trees (no import runs).
+
+Layers, lowest first. A module may import from its own package, from the layers below its own,
+and from nothing above; two packages of one layer do not import each other (the model runtime and
+consensus know nothing of one another, nor do the two roles). Every `import` counts, at any depth
+(a deferred import inside a function is still a dependency).
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+from collections import defaultdict
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+LAYERS: list[tuple[str, ...]] = [
+    ("kvbridge.v1",),  # generated stubs of proto/kvbridge/v1
+    ("common",),  # rpc, logs, security, limits, metrics plumbing, net, progress
+    ("engine", "consensus"),  # the model runtime; ring agreement (pure)
+    ("kv_transfer",),  # moving KV pages between the runtime's pools
+    ("pipeline",),  # the PP runtime: rank processes, rank 0's loop, stage loops, control channel
+    ("serving",),  # a node's gRPC server, Admin, its front, wire adapters, the colocated node
+    ("prefill_node", "decode_node"),  # the roles
+    ("router",),  # the front door (speaks to nodes over gRPC only)
+    ("kvbridge.nodes",),  # ROLES and start_node: the one way to build a node
+    ("kvbridge.bench",),  # benchmarks (start fleets in-process or as child processes)
+    ("kvbridge",),  # the commands: cli, demo, admin
+]
+MAX_LINES = 500
+
+
+def package_of(module: str) -> str:
+    """The longest layer entry `module` belongs to ("kvbridge.v1.admin_pb2" -> "kvbridge.v1")."""
+    best = ""
+    for layer in LAYERS:
+        for pkg in layer:
+            if (module == pkg or module.startswith(pkg + ".")) and len(pkg) > len(best):
+                best = pkg
+    return best
+
+
+LEVEL = {pkg: i for i, layer in enumerate(LAYERS) for pkg in layer}
+
+
+def product_files() -> dict[str, pathlib.Path]:
+    """module name -> file, for every module of the installed packages."""
+    out = {}
+    for top in {pkg.split(".")[0] for layer in LAYERS for pkg in layer}:
+        for path in (ROOT / top).rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def imports_of(path: pathlib.Path, module: str) -> set[str]:
+    names = set()
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: resolve against this module's package
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*up, base] if base else up)
+            names.add(base)
+            names |= {f"{base}.{a.name}" for a in node.names}  # `from pkg import module`
+    return {n for n in names if package_of(n)}
+
+
+def test_the_layers_import_downward_only():
+    files = product_files()
+    assert len(files) > 100 and {package_of(m) for m in files} == set(LEVEL), "a package is outside the layers"
+    wrong = []
+    for module, path in sorted(files.items()):
+        src = package_of(module)
+        for target in sorted(imports_of(path, module)):
+            dst = package_of(target)
+            if dst == src:
+                continue
+            if LEVEL[dst] > LEVEL[src]:
+                wrong.append(f"{module} imports {target}: {dst} is a layer above {src}")
+            elif LEVEL[dst] == LEVEL[src]:
+                wrong.append(f"{module} imports {target}: {src} and {dst} share a layer")
+    assert wrong == []
+
+
+def test_the_layer_check_sees_a_wrong_import(tmp_path):
+    """The walk above finds deferred and relative imports (a check that finds nothing proves nothing)."""
+    bad = tmp_path / "loop.py"
+    bad.write_text("def f():\n    from serving.front import NodeFront\n    from . import agent\n")
+    found = imports_of(bad, "pipeline.loop")
+    assert found == {"serving.front", "serving.front.NodeFront", "pipeline", "pipeline.agent"}
+
+
+def test_no_product_file_is_over_500_lines():
+    long = {
+        str(p.relative_to(ROOT)): n
+        for m, p in product_files().items()
+        if package_of(m) != "kvbridge.v1" and (n := len(p.read_text().splitlines())) > MAX_LINES
+    }
+    assert long == {}
+
+
+def test_no_class_name_is_defined_twice():
+    where = defaultdict(list)
+    for m, path in product_files().items():
+        if package_of(m) == "kvbridge.v1":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                where[node.name].append(m)
+    assert {name: ms for name, ms in where.items() if len(ms) > 1} == {}
+
+
+def test_no_module_is_loaded_by_a_string_name():
+    found = []
+    for m, path in product_files().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                fn = node.func
+                name = fn.attr if isinstance(fn, ast.Attribute) else fn.id if isinstance(fn, ast.Name) else ""
+                if name in ("import_module", "__import__", "spec_from_file_location", "load_module"):
+                    found.append(f"{m}:{node.lineno} {name}")
+    assert found == []
+
+
+def test_every_imported_top_level_module_exists():
+    """A rename that leaves `from backend import faults` behind is caught here, not when a rank
+    process first imports the module."""
+    import importlib.util
+
+    missing = set()
+    for module, path in product_files().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            missing |= {f"{module}: {n}" for n in names if importlib.util.find_spec(n.split(".")[0]) is None}
+    assert missing == set()
