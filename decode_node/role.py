@@ -12,18 +12,17 @@ abort ends the request on every rank and frees its pages.
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 
 from consensus import Stream as S
 from consensus import Verdict
 from decode_node.queues import PreallocQueue, Quarantine, RetractedQueue, TransferQueue
 from engine.request import Handoff, Phase, Request
 from pipeline.control import ControlChannel
-from pipeline.log import ABORT, ADMIT, FINISH, RESUME, RETRACT
+from pipeline.log import ABORT, FINISH, RESUME, RETRACT
 from pipeline.messages import Add, Fail, PeerDown, Preallocated, Token
 from pipeline.rank0 import Rank0Loop
+from pipeline.roles import Deadlines, live_rulings
 
-TIMEOUT_CHECK_S = 0.1  # how often timeouts are looked for
 QUARANTINE_S = 2.0  # pages of a hand-off that failed rest this long before reuse (late writes land harmlessly)
 AWAITING_KV = (Phase.PREALLOC, Phase.TRANSFERRING)  # phases that still need the prefill node
 
@@ -39,7 +38,7 @@ class DecodeRole:
         self.transfer = TransferQueue()
         self.retracted = RetractedQueue()
         self.quarantine = Quarantine()
-        self._next_check = 0.0
+        self.deadlines = Deadlines()
 
     def bind(self, loop: Rank0Loop) -> None:
         self.loop = loop
@@ -78,10 +77,7 @@ class DecodeRole:
         return self.chan.has_changes
 
     def tick(self, now: float) -> None:
-        for ruling in self.chan.take_decisions():
-            req = self.loop.requests.get(ruling.rid)
-            if req is None:
-                continue
+        for req, ruling in live_rulings(self.chan, self.loop):
             if ruling.verdict in (Verdict.FAILED, Verdict.ABORTED):
                 self.fail(req, "the KV transfer failed on a decode rank", "UNAVAILABLE")
             elif ruling.stream == S.DECODE_PREALLOCATED:
@@ -97,9 +93,8 @@ class DecodeRole:
             self.loop.scheduler.release(req)
         self._resume()
         self._preallocate()
-        if now >= self._next_check:
-            self._next_check = now + TIMEOUT_CHECK_S
-            for req in [r for r in self.loop.requests.values() if r.handoff.deadline <= now]:
+        if self.deadlines.time_to_look(now):
+            for req in self.deadlines.overdue(self.loop, now):
                 self._time_out(req)
 
     def _time_out(self, req: Request) -> None:
@@ -142,7 +137,6 @@ class DecodeRole:
             req.page_table.pages = alloc.allocate(req.rid, need)
             h = req.handoff
             h.expires(time.perf_counter(), self.config.transfer_timeout_s, "transfer")
-            req.announced = True
             info = {
                 "room": h.room,
                 "page_ids": list(req.page_table.pages),
@@ -151,13 +145,13 @@ class DecodeRole:
                 "secret": h.secret,
                 "first_sample_index": 1,  # the prefill node sampled token 0
             }
-            self.loop.decide(ADMIT, req.rid, replace(req.params, seed=req.seed), info)
+            self.loop.announce(req, info)
             self.loop.move(req, Phase.TRANSFERRING)
             self.transfer.admit(req)
 
     def _join(self, req: Request) -> None:
         """The request's KV is here on every rank: it starts decoding after its first token."""
-        req.handoff.expires(0.0, float("inf"), "")
+        req.handoff.no_deadline()
         token, _ = self.receiver.first_token(req.handoff.room)
         vocab = self.loop.stage.config.vocab_size
         if not 0 <= token < vocab:  # from the network: a broken peer must not crash the model

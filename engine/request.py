@@ -48,6 +48,9 @@ class Handoff:
     def expires(self, now: float, after_s: float, timeout: str) -> None:
         self.deadline, self.timeout = now + after_s, timeout
 
+    def no_deadline(self) -> None:
+        self.deadline, self.timeout = float("inf"), ""
+
 
 @dataclass
 class Request:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from google.protobuf import json_format
 
+from common.rpc import shown
 from kv_transfer.layout import DTYPES, NodeLayout, PageGeometry, RankInfo
 from kv_transfer.rooms import Source
 from kvbridge.v1 import prefill_pb2
@@ -71,14 +72,14 @@ def layout_from_proto(msg: prefill_pb2.KVLayout) -> NodeLayout:
     if not msg.num_kv_heads or not msg.head_dim:
         raise ValueError(f"layout num_kv_heads {msg.num_kv_heads} and head_dim {msg.head_dim} must be > 0")
     if msg.dtype not in DTYPES:
-        raise ValueError(f"layout dtype must be one of {', '.join(DTYPES)}, got {_show(msg.dtype)}")
+        raise ValueError(f"layout dtype must be one of {', '.join(DTYPES)}, got {shown(msg.dtype)}")
     for r in msg.ranks:
         shm = r.shm_name
         if shm.startswith(CUDA_IPC_PREFIX):
             try:
                 bytes.fromhex(shm[len(CUDA_IPC_PREFIX) :])
             except ValueError:
-                raise ValueError(f"layout rank {r.rank}: shm_name {_show(shm)} holds no hex CUDA IPC handle") from None
+                raise ValueError(f"layout rank {r.rank}: shm_name {shown(shm)} holds no hex CUDA IPC handle") from None
     return NodeLayout(
         geometry=PageGeometry(msg.page_size, msg.num_kv_heads, msg.head_dim, msg.dtype),
         num_layers=msg.num_layers,
@@ -110,12 +111,6 @@ def rank_to_dict(info: RankInfo) -> dict:
 
 def rank_from_dict(d: dict) -> RankInfo:
     return rank_from_proto(json_format.ParseDict(d, prefill_pb2.RankEndpoint()))
-
-
-def _show(value: str, limit: int = 80) -> str:
-    """A peer's string for an error message: quoted and cut short."""
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def sources_of(prefill: NodeLayout) -> list[Source]:

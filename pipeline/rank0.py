@@ -235,11 +235,12 @@ class Rank0Loop:
         self.recorder.decided(kind)
         self.agent.on_decision(d)
 
-    def announce(self, req: Request) -> None:
-        """Every rank learns the request (its ADMIT, with the seed it samples with), once."""
+    def announce(self, req: Request, info: dict | None = None) -> None:
+        """Every rank learns the request (its ADMIT, with the seed it samples with and the role's
+        `info`), once."""
         if not req.announced:
             req.announced = True
-            self.decide(ADMIT, req.rid, replace(req.params, seed=req.seed))
+            self.decide(ADMIT, req.rid, replace(req.params, seed=req.seed), info)
 
     def end(self, req: Request, error: str, code: str, reason: str = "error", release: bool = True, **event) -> None:
         """What every role's fail() ends with: out of the scheduler, its pages freed (unless the role

@@ -100,6 +100,31 @@ class ColocatedRole:
         return []
 
 
+def live_rulings(chan, loop: Rank0Loop):
+    """(request, ruling) for each consensus ruling taken now whose request is still live here."""
+    for ruling in chan.take_decisions():
+        req = loop.requests.get(ruling.rid)
+        if req is not None:
+            yield req, ruling
+
+
+class Deadlines:
+    """Finds a role's requests past their hand-off deadline, looking at most every `every_s`."""
+
+    def __init__(self, every_s: float = 0.1):
+        self.every_s, self._next = every_s, 0.0
+
+    def time_to_look(self, now: float) -> bool:
+        if now < self._next:
+            return False
+        self._next = now + self.every_s
+        return True
+
+    @staticmethod
+    def overdue(loop: Rank0Loop, now: float) -> list[Request]:
+        return [r for r in loop.requests.values() if r.handoff.deadline <= now]
+
+
 class PhaseQueue:
     """The requests of a role that wait in one phase (`phases`: the ones a member may be in), in
     arrival order. A role's queues share this protocol: admit, remove (its fail), rids, len, and
@@ -128,7 +153,7 @@ class PhaseQueue:
         return len(self._members)
 
     def __iter__(self):
-        return iter(list(self._members.values()))
+        return iter(self._members.values())  # (callers that remove members while iterating copy first)
 
     def first(self) -> Request | None:
         return next(iter(self._members.values()), None)

@@ -21,9 +21,8 @@ from pipeline.control import ControlChannel
 from pipeline.log import ABORT, FINISH, ROUTE
 from pipeline.messages import Add, Answer, Register
 from pipeline.rank0 import Rank0Loop
+from pipeline.roles import Deadlines, live_rulings
 from prefill_node.queues import BootstrapQueue, InflightQueue, Registrations
-
-TIMEOUT_CHECK_S = 0.1  # how often timeouts are looked for
 
 
 class PrefillRole:
@@ -34,7 +33,7 @@ class PrefillRole:
         self.bootstrap = BootstrapQueue()
         self.inflight = InflightQueue()
         self.rooms: dict[int, str] = {}  # room -> rid of every live request (one request per room)
-        self._next_check = 0.0
+        self.deadlines = Deadlines()
 
     def bind(self, loop: Rank0Loop) -> None:
         self.loop = loop
@@ -83,7 +82,7 @@ class PrefillRole:
         """Every rank learns where the KV goes (a ROUTE entry), connects and pushes what it has."""
         h = req.handoff
         h.peer, h.routed = registration.get("decode_addr", ""), True
-        h.expires(0.0, float("inf"), "")  # no bootstrap deadline any more; the transfer's starts at the first token
+        h.no_deadline()  # no bootstrap deadline any more; the transfer's starts at the first token
         self.loop.announce(req)  # (registered before its first chunk ran)
         self.loop.decide(ROUTE, req.rid, info=registration)
         if self.bootstrap.remove(req):  # prefilled already: its pushes start now
@@ -95,22 +94,17 @@ class PrefillRole:
         return self.chan.has_changes
 
     def tick(self, now: float) -> None:
-        for ruling in self.chan.take_decisions():
-            req = self.loop.requests.get(ruling.rid)
-            if req is None:
-                continue
+        for req, ruling in live_rulings(self.chan, self.loop):
             if ruling.verdict in (Verdict.FAILED, Verdict.ABORTED):
                 self.fail(req, "the KV transfer failed on a prefill rank", "UNAVAILABLE")
             elif self.inflight.on_verdict(req, ruling):
                 self._transferred(req)
             elif ruling.verdict == Verdict.READY and ruling.stream == S.PREFILL_TRANSFERRED:
-                req.handoff.transferred = (
-                    True  # before rank 0 post-processed its first token: its pushes were that fast
-                )
-        if now >= self._next_check:
-            self._next_check = now + TIMEOUT_CHECK_S
+                # before rank 0 post-processed its first token: its pushes were that fast
+                req.handoff.transferred = True
+        if self.deadlines.time_to_look(now):
             self.registrations.expire(now)  # registrations whose Prefill call never came
-            for req in [r for r in self.loop.requests.values() if r.handoff.deadline <= now]:
+            for req in self.deadlines.overdue(self.loop, now):
                 self._time_out(req)
 
     def _time_out(self, req: Request) -> None:

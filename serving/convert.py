@@ -6,14 +6,9 @@ INVALID_ARGUMENT.
 
 from __future__ import annotations
 
+from common.rpc import shown
 from engine.tokenizer import Tokenizer
 from kvbridge.v1 import common_pb2
-
-
-def _show(value: str, limit: int = 80) -> str:
-    """A client's string for an error message: quoted and cut short (gRPC caps status messages)."""
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def prompt_ids(prompt: common_pb2.Prompt, tokenizer: Tokenizer | None) -> list[int]:
@@ -30,7 +25,7 @@ def prompt_ids(prompt: common_pb2.Prompt, tokenizer: Tokenizer | None) -> list[i
     messages = [{"role": m.role, "content": m.content} for m in prompt.chat.messages]
     bad = [m["role"] for m in messages if m["role"] not in ("system", "user", "assistant")]
     if bad:
-        raise ValueError(f"chat message role must be system, user or assistant, got {_show(bad[0])}")
+        raise ValueError(f"chat message role must be system, user or assistant, got {shown(bad[0])}")
     if not messages:
         raise ValueError("prompt.chat has no messages")
     return tokenizer.encode(tokenizer.apply_chat_template(messages))
