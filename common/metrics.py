@@ -146,6 +146,20 @@ class RankMetrics:
         self.chunk_tokens = Histogram(
             "kvbridge_prefill_chunk_tokens", "Prompt tokens computed per prefill chunk", buckets=CHUNK_BUCKETS, **kw
         )
+        self.cache_hit_tokens = Counter(
+            "kvbridge_prefix_cache_hit_tokens", "Prompt tokens found in the node's prefix cache (not computed)", **kw
+        )
+        self.cache_query_tokens = Counter(
+            "kvbridge_prefix_cache_query_tokens", "Prompt tokens looked up in the node's prefix cache", **kw
+        )
+        self.cache_evictions = Counter(
+            "kvbridge_prefix_cache_evicted_pages", "Cached pages evicted to make room (LRU, unused ones only)", **kw
+        )
+        self.pages_skipped = Counter(
+            "kvbridge_kv_transfer_pages_skipped",
+            "Decode node: prompt pages not moved because its prefix cache held them",
+            **kw,
+        )
 
 
 class RouterMetrics:
@@ -179,6 +193,18 @@ class RouterMetrics:
             "kvbridge_request_duration_seconds",
             "From the router receiving a request to its last response",
             buckets=E2E_BUCKETS,
+            registry=r,
+        )
+        self.routing = Counter(
+            "kvbridge_router_routing_decisions",
+            "Nodes chosen for requests, by role, routing policy and why that node",
+            ["role", "policy", "reason"],
+            registry=r,
+        )
+        self.kv_resyncs = Counter(
+            "kvbridge_router_kv_event_resyncs",
+            "KV event streams re-opened for a fresh snapshot, by why",
+            ["reason"],
             registry=r,
         )
 
@@ -243,7 +269,16 @@ class StatusCollector(Collector):
         inflight.add_metric([], st["requests_in_flight"])
         draining = GaugeMetricFamily("kvbridge_draining", "1 while the node is draining (admits nothing new)")
         draining.add_metric([], 1 if st["draining"] else 0)
-        return [queue, used, total, up, transfers, inflight, draining]
+        families = [queue, used, total, up, transfers, inflight, draining]
+        cache = st.get("prefix_cache")
+        if cache and cache["enabled"]:
+            pages = GaugeMetricFamily(
+                "kvbridge_prefix_cache_pages", "Pages indexed by the prefix cache, by state", labels=["state"]
+            )
+            pages.add_metric(["in_use"], cache["cached_pages"] - cache["idle_pages"])
+            pages.add_metric(["idle"], cache["idle_pages"])
+            families.append(pages)
+        return families
 
 
 # ---------------------------------------------------------------------- /metrics

@@ -47,7 +47,8 @@ class DecodeAgent(KVAgent):
             sources = [Source(*s) for s in info["sources"]]
             try:
                 secret = bytes.fromhex(info["secret"])
-                self.receiver.expect(room, d.rid, info["page_ids"], sources, info["backend"], secret)
+                held = int(info.get("held_pages", 0))
+                self.receiver.expect(room, d.rid, info["page_ids"], sources, info["backend"], secret, held)
                 self.rooms[d.rid] = room  # (only once it is ours: a room in use stays its owner's)
             except ValueError as e:
                 self._log_failure(d.rid, room, str(e))

@@ -3,9 +3,10 @@ scheduler (decode_node/queues.py).
 
 A request's prompt is never recomputed here: its pages are preallocated, every rank expects the
 room, the prefill node writes the KV straight into them, and the request joins decoding with the
-first token the prefill node sampled. Out of pages, the scheduler retracts instead of recomputing:
-the newest running request's KV goes to host memory on every rank and comes back when pages free
-up. A failure on any rank (consensus FAILED), a failed registration, a prefill node gone, or an
+first token the prefill node sampled. The prompt's first pages may be found in this node's prefix
+cache: those are shared, not preallocated, and the prefill node moves only the pages after them.
+Out of pages, the scheduler retracts instead of recomputing: the newest running request's KV goes
+to host memory on every rank and comes back when pages free up. A failure on any rank (consensus FAILED), a failed registration, a prefill node gone, or an
 abort ends the request on every rank and frees its pages.
 """
 
@@ -83,7 +84,8 @@ class DecodeRole:
             elif ruling.stream == S.DECODE_PREALLOCATED:
                 # every rank expects the room: the front may now register it with the prefill node
                 req.handoff.preallocated_s = time.perf_counter()
-                self.loop.outbox.put(Preallocated(req.rid, tuple(req.page_table.pages)))
+                h = req.handoff
+                self.loop.outbox.put(Preallocated(req.rid, tuple(req.page_table.pages[h.held_pages :]), h.held_pages))
             elif self.transfer.on_verdict(req, ruling):
                 self._join(req)
             elif self.retracted.on_verdict(req, ruling):  # every rank has its KV back
@@ -126,20 +128,30 @@ class DecodeRole:
             self.loop.decide(RESUME, req.rid, info={"pages": list(req.page_table.pages)})
 
     def _preallocate(self) -> None:
-        alloc, ps = self.loop.scheduler.allocator, self.loop.pool.page_size
+        scheduler, ps = self.loop.scheduler, self.loop.pool.page_size
+        alloc = scheduler.allocator
         while (req := self.prealloc.first()) is not None:
-            need = req.page_table.num_pages_needed(len(req.prompt_ids))
+            held = scheduler.cached_prefix(req, full_hit=True)  # (the whole prompt may be here)
+            need = -(-len(req.prompt_ids) // ps) - len(held)
             reserve = -(-min(self.reserve_tokens, req.params.max_new_tokens) // ps)
-            reserve = min(reserve, alloc.num_pages - need)  # never more than the pool: it would wait for ever
-            if not alloc.can_allocate(need + reserve):
+            reserve = min(
+                reserve, alloc.num_pages - need - len(held)
+            )  # never more than the pool: it would wait for ever
+            idle = sum(1 for p in held if not alloc.holders(p))  # (held again, they are free no more)
+            if not alloc.can_allocate(need + reserve + idle):
                 return
             self.prealloc.remove(req)
-            req.page_table.pages = alloc.allocate(req.rid, need)
+            scheduler.reuse(req, held, len(req.prompt_ids))
+            moved = alloc.allocate(req.rid, need)
+            req.page_table.pages += moved
             h = req.handoff
+            h.held_pages = len(held)
+            self.loop.recorder.pages_skipped(len(held))
             h.expires(time.perf_counter(), self.config.transfer_timeout_s, "transfer")
             info = {
                 "room": h.room,
-                "page_ids": list(req.page_table.pages),
+                "page_ids": moved,
+                "held_pages": len(held),
                 "sources": [list(s) for s in h.sources],
                 "backend": h.backend,
                 "secret": h.secret,
@@ -163,7 +175,7 @@ class DecodeRole:
         req.output_ids.append(token)
         req.first_token_s = time.perf_counter()
         kv_seconds = req.first_token_s - (req.handoff.preallocated_s or req.first_token_s)
-        self.loop.outbox.put(Token(req.rid, token, 0, kv_seconds))
+        self.loop.outbox.put(Token(req.rid, token, 0, kv_seconds, req.handoff.held_pages))
         scheduler = self.loop.scheduler
         scheduler.add_prebuilt(req)
         self.loop.move(req, Phase.DECODING, kv_seconds=round(kv_seconds, 6))

@@ -28,7 +28,7 @@ from pipeline.messages import PeerDown, Preallocated
 from serving.front import Overloaded
 from serving.server import NodeServer
 
-SERVICES = ("kvbridge.v1.Generation", "kvbridge.v1.Admin")
+SERVICES = ("kvbridge.v1.Generation", "kvbridge.v1.Admin", "kvbridge.v1.KVEvents")
 ROOM_SECRET_BYTES = 16
 MAX_PEERS = 256  # prefill nodes known at once (each holds a channel and a health watch)
 CALL_DEADLINE_S = 10.0  # GetLayout on the prefill node
@@ -183,7 +183,7 @@ class DecodeGenerationService(generation_pb2_grpc.GenerationServicer):
                 raise ValueError(f"duplicate request id {rpc.shown(rid)}")
             extra = {"room": route.room, "sources": sources, "backend": backend, "peer": prefill_addr}
             extra["secret"] = secret
-            deltas = front.submit(ids, params, rid, extra)
+            deltas = front.submit(ids, params, rid, extra, cache_salt=request.cache_salt)
         except ValueError as e:
             self._forget(rid, entry)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -209,8 +209,10 @@ class DecodeGenerationService(generation_pb2_grpc.GenerationServicer):
             if first:
                 first = False
                 page_bytes = self.node.layout.geometry.layer_block_bytes * self.node.layout.num_layers
-                pages = -(-len(ids) // self.node.layout.geometry.page_size)
-                stats = generation_pb2.TransferStats(backend=backend, kv_bytes=pages * page_bytes, seconds=d.kv_seconds)
+                pages = -(-len(ids) // self.node.layout.geometry.page_size) - d.pages_skipped
+                stats = generation_pb2.TransferStats(
+                    backend=backend, kv_bytes=pages * page_bytes, seconds=d.kv_seconds, pages_skipped=d.pages_skipped
+                )
                 resp.transfer.CopyFrom(stats)
             if d.finish_reason:
                 resp.finish_reason = d.finish_reason
@@ -237,6 +239,7 @@ class DecodeGenerationService(generation_pb2_grpc.GenerationServicer):
             backend=backend,
             decode_layout=kv_wire.layout_to_proto(self.node.layout),
             page_ids=ev.page_ids,
+            held_pages=ev.held_pages,
             decode_addr=self.server.address,
             secret=bytes.fromhex(secret),
         )

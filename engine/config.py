@@ -124,6 +124,7 @@ class EngineConfig:
     num_pages: int = setting(0, "KV pool size in pages (0: from --kv-cache-tokens)")
     kv_cache_tokens: int = setting(65536, "KV pool capacity in tokens when --num-pages is 0")
     chunked_prefill_size: int = setting(512, "max prompt tokens per step (0: no chunking)")
+    disable_prefix_cache: bool = setting(False, "keep no prefix cache: every prompt is computed (and moved) whole")
     max_running_requests: int = setting(64, "decode batch size cap")
     max_context: int = setting(0, "context length cap (0: the model's)")
     max_default_tokens: int = setting(

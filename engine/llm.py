@@ -18,6 +18,7 @@ from engine.batch import AttentionMetadata, ForwardBatch
 from engine.config import EngineConfig
 from engine.model import ModelStage, stage_ranges
 from engine.pages import PageAllocator, PageTable
+from engine.prefix_cache import PrefixCache
 from engine.request import Request
 from engine.sampler import sample
 from engine.scheduler import ChunkPolicy, Scheduler
@@ -80,7 +81,7 @@ class LLM:
             for r in stage_ranges(mc.num_hidden_layers, num_stages)
         ]
         self.pools = [s.new_kv_pool(config.total_pages, config.page_size) for s in self.stages]
-        self.allocator = PageAllocator(config.total_pages)
+        self.allocator = PageAllocator(config.total_pages, None if config.disable_prefix_cache else PrefixCache())
         self.scheduler = Scheduler(
             config, self.allocator, self.max_context, self.model.tokenizer, mc.eos_token_ids, chunk_policy
         )
@@ -91,7 +92,9 @@ class LLM:
     def tokenizer(self):
         return self.model.tokenizer
 
-    def add_request(self, prompt_ids: list[int], params: SamplingParams, rid: str | None = None) -> Request:
+    def add_request(
+        self, prompt_ids: list[int], params: SamplingParams, rid: str | None = None, cache_salt: str = ""
+    ) -> Request:
         vocab = self.model.config.vocab_size
         if not prompt_ids:
             raise ValueError("prompt is empty")
@@ -108,7 +111,7 @@ class LLM:
         rid = rid or f"req-{next(self._ids)}"
         if rid in self.requests:
             raise ValueError(f"duplicate request id {rid!r}")
-        req = Request(rid, list(prompt_ids), params, PageTable(self.config.page_size))
+        req = Request(rid, list(prompt_ids), params, PageTable(self.config.page_size), cache_salt=cache_salt)
         self.requests[rid] = req
         self.scheduler.add(req)
         return req

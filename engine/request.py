@@ -44,6 +44,7 @@ class Handoff:
     deadline: float = float("inf")  # perf_counter time at which the phase it waits in times out
     timeout: str = ""  # which timeout that is: "bootstrap" | "prealloc" | "transfer"
     preallocated_s: float = 0.0  # decode: when every rank expected its pages (for kv_seconds)
+    held_pages: int = 0  # decode: the prompt's first pages, found in its prefix cache (not moved)
 
     def expires(self, now: float, after_s: float, timeout: str) -> None:
         self.deadline, self.timeout = now + after_s, timeout
@@ -72,6 +73,10 @@ class Request:
     phase: Phase | None = None  # None until its role places it; then set by whoever moves it (Rank0Loop.move)
     handoff: Handoff | None = None  # disaggregated serving only
     stop_checker: StopChecker | None = None  # rank 0, with stop strings: the text so far (Scheduler.stop_reason)
+    cache_salt: str = ""  # the prefix cache shares pages only between requests with equal salts
+    block_hashes: list[int] = field(default_factory=list)  # of its full blocks so far (common/blocks.py)
+    cached_tokens: int = 0  # prompt tokens its latest admission found in the prefix cache
+    indexed_pages: int = 0  # its first pages the prefix cache knows (found there, or indexed since)
 
     def __post_init__(self) -> None:
         self.seed = self.params.seed if self.params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1

@@ -8,6 +8,11 @@ recomputed later from its prompt and output so far, so its tokens do not change
 (`evict="recompute"`), or handed to the caller (`evict="retract"`: `take_evicted()`; a decode
 node copies their KV to host memory instead of recomputing it).
 
+With a prefix cache (engine/prefix_cache.py, on the allocator), admission starts a request at its
+longest cached page-aligned prefix: those pages are shared, not computed, and at least the last
+prompt token is always computed (its logits are sampled). Each page is indexed in the cache once
+every token of it is scheduled: later microbatches run after it on every rank, so they may read it.
+
 A scheduled token counts as computed at once (`num_computed` advances when the batch is
 built), so with pipeline parallelism the next chunk of a prompt can be scheduled while
 the previous one is still in flight; a request whose next token is being sampled
@@ -22,6 +27,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
+from common import blocks
 from engine.batch import ForwardBatch
 from engine.config import EngineConfig
 from engine.detok import StopChecker
@@ -92,11 +98,14 @@ class Scheduler:
             req = self.waiting[0]
             if req.awaiting_output:  # preempted while its token was in flight
                 break
+            hit = self.cached_prefix(req)
             # admit only when the whole known sequence fits, so admission never starves decodes
-            if not self.allocator.can_allocate(req.page_table.num_pages_needed(req.num_tokens)):
+            idle_hits = sum(1 for p in hit if not self.allocator.holders(p))
+            if not self.allocator.can_allocate(req.page_table.num_pages_needed(req.num_tokens) - len(hit) + idle_hits):
                 break
             self.waiting.popleft()
             self.running.append(req)
+            req.cached_tokens = self.reuse(req, hit, len(req.prompt_ids))
             self._grow(req, req.num_tokens)
             n = self._chunk(req, budget)
             chunks.append((req, n))
@@ -104,6 +113,39 @@ class Scheduler:
         if not decodes and not chunks:
             return None
         return self._build(decodes, chunks)
+
+    def cached_prefix(self, req: Request, full_hit: bool = False) -> list[int]:
+        """The cached pages `req` may start from (none without a cache): its longest cached prefix
+        of full blocks, leaving at least one token to compute unless `full_hit` (a decode node,
+        which computes none of the prompt)."""
+        cache = self.allocator.cache
+        if cache is None:
+            return []
+        ps = self.config.page_size
+        hashes = blocks.extend(req.block_hashes, req.all_ids, ps, req.cache_salt)
+        limit = req.num_tokens // ps if full_hit else (req.num_tokens - 1) // ps
+        return cache.match(hashes[:limit])
+
+    def reuse(self, req: Request, pages: list[int], query_tokens: int) -> int:
+        """`req` (holding no pages) starts with these cached pages: their tokens count as computed.
+        Returns how many tokens that is."""
+        self.allocator.share(req.rid, pages)
+        req.page_table.pages = list(pages)
+        req.indexed_pages = len(pages)
+        req.num_computed = len(pages) * self.config.page_size
+        if self.allocator.cache is not None:
+            self.allocator.cache.lookup(query_tokens, req.num_computed)
+        return req.num_computed
+
+    def index(self, req: Request) -> None:
+        """Index the pages of `req` whose every token is computed (or scheduled: see the docstring)."""
+        cache = self.allocator.cache
+        full = req.num_computed // self.config.page_size
+        if cache is None or full <= req.indexed_pages:
+            return
+        hashes = blocks.extend(req.block_hashes, req.all_ids, self.config.page_size, req.cache_salt)
+        cache.insert(hashes[req.indexed_pages : full], req.page_table.pages[req.indexed_pages : full])
+        req.indexed_pages = full
 
     def _chunk(self, req: Request, budget: int) -> int:
         n = min(req.num_pending, budget)
@@ -144,6 +186,7 @@ class Scheduler:
             req.num_computed += n
             sample.append(req.num_computed == req.num_tokens)
             req.awaiting_output = sample[-1]
+            self.index(req)
         batch = ForwardBatch(
             rids=tuple(r.rid for r in requests),
             starts=tuple(starts),
@@ -206,6 +249,7 @@ class Scheduler:
         self.running.remove(req)
         pages, req.page_table.pages = req.page_table.pages, []
         self.allocator.free(req.rid, pages)
+        req.indexed_pages = 0
         if self.evict == "retract":
             self._evicted.append((req, pages))
             return
@@ -247,9 +291,15 @@ class Scheduler:
         """`elsewhere`: requests holding pages outside the running list (a decode node's preallocated
         ones, say): with them, every page in use is accounted for."""
         self.allocator.check_invariants()
-        held = sum(len(r.page_table.pages) for r in (*self.running, *self.held.values(), *elsewhere))
-        if held != self.allocator.num_used:
-            raise AssertionError(f"pages held by running requests ({held}) != pages used ({self.allocator.num_used})")
+        holders = (*self.running, *self.held.values(), *elsewhere)
+        held = sum(len(r.page_table.pages) for r in holders)
+        if held != self.allocator.num_holds:
+            raise AssertionError(f"pages in requests' tables ({held}) != pages held ({self.allocator.num_holds})")
+        for r in holders:
+            if len(set(r.page_table.pages)) != len(r.page_table.pages):
+                raise AssertionError(f"request {r.rid} holds a page twice")
+            if any(r.rid not in self.allocator.holders(p) for p in r.page_table.pages):
+                raise AssertionError(f"request {r.rid}'s table names pages it does not hold")
         if any(r.page_table.pages for r in self.waiting):
             raise AssertionError("a waiting request holds pages")
         rids = [r.rid for r in self.running] + [r.rid for r in self.waiting]

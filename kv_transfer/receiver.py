@@ -115,12 +115,19 @@ class KVReceiverEndpoint:
     # ---- the daemon ----
 
     def expect(
-        self, room: int, rid: str, page_ids: Sequence[int], sources: Sequence[Source], backend: str, secret: bytes
+        self,
+        room: int,
+        rid: str,
+        page_ids: Sequence[int],
+        sources: Sequence[Source],
+        backend: str,
+        secret: bytes,
+        held_pages: int = 0,
     ) -> None:
         """Before registering `room` with the prefill node: its destination pages here, the prefill
         ranks (with their layer ranges; non-overlapping ones are ignored), the chosen backend and the
         room's write key (what the prefill node gets in the registration)."""
-        self.rooms.expect(room, rid, page_ids, sources, backend, secret)
+        self.rooms.expect(room, rid, page_ids, sources, backend, secret, held_pages)
 
     def forget(self, room: int) -> None:
         """Done with the room (terminal, or aborted): waits for copies into its pages in flight."""

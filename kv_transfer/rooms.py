@@ -78,10 +78,11 @@ class Room:
     room: int  # pairing key
     rid: str  # request id, for messages
     backend: str  # the backend the decode node chose
-    page_ids: tuple[int, ...]  # destination pages, in prompt order
+    page_ids: tuple[int, ...]  # destination pages, in prompt order (after the held ones)
     position: dict[int, int]  # page id -> index in page_ids
     sources: dict[int, SourceProgress]  # prefill rank -> progress
     secret: bytes  # its write key (16 bytes, minted by the decode node, known to its prefill node)
+    held_pages: int = 0  # the prompt's first pages, held here already (the prefix cache): nobody writes them
     first_token: tuple[int, int] | None = None  # (token, prompt_tokens), rank 0 only
     writers: int = 0  # copies into its pages in flight; forget() waits for none
 
@@ -130,10 +131,20 @@ class RoomTable:
     # ---- the daemon ----
 
     def expect(
-        self, room: int, rid: str, page_ids: Sequence[int], sources: Sequence[Source], backend: str, secret: bytes
+        self,
+        room: int,
+        rid: str,
+        page_ids: Sequence[int],
+        sources: Sequence[Source],
+        backend: str,
+        secret: bytes,
+        held_pages: int = 0,
     ) -> None:
-        """Register a room: its destination pages, the prefill ranks (any; those overlapping this
-        rank are kept) that will write them, and its write key. ValueError on a bad registration."""
+        """Register a room: its destination pages (the prompt's pages after its first `held_pages`,
+        which this node holds already), the prefill ranks (any; those overlapping this rank are kept)
+        that will write them, and its write key. ValueError on a bad registration."""
+        if held_pages < 0 or not (page_ids or held_pages):
+            raise ValueError(f"room {room}: no pages ({len(page_ids)} to write, {held_pages} held)")
         if len(secret) != 16:
             raise ValueError(f"room {room}: a write key has 16 bytes, got {len(secret)}")
         if backend not in DATA_PATH_BACKENDS | DIRECT_BACKENDS:
@@ -153,7 +164,8 @@ class RoomTable:
         ids = tuple(page_ids)
         with self._locked():
             self.board.add(room, rid, KVPoll.WAITING_FOR_INPUT)
-            self._rooms[room] = Room(room, rid, backend, ids, {p: i for i, p in enumerate(ids)}, progress, secret)
+            position = {p: i for i, p in enumerate(ids)}
+            self._rooms[room] = Room(room, rid, backend, ids, position, progress, secret, held_pages=held_pages)
 
     def forget(self, room: int, timeout_s: float = 30.0) -> None:
         """Drop a room, once no copy into its pages is in flight (its pages may then be reused)."""
@@ -294,9 +306,10 @@ class RoomTable:
                 f"notice for layers [{n.layer_start}, {n.layer_end}) from prefill rank {n.src_rank}; "
                 f"its overlap with decode rank {self.rank} is [{s.lo}, {s.hi})"
             )
-        capacity = len(r.page_ids) * self.page_size
-        if not 1 <= n.num_tokens <= capacity:
-            return f"num_tokens {n.num_tokens} outside [1, {capacity}] (the room's pages)"
+        held, capacity = r.held_pages * self.page_size, (r.held_pages + len(r.page_ids)) * self.page_size
+        low = held if not r.page_ids else held + 1  # (a prompt held whole fills exactly its held pages)
+        if not max(low, 1) <= n.num_tokens <= capacity:
+            return f"num_tokens {n.num_tokens} outside [{max(low, 1)}, {capacity}] (the room's pages)"
         if s.notice is not None and s.notice != n:
             return f"second notice from prefill rank {n.src_rank} differs: {n} after {s.notice}"
         return ""
@@ -311,7 +324,7 @@ class RoomTable:
             self.board.fail(r.room, f"prefill ranks disagree on num_tokens: {sorted(tokens)}")
             return
         num_tokens = tokens.pop()
-        need = -(-num_tokens // self.page_size)  # pages holding the prompt
+        need = -(-num_tokens // self.page_size) - r.held_pages  # pages holding the prompt, less the held ones
         for src, s in r.sources.items():
             problem, waiting = self._accounting(r, src, s, need)
             if problem:

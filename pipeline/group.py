@@ -38,10 +38,11 @@ from engine.kv_pool import KVPool
 from engine.llm import Completion, resolve_device, resolve_dtype
 from engine.model import ModelStage, stage_ranges
 from engine.pages import PageAllocator
+from engine.prefix_cache import PrefixCache
 from engine.scheduler import Scheduler
 from engine.weights import LoadedModel, load_model
 from pipeline import dist as pp_dist
-from pipeline.messages import Abort, Add, Finish, Shutdown, Token
+from pipeline.messages import Abort, Add, CacheEvents, Finish, Shutdown, Token
 from pipeline.metrics import RankRecorder
 
 
@@ -169,7 +170,8 @@ class RankGroup:
         return [rank for rank, p in zip(self.pp.local_ranks, self.procs) if not p.is_alive()]
 
     def poll(self, timeout: float | None = None) -> list[Token | Finish]:
-        """Events that arrived (token / finish), waiting up to `timeout` for the first."""
+        """Events that arrived (token / finish), waiting up to `timeout` for the first. (Without a
+        front, nobody streams the prefix cache's changes: they are dropped here.)"""
         events = []
         try:
             events.append(self.outbox.get(timeout=timeout) if timeout else self.outbox.get_nowait())
@@ -177,6 +179,7 @@ class RankGroup:
                 events.append(self.outbox.get_nowait())
         except queue.Empty:
             pass
+        events = [ev for ev in events if not isinstance(ev, CacheEvents)]
         now = time.perf_counter()
         for ev in events:
             st = self._pending.get(ev.rid)
@@ -298,7 +301,7 @@ class RankContext:
 
             policy = plan_chunks(self.config, prefill_timer([self.stage], [pool]), self.max_context, progress=False)
         mc = self.model.config
-        allocator = PageAllocator(self.config.total_pages)
+        allocator = PageAllocator(self.config.total_pages, None if self.config.disable_prefix_cache else PrefixCache())
         return Scheduler(
             self.config, allocator, self.max_context, self.model.tokenizer, mc.eos_token_ids, policy, **options
         )

@@ -3,7 +3,7 @@
     front -> rank 0 (RankGroup.inbox)     Add, Abort, Ask, Shutdown; Register (prefill node);
                                        Fail, PeerDown (decode node); Wake (rank 0's own
                                        consensus thread: decisions arrived)
-    rank 0 -> front (RankGroup.outbox)    Token, Finish, Answer; Preallocated (decode node)
+    rank 0 -> front (RankGroup.outbox)    Token, Finish, Answer, CacheEvents; Preallocated (decode node)
 
 Frozen dataclasses, dispatched by type (`match msg: case Add(): ...`). They cross a local
 multiprocessing queue between the front and the rank process it spawned, never a network
@@ -31,6 +31,7 @@ class Add:
     sources: tuple[tuple[int, int, int], ...] = ()  # decode: (prefill rank, layer_start, layer_end) of its KV
     backend: str = ""  # decode: the transfer engine the pair uses
     secret: str = ""  # decode: the room's write key (hex), minted by the decode node; every KV write carries it
+    cache_salt: str = ""  # the prefix cache shares pages only between requests with equal salts
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,7 @@ class Ask:
     """A question rank 0 answers between steps with an Answer carrying the same token."""
 
     what: str  # "status" (Rank0Loop.status) | "requests" (Rank0Loop.list_requests) | "check" (invariants)
+    # | "clear_cache" (drop the prefix cache's index: {"pages_dropped": n})
     token: int
 
 
@@ -91,6 +93,7 @@ class Token:
     token: int
     index: int  # its position in the output
     kv_seconds: float = 0.0  # decode node, first token: from registration to the KV landing on every rank
+    pages_skipped: int = 0  # decode node, first token: prompt pages its prefix cache held (not moved)
 
 
 @dataclass(frozen=True)
@@ -104,6 +107,7 @@ class Finish:
     code: str = ""  # and the gRPC status code name to report it with
     kv_bytes: int = 0  # prefill node: KV bytes pushed for it
     timeout: str = ""  # the node timeout that ended it ("bootstrap" | "prealloc" | "transfer"), if one did
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache (not computed here)
 
 
 @dataclass(frozen=True)
@@ -117,8 +121,16 @@ class Preallocated:
     """Decode node: every rank expects the room's KV in these pages; the front registers them with P."""
 
     rid: str
-    page_ids: tuple[int, ...]
+    page_ids: tuple[int, ...]  # the pages the KV is written to: the prompt's after the held ones
+    held_pages: int = 0  # the prompt's first pages, found in the prefix cache: not moved
+
+
+@dataclass(frozen=True)
+class CacheEvents:
+    """Rank 0's prefix cache changed (engine/prefix_cache.py): (kind, block hashes), in order."""
+
+    events: tuple[tuple[str, tuple[int, ...]], ...]
 
 
 ToRank0 = Add | Abort | Ask | Shutdown | Register | Fail | PeerDown | Wake
-ToFront = Token | Finish | Answer | Preallocated
+ToFront = Token | Finish | Answer | Preallocated | CacheEvents

@@ -15,6 +15,7 @@ class RankRecorder:
     def __init__(self, series: RankMetrics | None = None):
         # without series (a part built alone, in a test): counted in a registry nobody serves
         self._m = series or RankMetrics(CollectorRegistry())
+        self._cache_counts = (0, 0, 0)  # the prefix cache's (hit, query, evicted) as last counted
 
     # rank 0's loop
     def decided(self, kind: str) -> None:
@@ -27,6 +28,19 @@ class RankRecorder:
 
     def retracted(self) -> None:
         self._m.retractions.inc()
+
+    def cache_counts(self, hit_tokens: int, query_tokens: int, evicted_pages: int) -> None:
+        """The prefix cache's running totals (engine/prefix_cache.py); counted as they grow."""
+        now = (hit_tokens, query_tokens, evicted_pages)
+        if now != self._cache_counts:
+            was, self._cache_counts = self._cache_counts, now
+            self._m.cache_hit_tokens.inc(now[0] - was[0])
+            self._m.cache_query_tokens.inc(now[1] - was[1])
+            self._m.cache_evictions.inc(now[2] - was[2])
+
+    def pages_skipped(self, pages: int) -> None:
+        """Decode node: prompt pages its prefix cache held, so they were not moved."""
+        self._m.pages_skipped.inc(pages)
 
     # rank 0's consensus channel
     def round_done(self, seconds: float) -> None:

@@ -36,7 +36,7 @@ from engine.scheduler import ScheduledStep, Scheduler
 from pipeline.agent import KVAgent
 from pipeline.dist import Link
 from pipeline.log import ABORT, ADMIT, CONTROL, FINISH, SHUTDOWN, STEP, LogEntry, Message, PipelineLog
-from pipeline.messages import Abort, Add, Answer, Ask, Finish, Register, Shutdown, Token, Wake
+from pipeline.messages import Abort, Add, Answer, Ask, CacheEvents, Finish, Register, Shutdown, Token, Wake
 from pipeline.metrics import RankRecorder
 from pipeline.roles import ColocatedRole, Role
 
@@ -101,6 +101,7 @@ class Rank0Loop:
                 self._send(Message(CONTROL, self._take_unsent()))
             if self.inflight and (len(self.inflight) >= self.loop_size or step is None):
                 self._complete_oldest()
+            self._publish_cache_events()
         self._send(Message(SHUTDOWN, self._take_unsent()))
         self.link.flush()
         return self.log
@@ -125,6 +126,15 @@ class Rank0Loop:
         self.agent.after_forward(step.batch)
         self._send_hidden(step, hidden)
         self.inflight.append(step)
+
+    def _publish_cache_events(self) -> None:
+        """The prefix cache's changes since the last turn, to the front (the node's KV event stream)."""
+        cache = self.scheduler.allocator.cache
+        if cache is None:
+            return
+        if events := cache.take_events():
+            self.outbox.put(CacheEvents(tuple((kind, tuple(hashes)) for kind, hashes in events)))
+        self.recorder.cache_counts(cache.hit_tokens, cache.query_tokens, cache.evicted)
 
     def _complete_oldest(self) -> None:
         step = self.inflight.popleft()
@@ -193,7 +203,9 @@ class Rank0Loop:
         """A message from the front (pipeline/messages.py); the role's own go to the role."""
         match msg:
             case Add():
-                req = Request(msg.rid, list(msg.prompt_ids), msg.params, PageTable(self.pool.page_size))
+                req = Request(
+                    msg.rid, list(msg.prompt_ids), msg.params, PageTable(self.pool.page_size), cache_salt=msg.cache_salt
+                )
                 self.requests[msg.rid] = req
                 self.role.admit(req, msg)
             case Abort(rid, reason) if rid in self.requests:
@@ -203,6 +215,10 @@ class Rank0Loop:
                 self.outbox.put(Answer(token, self.status()))
             case Ask("requests", token):
                 self.outbox.put(Answer(token, {"requests": self.list_requests()}))
+            case Ask("clear_cache", token):
+                dropped = self.scheduler.allocator.clear_cache()
+                self._publish_cache_events()
+                self.outbox.put(Answer(token, {"pages_dropped": dropped}))
             case Ask("check", token):
                 self.outbox.put(Answer(token, {"problems": self.check_invariants(), "log": self.log.count}))
             case Shutdown():
@@ -261,9 +277,8 @@ class Rank0Loop:
         if event.get("error"):
             fields |= {"code": event.get("code", ""), "error": event["error"]}
         self._log_phase(req, "finished", **fields)
-        self.outbox.put(
-            Finish(req.rid, req.finish_reason, tuple(req.output_ids), req.text, len(req.prompt_ids), **event)
-        )
+        finish = Finish(req.rid, req.finish_reason, tuple(req.output_ids), req.text, len(req.prompt_ids), **event)
+        self.outbox.put(replace(finish, cached_tokens=req.cached_tokens) if req.cached_tokens else finish)
 
     def _log_phase(self, req: Request, phase: str, **fields) -> None:
         room = req.handoff.room if req.handoff else None
@@ -289,6 +304,7 @@ class Rank0Loop:
             "served": self.served,
             "requests_in_flight": len(self.requests),
             "transfers_in_flight": self.role.transfers_in_flight(),
+            "prefix_cache": alloc.cache.stats() if alloc.cache else {"enabled": False},
         }
 
     def queues(self) -> dict[str, list[str]]:

@@ -1,6 +1,10 @@
 """A prefill rank's part of the hand-off: connect to the decode ranks a request's KV goes
 to, push the pages each prefill chunk wrote, and report to consensus.
 
+A request's first chunk may start past the prompt's first pages (found in the prefix cache):
+those pages are pushed with it, as if it had computed them. The decode node may hold the prompt's
+first pages already (its own prefix cache: the route's `held` pages): those are never pushed.
+
 Prefill does not wait for the route (the decode node's registration, a ROUTE decision):
 chunks computed before it are remembered (`Unrouted`) and pushed the moment it arrives, the
 last rank's first token with them. Consensus stream it feeds: PREFILL_TRANSFERRED (PENDING
@@ -38,7 +42,8 @@ class Route:
     rid: str
     room: int  # pairing key
     backend: str  # the transfer backend the decode node chose
-    page_ids: list[int]  # destination pages, in token order (page i holds tokens [i*ps, (i+1)*ps))
+    page_ids: list[int]  # destination pages, in token order (page_ids[i] holds prompt page held + i)
+    held: int = 0  # the prompt's first pages, which the decode node holds already: not pushed
     finishing: bool = False  # every push is queued: waiting for TransferDone acknowledgements
     routed_s: float = field(default_factory=time.perf_counter)  # when this rank learned the route
     doomed: bool = False  # fault injection: this rank fails the request's transfer
@@ -61,6 +66,7 @@ class PrefillAgent(KVAgent):
         self.routes: dict[str, Route] = {}  # rid -> route, while the request transfers
         self.unrouted: dict[str, Unrouted] = {}  # rid -> what was computed before its route
         self.senders: dict[str, object] = {}  # backend name -> its Sender, made on first use
+        self.started: set[str] = set()  # rids whose first chunk this rank computed (until they end)
         self.recorder = recorder
         self.faults = faults.current()
         # bytes of one page of this rank's layers
@@ -76,7 +82,7 @@ class PrefillAgent(KVAgent):
     def on_decision(self, d: LogEntry) -> None:
         if d.kind == ROUTE:
             info = d.info
-            route = Route(d.rid, info["room"], info["backend"], list(info["page_ids"]))
+            route = Route(d.rid, info["room"], info["backend"], list(info["page_ids"]), int(info.get("held_pages", 0)))
             route.doomed = self.faults.fail_transfer()
             self.routes[d.rid] = route
             self.chan.set_local(Stream.PREFILL_TRANSFERRED, d.rid, LocalStatus.PENDING)
@@ -89,6 +95,7 @@ class PrefillAgent(KVAgent):
                 self._finish(route, done.end)
         elif d.kind in (FINISH, ABORT):
             self.unrouted.pop(d.rid, None)
+            self.started.discard(d.rid)
             route = self.routes.pop(d.rid, None)
             if route is None:
                 return
@@ -104,6 +111,9 @@ class PrefillAgent(KVAgent):
             batch.rids, batch.starts, batch.q_lens, batch.page_tables, batch.sample
         ):
             end = start + q_len
+            if rid not in self.started:  # its first chunk: the cached pages before it go too
+                self.started.add(rid)
+                start = 0
             route = self.routes.get(rid)
             if route is None:  # pushed once the route is known
                 self.unrouted[rid] = Unrouted(list(table), end, done=sample)
@@ -111,14 +121,19 @@ class PrefillAgent(KVAgent):
                 self._finish(route, end)  # (the last rank finishes after sending the first token)
 
     def _push(self, route: Route, table, start: int, end: int) -> bool:
-        """Queue the pages holding prompt tokens [start, end); False when the room failed instead."""
-        first, last = start // self.page_size, (end - 1) // self.page_size + 1
+        """Queue the pages holding prompt tokens [start, end), but those the decode node holds; False
+        when the room failed instead."""
+        first, last = max(start // self.page_size, route.held), (end - 1) // self.page_size + 1
         sender = self._sender(route.backend)
         if route.doomed:
             sender.abort(route.room, INJECTED)
             return False
+        if first >= last:
+            return True
         try:
-            sender.push(route.room, table[first:last], route.page_ids[first:last], end)
+            if last - route.held > len(route.page_ids):
+                raise ValueError(f"the prompt needs {last} pages; {route.held} held + {len(route.page_ids)} registered")
+            sender.push(route.room, table[first:last], route.page_ids[first - route.held : last - route.held], end)
         except (ValueError, KeyError) as e:  # a registration that does not fit the prompt
             sender.abort(route.room, str(e))
             return False

@@ -82,6 +82,7 @@ class PrefillRole:
         """Every rank learns where the KV goes (a ROUTE entry), connects and pushes what it has."""
         h = req.handoff
         h.peer, h.routed = registration.get("decode_addr", ""), True
+        h.held_pages = int(registration.get("held_pages", 0))
         h.no_deadline()  # no bootstrap deadline any more; the transfer's starts at the first token
         self.loop.announce(req)  # (registered before its first chunk ran)
         self.loop.decide(ROUTE, req.rid, info=registration)
@@ -136,7 +137,7 @@ class PrefillRole:
     def _transferred(self, req: Request) -> None:
         """Every rank's pushes landed: the pages are free again and the request is done here."""
         self._release_room(req)
-        pages = len(req.page_table.pages)
+        pages = len(req.page_table.pages) - req.handoff.held_pages  # (the decode node held the others)
         self.loop.scheduler.release(req)
         self.loop.retire(req, FINISH, kv_bytes=pages * self._page_bytes_all_layers())
 

@@ -14,7 +14,7 @@ from prefill_node.node import PrefillNode
 from serving.front import Overloaded
 from serving.server import NodeServer
 
-SERVICES = ("kvbridge.v1.Prefill", "kvbridge.v1.Bootstrap", "kvbridge.v1.Admin")
+SERVICES = ("kvbridge.v1.Prefill", "kvbridge.v1.Bootstrap", "kvbridge.v1.Admin", "kvbridge.v1.KVEvents")
 
 
 class PrefillService(prefill_pb2_grpc.PrefillServicer):
@@ -31,7 +31,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         try:
             ids = front.prompt_ids(request.prompt)
             params = sampling.from_proto(request.sampling)
-            deltas = front.submit(ids, params, request.rid, {"room": request.room})
+            deltas = front.submit(ids, params, request.rid, {"room": request.room}, cache_salt=request.cache_salt)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except Overloaded as e:
@@ -43,7 +43,11 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
                 if d.error:
                     await context.abort(getattr(grpc.StatusCode, d.code or "UNAVAILABLE"), d.error)
                 return prefill_pb2.PrefillResponse(
-                    rid=request.rid, prompt_tokens=d.prompt_tokens, first_token=first[0], kv_bytes=d.kv_bytes
+                    rid=request.rid,
+                    prompt_tokens=d.prompt_tokens,
+                    first_token=first[0],
+                    kv_bytes=d.kv_bytes,
+                    cached_tokens=d.cached_tokens,
                 )
         await context.abort(grpc.StatusCode.UNAVAILABLE, "the prefill node stopped")
 
@@ -81,10 +85,16 @@ class BootstrapService(prefill_pb2_grpc.BootstrapServicer):
         bad = [p for p in request.page_ids if p >= decode.num_pages]
         if len(set(request.page_ids)) != len(request.page_ids):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"room {request.room}: page ids repeat")
-        if not request.room or not request.page_ids or bad:
+        if not request.room or not (request.page_ids or request.held_pages) or bad:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"room {request.room} needs page ids in [0, {decode.num_pages}), got {list(request.page_ids)[:8]}",
+            )
+        if request.held_pages > decode.num_pages:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"room {request.room}: held_pages {request.held_pages} is more than the decode pool's "
+                f"{decode.num_pages} pages",
             )
         if len(request.secret) != 16:
             await context.abort(
@@ -96,6 +106,7 @@ class BootstrapService(prefill_pb2_grpc.BootstrapServicer):
             "secret": request.secret.hex(),
             "backend": request.backend,
             "page_ids": list(request.page_ids),
+            "held_pages": request.held_pages,
             "decode": kv_wire.layout_to_dict(decode),
             "decode_addr": request.decode_addr,
         }

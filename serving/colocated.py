@@ -19,7 +19,7 @@ from serving.config import NodeConfig
 from serving.front import NodeFront, Overloaded
 from serving.server import NodeServer
 
-SERVICES = ("kvbridge.v1.Generation", "kvbridge.v1.Admin")
+SERVICES = ("kvbridge.v1.Generation", "kvbridge.v1.Admin", "kvbridge.v1.KVEvents")
 
 
 class ColocatedGeneration(generation_pb2_grpc.GenerationServicer):
@@ -33,7 +33,7 @@ class ColocatedGeneration(generation_pb2_grpc.GenerationServicer):
         try:
             ids = front.prompt_ids(request.prompt)
             params = sampling.from_proto(request.sampling)
-            deltas = front.submit(ids, params, rid)
+            deltas = front.submit(ids, params, rid, cache_salt=request.cache_salt)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except Overloaded as e:
@@ -45,7 +45,11 @@ class ColocatedGeneration(generation_pb2_grpc.GenerationServicer):
             if d.finish_reason:
                 resp.finish_reason = d.finish_reason
                 resp.usage.CopyFrom(
-                    common_pb2.Usage(prompt_tokens=d.prompt_tokens, completion_tokens=d.completion_tokens)
+                    common_pb2.Usage(
+                        prompt_tokens=d.prompt_tokens,
+                        completion_tokens=d.completion_tokens,
+                        cached_tokens=d.cached_tokens,
+                    )
                 )
             yield resp
 

@@ -23,6 +23,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+from common import blocks
 from common.limits import PROMPT_BYTES_PER_TOKEN, rid_problem
 from common.metrics import outcome_of
 from common.rpc import EventLoop, shown
@@ -30,8 +31,9 @@ from common.sampling import SamplingParams
 from engine.detok import TextStream
 from kvbridge.v1 import common_pb2
 from pipeline.group import RankGroup
-from pipeline.messages import Answer, Ask, Finish, Register, Token
+from pipeline.messages import Answer, Ask, CacheEvents, Finish, Register, Token
 from serving import convert
+from serving.kv_events import KVEventHub
 from serving.metrics import NodeRecorder
 
 MAX_BATCH = 4096  # events handed to the loop in one call, at most
@@ -52,6 +54,8 @@ class Delta:
     code: str = ""  # and the gRPC status code name to report it with
     kv_bytes: int = 0  # disaggregated: KV bytes moved for it
     kv_seconds: float = 0.0  # disaggregated, first delta: from registration to the KV landing on every rank
+    pages_skipped: int = 0  # decode node, first delta: prompt pages its prefix cache held (not moved)
+    cached_tokens: int = 0  # last delta: prompt tokens found in the prefix cache (not computed here)
 
 
 class NodeFront:
@@ -63,6 +67,7 @@ class NodeFront:
         self._status: dict[int, asyncio.Future] = {}  # token -> waiter of a status / requests answer
         self._timing: dict[str, list] = {}  # rid -> [submitted, first token seen] (perf_counter)
         self.recorder = NodeRecorder()  # the server sets its own; counted on the loop
+        self.kv_events = KVEventHub(ranks.config.page_size, role="")  # the server names the role
         self._tokens = itertools.count()
         self._closed = False
         # rank 0's role-specific messages, by type (e.g. a decode node's Preallocated): called on the
@@ -96,7 +101,7 @@ class NodeFront:
         return convert.prompt_ids(prompt, self.tokenizer)
 
     def submit(
-        self, prompt_ids: list[int], params: SamplingParams, rid: str, extra: dict | None = None
+        self, prompt_ids: list[int], params: SamplingParams, rid: str, extra: dict | None = None, cache_salt: str = ""
     ) -> AsyncIterator[Delta]:
         """Start a request; iterate its deltas (the last has finish_reason). Raises ValueError on bad
         input, Overloaded when the node holds max_pending_requests already."""
@@ -104,6 +109,10 @@ class NodeFront:
         problem = rid_problem(rid)
         if problem:
             raise ValueError(problem)
+        if len(cache_salt.encode()) > blocks.MAX_SALT_BYTES:
+            raise ValueError(f"cache_salt has {len(cache_salt.encode())} bytes; at most {blocks.MAX_SALT_BYTES}")
+        if cache_salt:
+            extra = {**(extra or {}), "cache_salt": cache_salt}
         if rid in self._streams:
             raise ValueError(f"duplicate request id {shown(rid)}")
         if len(self._streams) >= limit:
@@ -129,7 +138,7 @@ class NodeFront:
                     yield self._last_delta(ev, text, prompt_tokens)
                     return
                 # tokens that queued up while the reader was busy go out as one delta
-                ids, kv_seconds = [ev.token], ev.kv_seconds
+                ids, kv_seconds, skipped = [ev.token], ev.kv_seconds, ev.pages_skipped
                 last = None
                 while not events.empty() and last is None:
                     more = events.get_nowait()
@@ -137,7 +146,7 @@ class NodeFront:
                         ids.append(more.token)
                     else:
                         last = more
-                yield Delta(ids, "".join(text.push(t) for t in ids), kv_seconds=kv_seconds)
+                yield Delta(ids, "".join(text.push(t) for t in ids), kv_seconds=kv_seconds, pages_skipped=skipped)
                 if last is not None:
                     events.put_nowait(last)
         finally:
@@ -156,6 +165,7 @@ class NodeFront:
             error=ev.error,
             code=ev.code,
             kv_bytes=ev.kv_bytes,
+            cached_tokens=ev.cached_tokens,
         )
 
     def abort(self, rid: str, reason: str = "", source: str = "client") -> bool:
@@ -178,6 +188,10 @@ class NodeFront:
     async def acheck(self, timeout: float = 5.0) -> dict:
         """Rank 0's invariant check: {"problems": [...], "log": decisions made so far}."""
         return await self._ask("check", timeout)
+
+    async def clear_cache(self, timeout: float = 5.0) -> int:
+        """Drop the prefix cache's index (idle pages are free again); how many pages that freed."""
+        return (await self._ask("clear_cache", timeout))["pages_dropped"]
 
     async def register(self, room: int, registration: dict, timeout: float = 10.0) -> dict:
         """Prefill node: hand a decode node's registration of `room` to rank 0; its verdict
@@ -263,6 +277,9 @@ class NodeFront:
                     if timing is not None and timing[1] is None:
                         timing[1] = time.perf_counter()
                         self.recorder.first_token(timing[1] - timing[0])
+                case CacheEvents():
+                    self.kv_events.apply(ev)
+                    continue
                 case Finish(rid):
                     if ev.timeout:
                         self.recorder.timed_out(ev.timeout)

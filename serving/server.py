@@ -35,7 +35,8 @@ from common.limits import listed_room
 from common.logs import log_event
 from common.metrics import MetricsServer, StatusCollector
 from kv_transfer import remove_segments_of
-from kvbridge.v1 import admin_pb2, admin_pb2_grpc
+from kvbridge.v1 import admin_pb2, admin_pb2_grpc, kv_events_pb2_grpc
+from serving.kv_events import KVEventsService
 from serving.metrics import NodeRecorder
 
 WATCH_S = 0.25  # how often rank liveness is checked
@@ -78,8 +79,11 @@ class NodeServer:
         self.metrics_port = self.metrics_server.port if self.metrics_server else -1
 
     def servicers(self) -> list[tuple[Callable, object]]:
-        """(add_XServicer_to_server, servicer) pairs: the role's services; Admin is added here."""
-        return [(admin_pb2_grpc.add_AdminServicer_to_server, NodeAdminService(self))]
+        """(add_XServicer_to_server, servicer) pairs: the role's services; Admin and KVEvents are added here."""
+        return [
+            (admin_pb2_grpc.add_AdminServicer_to_server, NodeAdminService(self)),
+            (kv_events_pb2_grpc.add_KVEventsServicer_to_server, KVEventsService(self)),
+        ]
 
     # ------------------------------------------------------------------ life
 
@@ -91,6 +95,7 @@ class NodeServer:
             self._close_servers(0)
             raise
         node.front.recorder = self.recorder
+        node.front.kv_events.role = self.role
         node.front.attach(self.loop)
         self.registry.register(StatusCollector(self.status))
         node.ranks.rank_files.collector(self.registry)
@@ -282,7 +287,17 @@ class NodeAdminService(admin_pb2_grpc.AdminServicer):
         out.requests_served = st["served"]
         out.requests_in_flight = st["requests_in_flight"]
         out.transfers_in_flight = st["transfers_in_flight"]
+        out.prefix_cache.CopyFrom(admin_pb2.PrefixCacheStatus(**st.get("prefix_cache", {"enabled": False})))
         return out
+
+    async def ClearPrefixCache(self, request, context):
+        node = await self._loaded(context)
+        try:
+            dropped = await node.front.clear_cache(timeout=STATUS_TIMEOUT_S)
+        except (TimeoutError, asyncio.TimeoutError):
+            await self._rank0_silent(context)
+        log_event(log, "clear_prefix_cache", role=self.server.role, pages_dropped=dropped)
+        return admin_pb2.ClearPrefixCacheResponse(pages_dropped=dropped)
 
     async def ListRequests(self, request, context):
         node = await self._loaded(context)

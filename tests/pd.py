@@ -52,21 +52,33 @@ def token_prompt(ids: list[int]) -> common_pb2.Prompt:
 
 
 def pd_generate(
-    p_addr: str, d_addr: str, prompt: common_pb2.Prompt, max_new_tokens: int, timeout: float = 120, late: bool = False
+    p_addr: str,
+    d_addr: str,
+    prompt: common_pb2.Prompt,
+    max_new_tokens: int,
+    timeout: float = 120,
+    late: bool = False,
+    sampling: common_pb2.SamplingParams | None = None,
+    salt: str = "",
 ):
     """What the router does for one request: D.Generate (stream) and P.Prefill at once (late: D only
     once P has prefilled the prompt and holds its first token, waiting for the registration).
     Returns (tokens, decode responses, prefill response or the RpcError of either half)."""
     rid, room = secrets.token_hex(8), secrets.randbits(63)
-    sampling = common_pb2.SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
+    sampling = sampling or common_pb2.SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
     prefill = prefill_pb2_grpc.PrefillStub(rpc.make_channel(p_addr)).Prefill.future(
-        prefill_pb2.PrefillRequest(rid=rid, room=room, prompt=prompt, sampling=sampling), timeout=timeout
+        prefill_pb2.PrefillRequest(rid=rid, room=room, prompt=prompt, sampling=sampling, cache_salt=salt),
+        timeout=timeout,
     )
     if late:  # prefilled: its first token sampled, its pages held
         info = wait_phase(p_addr, rid, "bootstrap")
         assert info.output_tokens == 1 and info.kv_pages > 0 and info.peer == "", info
     req = generation_pb2.GenerateRequest(
-        rid=rid, prompt=prompt, sampling=sampling, prefill=generation_pb2.PrefillRoute(room=room, prefill_addr=p_addr)
+        rid=rid,
+        prompt=prompt,
+        sampling=sampling,
+        prefill=generation_pb2.PrefillRoute(room=room, prefill_addr=p_addr),
+        cache_salt=salt,
     )
     stream = generation_pb2_grpc.GenerationStub(rpc.make_channel(d_addr)).Generate(req, timeout=timeout)
     try:
@@ -83,6 +95,11 @@ def admin(addr: str) -> admin_pb2_grpc.AdminStub:
 
 def status(addr: str) -> admin_pb2.Status:
     return admin(addr).GetStatus(admin_pb2.GetStatusRequest(), timeout=10)
+
+
+def clear_cache(*addrs: str) -> int:
+    """Empty the nodes' prefix caches (a test that counts moved bytes starts from none cached)."""
+    return sum(admin(a).ClearPrefixCache(admin_pb2.ClearPrefixCacheRequest(), timeout=10).pages_dropped for a in addrs)
 
 
 def wait_idle(addr: str, timeout: float = 30) -> admin_pb2.Status:

@@ -23,7 +23,7 @@ class RankStatus(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., alive: _Optional[bool] = ..., kv_pages_used: _Optional[int] = ..., kv_pages_total: _Optional[int] = ...) -> None: ...
 
 class Status(_message.Message):
-    __slots__ = ("role", "model_fingerprint", "pp_size", "ranks", "queues", "requests_served", "version", "uptime_s", "draining", "transfers_in_flight", "requests_in_flight", "model", "serving", "nodes")
+    __slots__ = ("role", "model_fingerprint", "pp_size", "ranks", "queues", "requests_served", "version", "uptime_s", "draining", "transfers_in_flight", "requests_in_flight", "model", "serving", "nodes", "prefix_cache")
     class QueuesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +45,7 @@ class Status(_message.Message):
     MODEL_FIELD_NUMBER: _ClassVar[int]
     SERVING_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
     role: str
     model_fingerprint: str
     pp_size: int
@@ -59,7 +60,34 @@ class Status(_message.Message):
     model: str
     serving: bool
     nodes: _containers.RepeatedCompositeFieldContainer[NodeInfo]
-    def __init__(self, role: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., pp_size: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., queues: _Optional[_Mapping[str, int]] = ..., requests_served: _Optional[int] = ..., version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., draining: _Optional[bool] = ..., transfers_in_flight: _Optional[int] = ..., requests_in_flight: _Optional[int] = ..., model: _Optional[str] = ..., serving: _Optional[bool] = ..., nodes: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ...) -> None: ...
+    prefix_cache: PrefixCacheStatus
+    def __init__(self, role: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., pp_size: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., queues: _Optional[_Mapping[str, int]] = ..., requests_served: _Optional[int] = ..., version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., draining: _Optional[bool] = ..., transfers_in_flight: _Optional[int] = ..., requests_in_flight: _Optional[int] = ..., model: _Optional[str] = ..., serving: _Optional[bool] = ..., nodes: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ..., prefix_cache: _Optional[_Union[PrefixCacheStatus, _Mapping]] = ...) -> None: ...
+
+class PrefixCacheStatus(_message.Message):
+    __slots__ = ("enabled", "cached_pages", "idle_pages", "hit_tokens", "query_tokens", "evicted_pages")
+    ENABLED_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    IDLE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    QUERY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    enabled: bool
+    cached_pages: int
+    idle_pages: int
+    hit_tokens: int
+    query_tokens: int
+    evicted_pages: int
+    def __init__(self, enabled: _Optional[bool] = ..., cached_pages: _Optional[int] = ..., idle_pages: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., query_tokens: _Optional[int] = ..., evicted_pages: _Optional[int] = ...) -> None: ...
+
+class ClearPrefixCacheRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ClearPrefixCacheResponse(_message.Message):
+    __slots__ = ("pages_dropped",)
+    PAGES_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    pages_dropped: int
+    def __init__(self, pages_dropped: _Optional[int] = ...) -> None: ...
 
 class RequestInfo(_message.Message):
     __slots__ = ("rid", "room", "phase", "age_s", "kv_pages", "peer", "prompt_tokens", "output_tokens")

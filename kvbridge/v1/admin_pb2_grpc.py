@@ -79,6 +79,11 @@ class AdminStub:
                 request_serializer=kvbridge_dot_v1_dot_admin__pb2.RemoveNodeRequest.SerializeToString,
                 response_deserializer=kvbridge_dot_v1_dot_admin__pb2.NodeInfo.FromString,
                 _registered_method=True)
+        self.ClearPrefixCache = channel.unary_unary(
+                '/kvbridge.v1.Admin/ClearPrefixCache',
+                request_serializer=kvbridge_dot_v1_dot_admin__pb2.ClearPrefixCacheRequest.SerializeToString,
+                response_deserializer=kvbridge_dot_v1_dot_admin__pb2.ClearPrefixCacheResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -142,6 +147,13 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ClearPrefixCache(self, request, context):
+        """Drop every cached block that no request uses (node only); watchers see one CLEARED event.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -189,6 +201,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.RemoveNode,
                     request_deserializer=kvbridge_dot_v1_dot_admin__pb2.RemoveNodeRequest.FromString,
                     response_serializer=kvbridge_dot_v1_dot_admin__pb2.NodeInfo.SerializeToString,
+            ),
+            'ClearPrefixCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.ClearPrefixCache,
+                    request_deserializer=kvbridge_dot_v1_dot_admin__pb2.ClearPrefixCacheRequest.FromString,
+                    response_serializer=kvbridge_dot_v1_dot_admin__pb2.ClearPrefixCacheResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -434,6 +451,33 @@ class Admin:
             '/kvbridge.v1.Admin/RemoveNode',
             kvbridge_dot_v1_dot_admin__pb2.RemoveNodeRequest.SerializeToString,
             kvbridge_dot_v1_dot_admin__pb2.NodeInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ClearPrefixCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvbridge.v1.Admin/ClearPrefixCache',
+            kvbridge_dot_v1_dot_admin__pb2.ClearPrefixCacheRequest.SerializeToString,
+            kvbridge_dot_v1_dot_admin__pb2.ClearPrefixCacheResponse.FromString,
             options,
             channel_credentials,
             insecure,

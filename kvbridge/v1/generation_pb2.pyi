@@ -16,16 +16,18 @@ class PrefillRoute(_message.Message):
     def __init__(self, room: _Optional[int] = ..., prefill_addr: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("rid", "prompt", "sampling", "prefill")
+    __slots__ = ("rid", "prompt", "sampling", "prefill", "cache_salt")
     RID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     rid: str
     prompt: _common_pb2.Prompt
     sampling: _common_pb2.SamplingParams
     prefill: PrefillRoute
-    def __init__(self, rid: _Optional[str] = ..., prompt: _Optional[_Union[_common_pb2.Prompt, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prefill: _Optional[_Union[PrefillRoute, _Mapping]] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, rid: _Optional[str] = ..., prompt: _Optional[_Union[_common_pb2.Prompt, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prefill: _Optional[_Union[PrefillRoute, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("rid", "token_ids", "text", "finish_reason", "usage", "transfer")
@@ -44,14 +46,16 @@ class GenerateResponse(_message.Message):
     def __init__(self, rid: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., transfer: _Optional[_Union[TransferStats, _Mapping]] = ...) -> None: ...
 
 class TransferStats(_message.Message):
-    __slots__ = ("backend", "kv_bytes", "seconds")
+    __slots__ = ("backend", "kv_bytes", "seconds", "pages_skipped")
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PAGES_SKIPPED_FIELD_NUMBER: _ClassVar[int]
     backend: str
     kv_bytes: int
     seconds: float
-    def __init__(self, backend: _Optional[str] = ..., kv_bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+    pages_skipped: int
+    def __init__(self, backend: _Optional[str] = ..., kv_bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., pages_skipped: _Optional[int] = ...) -> None: ...
 
 class GetModelInfoRequest(_message.Message):
     __slots__ = ()

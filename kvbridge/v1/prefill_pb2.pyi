@@ -8,28 +8,32 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("rid", "room", "prompt", "sampling")
+    __slots__ = ("rid", "room", "prompt", "sampling", "cache_salt")
     RID_FIELD_NUMBER: _ClassVar[int]
     ROOM_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     rid: str
     room: int
     prompt: _common_pb2.Prompt
     sampling: _common_pb2.SamplingParams
-    def __init__(self, rid: _Optional[str] = ..., room: _Optional[int] = ..., prompt: _Optional[_Union[_common_pb2.Prompt, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, rid: _Optional[str] = ..., room: _Optional[int] = ..., prompt: _Optional[_Union[_common_pb2.Prompt, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("rid", "prompt_tokens", "first_token", "kv_bytes")
+    __slots__ = ("rid", "prompt_tokens", "first_token", "kv_bytes", "cached_tokens")
     RID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     rid: str
     prompt_tokens: int
     first_token: int
     kv_bytes: int
-    def __init__(self, rid: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., first_token: _Optional[int] = ..., kv_bytes: _Optional[int] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, rid: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., first_token: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class GetLayoutRequest(_message.Message):
     __slots__ = ()
@@ -78,7 +82,7 @@ class KVLayout(_message.Message):
     def __init__(self, model_fingerprint: _Optional[str] = ..., num_layers: _Optional[int] = ..., page_size: _Optional[int] = ..., dtype: _Optional[str] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., num_pages: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankEndpoint, _Mapping]]] = ..., backends: _Optional[_Iterable[str]] = ..., host_id: _Optional[str] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("rid", "room", "backend", "decode_layout", "page_ids", "decode_addr", "secret")
+    __slots__ = ("rid", "room", "backend", "decode_layout", "page_ids", "decode_addr", "secret", "held_pages")
     RID_FIELD_NUMBER: _ClassVar[int]
     ROOM_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
@@ -86,6 +90,7 @@ class RegisterRequest(_message.Message):
     PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
     DECODE_ADDR_FIELD_NUMBER: _ClassVar[int]
     SECRET_FIELD_NUMBER: _ClassVar[int]
+    HELD_PAGES_FIELD_NUMBER: _ClassVar[int]
     rid: str
     room: int
     backend: str
@@ -93,7 +98,8 @@ class RegisterRequest(_message.Message):
     page_ids: _containers.RepeatedScalarFieldContainer[int]
     decode_addr: str
     secret: bytes
-    def __init__(self, rid: _Optional[str] = ..., room: _Optional[int] = ..., backend: _Optional[str] = ..., decode_layout: _Optional[_Union[KVLayout, _Mapping]] = ..., page_ids: _Optional[_Iterable[int]] = ..., decode_addr: _Optional[str] = ..., secret: _Optional[bytes] = ...) -> None: ...
+    held_pages: int
+    def __init__(self, rid: _Optional[str] = ..., room: _Optional[int] = ..., backend: _Optional[str] = ..., decode_layout: _Optional[_Union[KVLayout, _Mapping]] = ..., page_ids: _Optional[_Iterable[int]] = ..., decode_addr: _Optional[str] = ..., secret: _Optional[bytes] = ..., held_pages: _Optional[int] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ()

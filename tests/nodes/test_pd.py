@@ -8,7 +8,7 @@ import pytest
 
 from common.sampling import SamplingParams
 from tests.conftest import make_llm, make_prompts
-from tests.pd import TINY, in_parallel, pd_generate, start_nodes, stop_nodes, token_prompt, wait_idle
+from tests.pd import TINY, clear_cache, in_parallel, pd_generate, start_nodes, stop_nodes, token_prompt, wait_idle
 
 BACKENDS = ("shm", "torch", "grpc")
 MAX_NEW = 12
@@ -38,6 +38,7 @@ def reference(tiny_model):
 def test_disaggregated_equals_colocated(fleet, reference, p_pp, d_pp, backend):
     prefill, decode = fleet[f"p{p_pp}"], fleet[f"d{d_pp}-{backend}"]
     prompts, expected = reference
+    clear_cache(prefill.address, decode.address)  # (earlier tests sent the same prompts: all would move)
     results = in_parallel(
         lambda ids: pd_generate(prefill.address, decode.address, token_prompt(ids), MAX_NEW), [(p,) for p in prompts]
     )
@@ -58,6 +59,7 @@ def test_a_prompt_prefilled_before_the_decode_node_registers_is_handed_off_at_th
     token before D has even asked; the ROUTE decision then pushes it all (pp 3: from every rank)."""
     prefill, decode = fleet[f"p{p_pp}"], fleet[f"d{d_pp}-shm"]
     prompts, expected = reference
+    clear_cache(prefill.address, decode.address)
     for prompt, want in zip(prompts, expected):
         tokens, responses, prefill_result = pd_generate(
             prefill.address, decode.address, token_prompt(prompt), MAX_NEW, late=True
