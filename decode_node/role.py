@@ -6,8 +6,9 @@ room, the prefill node writes the KV straight into them, and the request joins d
 first token the prefill node sampled. The prompt's first pages may be found in this node's prefix
 cache: those are shared, not preallocated, and the prefill node moves only the pages after them.
 Out of pages, the scheduler retracts instead of recomputing: the newest running request's KV goes
-to host memory on every rank and comes back when pages free up. A failure on any rank (consensus FAILED), a failed registration, a prefill node gone, or an
-abort ends the request on every rank and frees its pages.
+to host memory on every rank and comes back when pages free up. A failure on any rank (consensus
+FAILED), a failed registration, a prefill node gone, or an abort ends the request on every rank
+and frees its pages.
 """
 
 from __future__ import annotations

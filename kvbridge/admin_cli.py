@@ -4,6 +4,7 @@
     kvbridge admin requests --target ... [--phase P] [--limit N] [--all]
     kvbridge admin abort RID --target ...
     kvbridge admin drain [--wait SECONDS] --target ... / resume / config
+    kvbridge admin clear-cache --target ...   (a node: its prefix cache; the router: every node's)
     kvbridge admin nodes [list | add ROLE ADDR | remove ADDR [--role ROLE]] --target ...   (router only)
 
 The render_* and *_dict functions are pure (a message in, a string or dict out); run_admin
@@ -90,6 +91,17 @@ def render_nodes(nodes: list[admin_pb2.NodeInfo]) -> str:
     return table(["ROLE", "ADDRESS", "HEALTHY", "OUTSTANDING", "ROUTED", "MODEL"], rows)
 
 
+def render_cache(c: admin_pb2.PrefixCacheStatus) -> str:
+    """off | N pages (M idle), hit H of Q prompt tokens (P%), E evicted"""
+    if not c.enabled:
+        return "off"
+    rate = f" ({100 * c.hit_tokens / c.query_tokens:.0f}%)" if c.query_tokens else ""
+    return (
+        f"{c.cached_pages} pages ({c.idle_pages} idle), hit {c.hit_tokens} of {c.query_tokens} prompt tokens{rate}, "
+        f"{c.evicted_pages} evicted"
+    )
+
+
 def render_status(st: admin_pb2.Status) -> str:
     """The summary, then a queue table and a rank table (each when non-empty), then the router's nodes."""
     summary = [
@@ -105,6 +117,7 @@ def render_status(st: admin_pb2.Status) -> str:
     ]
     if st.role != "router":
         summary.insert(4, ["pp size", st.pp_size])
+        summary.append(["cache", render_cache(st.prefix_cache)])
     lines = [columns(summary)]
     if st.queues:
         lines.append(table(["QUEUE", "REQUESTS"], sorted(st.queues.items())))
@@ -199,6 +212,7 @@ def add_admin_parser(subparsers) -> argparse.ArgumentParser:
     )
     actions.add_parser("resume", parents=[common], help="admit requests again after a drain")
     actions.add_parser("config", parents=[common], help="the effective configuration (JSON)")
+    actions.add_parser("clear-cache", parents=[common], help="drop the prefix cache (the router: every node's)")
 
     nodes = actions.add_parser("nodes", parents=[common], help="the router's nodes (router only)")
     nodes.add_argument("words", nargs="*", metavar="WORD", help="list (the default) | add ROLE ADDR | remove ADDR")
@@ -303,6 +317,11 @@ def do_config(stub, args, timeout):
     return config_dict(cfg) if args.json else render_config(cfg)
 
 
+def do_clear_cache(stub, args, timeout):
+    resp = stub.ClearPrefixCache(admin_pb2.ClearPrefixCacheRequest(), timeout=timeout)
+    return to_dict(resp) if args.json else f"dropped {resp.pages_dropped} cached pages"
+
+
 def do_nodes(stub, args, timeout):
     words = args.words or ["list"]
     match words:
@@ -331,5 +350,6 @@ ACTIONS = {
     "drain": do_drain,
     "resume": do_resume,
     "config": do_config,
+    "clear-cache": do_clear_cache,
     "nodes": do_nodes,
 }

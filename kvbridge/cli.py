@@ -219,11 +219,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
-BENCHES = ("engine", "consensus", "pp", "kv_transfer", "soak", "serve")
+BENCHES = ("engine", "consensus", "pp", "kv_transfer", "soak", "serve", "prefix")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from kvbridge.bench import consensus, engine, kv_transfer, pp, serve, soak  # deferred: they import torch
+    from kvbridge.bench import consensus, engine, kv_transfer, pp, prefix, serve, soak  # deferred: they import torch
 
     mains = {
         "engine": engine,
@@ -232,6 +232,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "kv_transfer": kv_transfer,
         "soak": soak,
         "serve": serve,
+        "prefix": prefix,
     }
     return mains[args.name].main(args.rest)
 

@@ -8,6 +8,7 @@ costs no upstream call. Each check raises ValueError naming the field and the ba
 from __future__ import annotations
 
 from common import sampling
+from common.blocks import MAX_SALT_BYTES
 from common.limits import MAX_CLIENT_RID_CHARS, rid_problem
 from kvbridge.v1 import generation_pb2
 
@@ -21,6 +22,7 @@ def check_generate(req: generation_pb2.GenerateRequest) -> None:
         raise ValueError("prefill is set by the router; leave it unset")
     check_prompt(req)
     check_sampling(req)
+    check_cache_salt(req)
 
 
 def check_prompt(req: generation_pb2.GenerateRequest) -> None:
@@ -42,3 +44,9 @@ def check_prompt(req: generation_pb2.GenerateRequest) -> None:
 
 def check_sampling(req: generation_pb2.GenerateRequest) -> None:
     sampling.from_proto(req.sampling)  # the nodes' own rules (common/sampling.py)
+
+
+def check_cache_salt(req: generation_pb2.GenerateRequest) -> None:
+    size = len(req.cache_salt.encode())
+    if size > MAX_SALT_BYTES:
+        raise ValueError(f"cache_salt is {size} UTF-8 bytes; at most {MAX_SALT_BYTES}")

@@ -37,6 +37,13 @@ _HELP = {
     "http_body_timeout_s": "answer 408 to an HTTP request whose body is not in this long after its headers, seconds",
     "http_keep_alive_s": "close an HTTP connection idle this long after a response (at most --http-header-timeout-s), "
     "seconds",
+    "routing": "how nodes are picked: cache_aware (the node with the least of the prompt left to compute, by the "
+    "nodes' KV events; decode nodes by load, then cached prefix), least_loaded (fewest outstanding requests) or "
+    "round_robin",
+    "balance_abs_threshold": "cache_aware routes least-loaded while a role's nodes are imbalanced: max - min "
+    "outstanding requests above this, and max above --balance-rel-threshold times min",
+    "balance_rel_threshold": "the ratio of max to min outstanding requests above which (with --balance-abs-threshold) "
+    "cache_aware routes least-loaded",
 }
 
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from itertools import combinations
 
 from common.limits import parse_address
+from router.policy import POLICIES, Policy
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,9 @@ class RouterConfig:
     http_header_timeout_s: float = 10.0  # a request's headers must be in this long after connect / the last response
     http_body_timeout_s: float = 30.0  # a request body must be in this long after its headers, else 408
     http_keep_alive_s: float = 5.0  # an HTTP connection idle this long after a response is closed
+    routing: str = "cache_aware"  # how a node is picked: cache_aware | least_loaded | round_robin (router/policy.py)
+    balance_abs_threshold: int = 64  # cache_aware routes least-loaded while max - min outstanding exceeds this ...
+    balance_rel_threshold: float = 1.5  # ... and max outstanding exceeds this times min (both over a role's nodes)
 
     def __post_init__(self) -> None:
         for name in ("port", "http_port"):
@@ -70,11 +74,21 @@ class RouterConfig:
         for name in ("http_header_timeout_s", "http_body_timeout_s", "http_keep_alive_s"):
             if not 0 < getattr(self, name) < float("inf"):
                 raise ValueError(f"{name} must be > 0 and finite, got {getattr(self, name)}")
+        if self.routing not in POLICIES:
+            raise ValueError(f"routing must be one of {', '.join(POLICIES)}, got {self.routing!r}")
+        if self.balance_abs_threshold < 0:
+            raise ValueError(f"balance_abs_threshold must be >= 0, got {self.balance_abs_threshold}")
+        if not 1 <= self.balance_rel_threshold < float("inf"):
+            raise ValueError(f"balance_rel_threshold must be >= 1 and finite, got {self.balance_rel_threshold}")
         if self.http_keep_alive_s > self.http_header_timeout_s:  # the header timeout would cut it short
             raise ValueError(
                 f"http_keep_alive_s ({self.http_keep_alive_s}) must not exceed http_header_timeout_s "
                 f"({self.http_header_timeout_s}): a connection's next headers are due that long after its last response"
             )
+
+    @property
+    def policy(self) -> Policy:
+        return Policy(self.routing, self.balance_abs_threshold, self.balance_rel_threshold)
 
     @property
     def nodes(self) -> list[tuple[str, str]]:

@@ -19,6 +19,7 @@ from kvbridge.v1 import generation_pb2
 from router.config import RouterConfig
 from router.metrics import Recorder
 from router.pool import Node, NodePool
+from router.prompts import Prompts
 from router.routed import DRAINING, Routed, RouteError
 
 CLOSE_WAIT_S = 5.0  # aclose() waits this long at most for the prefill calls still settling
@@ -36,6 +37,8 @@ class Dispatcher:
         self.draining = False  # new requests are refused with UNAVAILABLE; those in flight finish
         self.started_at = time.time()  # wall clock, for `created` fields
         self.metrics = Recorder(pool, lambda: self.draining, self.num_in_flight)
+        pool.on_resync = self.metrics.kv_resync
+        self.prompts = Prompts(pool, config.health_retry_s)  # the requests' block hashes, for cache_aware
         self._routed: dict[str, Routed] = {}  # rid -> the request in flight
         self._lock = threading.Lock()  # guards _routed (read by the metrics scrape's thread)
         self._idle = asyncio.Event()  # set while nothing is in flight (wait_idle)

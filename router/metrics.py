@@ -6,6 +6,11 @@ process). The series are defined in common.metrics.RouterMetrics; here they are 
                                                     the client, by the failure's status code (unavailable,
                                                     resource_exhausted, deadline_exceeded)
     kvbridge_router_timeouts_total{timeout}         the router's own timeouts: first_token | idle_stream
+    kvbridge_router_routing_decisions_total{role, policy, reason}
+                                                    nodes picked, by the node's role, the policy and why
+                                                    (router/policy.py REASONS)
+    kvbridge_router_kv_event_resyncs_total{reason}  KV indexes cleared to resync from a snapshot: gap | error |
+                                                    lagged | overflow (router/pool.py)
     kvbridge_time_to_first_token_seconds            router received the request -> first token handed to the client
     kvbridge_inter_token_latency_seconds            gaps between consecutive token-bearing responses to a client
     kvbridge_request_duration_seconds               router received the request -> its end, any outcome
@@ -31,6 +36,7 @@ from router.pool import NodePool
 
 RETRY_REASONS = ("unavailable", "resource_exhausted", "deadline_exceeded")  # the retried status codes, lowercased
 TIMEOUTS = ("first_token", "idle_stream")
+RESYNC_REASONS = ("gap", "error", "lagged", "overflow")
 
 
 class Recorder:
@@ -46,6 +52,9 @@ class Recorder:
             self.retries.labels(reason)
         for timeout in TIMEOUTS:
             self.timeouts.labels(timeout)
+        self.routing, self.kv_resyncs = self.series.routing, self.series.kv_resyncs
+        for reason in RESYNC_REASONS:
+            self.kv_resyncs.labels(reason)
         self.registry.register(NodeCollector(pool, draining, in_flight))
 
     def first_token(self, seconds: float) -> None:
@@ -59,6 +68,12 @@ class Recorder:
 
     def timed_out(self, timeout: str) -> None:
         self.timeouts.labels(timeout).inc()
+
+    def routed(self, role: str, policy: str, reason: str) -> None:
+        self.routing.labels(role, policy, reason).inc()
+
+    def kv_resync(self, reason: str) -> None:
+        self.kv_resyncs.labels(reason).inc()
 
     def ended(self, outcome: str, seconds: float) -> None:
         self.series.requests.labels(outcome).inc()

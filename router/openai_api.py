@@ -4,7 +4,9 @@ error bodies. No I/O here (http.py does it).
 Fields read: model, prompt (string, token-id list, or a list holding one of those), messages,
 max_tokens / max_completion_tokens, temperature, top_p, seed, stop (string or list), n (only 1),
 stream, stream_options.include_usage; extensions as in vLLM: top_k (-1 or 0 = off),
-stop_token_ids, ignore_eos, min_tokens. Defaults as OpenAI documents them: temperature 1.0 (our
+stop_token_ids, ignore_eos, min_tokens, cache_salt (a non-empty string: requests share cached KV
+only with equal salts). Usage carries prompt_tokens_details.cached_tokens (prompt tokens the node
+found in its prefix cache). Defaults as OpenAI documents them: temperature 1.0 (our
 models carry no generation config that could set another); max_tokens omitted = the rest of the
 context (sent as max_new_tokens 0: only the node knows the prompt length; it caps that at its
 --max-default-tokens).
@@ -27,7 +29,7 @@ import grpc
 
 from common.sampling import MAX_STOP_STRINGS
 from kvbridge.v1 import common_pb2, generation_pb2
-from router.checks import check_generate
+from router.checks import check_cache_salt, check_generate
 
 UINT32_MAX = (1 << 32) - 1
 UINT64_MAX = (1 << 64) - 1
@@ -308,8 +310,17 @@ def parse_request(raw: bytes, chat: bool) -> OpenAIRequest:
         raise BadRequest(f"ignore_eos must be a boolean, got {_show(ignore_eos)}", "ignore_eos")
     sampling.ignore_eos = bool(ignore_eos)
 
+    salt = body.get("cache_salt")
+    if salt is not None and not (isinstance(salt, str) and salt):
+        raise BadRequest(f"cache_salt must be a non-empty string, got {_show(salt)}", "cache_salt")
+
     prompt = _messages(body) if chat else _prompt(body)
-    request = generation_pb2.GenerateRequest(prompt=prompt, sampling=sampling)
+    salt = _text(salt or "", "cache_salt")
+    request = generation_pb2.GenerateRequest(prompt=prompt, sampling=sampling, cache_salt=salt)
+    try:
+        check_cache_salt(request)
+    except ValueError as e:
+        raise BadRequest(str(e), "cache_salt") from None
     try:
         check_generate(request)
     except ValueError as e:
@@ -351,6 +362,7 @@ class Reply:
                 "prompt_tokens": u.prompt_tokens,
                 "completion_tokens": u.completion_tokens,
                 "total_tokens": u.prompt_tokens + u.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
             }
         if not (resp.text or resp.finish_reason or (self.req.chat and not self.role_sent)):
             return None

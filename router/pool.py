@@ -4,8 +4,20 @@ Each node's health is watched by a task on the router's event loop, holding a
 `grpc.health.v1.Health/Watch` stream (an aio channel) on the service its role needs (Generation
 for colocated and decode nodes, Prefill for prefill nodes). A node is eligible while its last
 report was SERVING; NOT_SERVING, SERVICE_UNKNOWN or an unreachable node make it ineligible until a
-later report says SERVING. Among eligible nodes the one with the fewest outstanding requests
-(counted here, by the router) wins; ties go round-robin, so equal nodes share the traffic.
+later report says SERVING. Among eligible nodes the routing policy picks one (router/policy.py:
+cache_aware, least_loaded, round_robin), from the outstanding requests and pending prompt tokens
+counted here, by the router, and the node's cached blocks.
+
+Beside the health watch, a KV-event watch (`kvbridge.v1.KVEvents/Watch`, on the same channel)
+keeps each node's `BlockIndex` (router/kv_index.py): the first batch of a stream is a snapshot, then
+changes in seq order. A change batch out of sequence (a gap) clears the index and re-opens the
+stream at once (its snapshot resyncs); a failed or ended stream clears it (the node's state is
+unknown) and is re-opened after health_retry_s; a snapshot on a stream already open (the node
+dropped changes this watcher was too slow for) replaces the set; each is counted by `on_resync`
+("gap", "error" when the index was synced, "lagged", "overflow" past its bound). The stream is
+re-opened every KV_WATCH_DEADLINE_S (a fresh snapshot, not counted). A node that answers
+UNIMPLEMENTED has no KV events: it is not watched again, and it caches nothing as far as routing
+knows.
 
 The fleet can change at run time: `add` watches a new node at once, `remove` takes one out of
 selection at once. A node's channel is closed only when nothing can use it any more: it was
@@ -23,6 +35,7 @@ import asyncio
 import threading
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -30,7 +43,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from common import rpc
 from common.limits import normalized_address
 from common.rpc import shown
-from kvbridge.v1 import generation_pb2, generation_pb2_grpc
+from kvbridge.v1 import generation_pb2, generation_pb2_grpc, kv_events_pb2, kv_events_pb2_grpc
+from router.kv_index import BlockIndex, batch_from_proto
+from router.policy import Policy
+
+if TYPE_CHECKING:
+    from router.prompts import PromptBlocks
 
 
 class PoolFull(ValueError):
@@ -44,9 +62,20 @@ SERVICE_OF_ROLE = {
 }
 ROLES = tuple(SERVICE_OF_ROLE)
 WATCH_DEADLINE_S = 60.0  # a health stream is re-opened this often (every call has a deadline)
+KV_WATCH_DEADLINE_S = 300.0  # a KV-event stream is re-opened this often (and starts with a snapshot)
+INLINE_HASHES = 1 << 14  # KV batches carrying more hashes than this are applied in a worker thread
 MODEL_INFO_DEADLINE_S = 5.0
 MAX_NODES = 1024  # nodes in one pool (AddNode past it: RESOURCE_EXHAUSTED)
 CLOSE_WAIT_S = 5.0  # aclose() waits this long at most for the watchers to end, and again for the channels
+
+
+@dataclass(frozen=True)
+class Pick:
+    """A node acquired for a request, and why."""
+
+    node: Node
+    reason: str  # router/policy.py REASONS
+    tokens: int  # added to node.pending_tokens: hand it back to release()
 
 
 @dataclass(eq=False)
@@ -58,10 +87,13 @@ class Node:
     reported: bool = False  # a health report (or a failure to get one) has arrived
     outstanding: int = 0  # requests routed here and not finished yet
     routed: int = 0  # requests routed here since it was added
+    pending_tokens: int = 0  # prompt tokens routed here that it is expected to compute still (released with it)
+    blocks: BlockIndex = field(default_factory=BlockIndex, repr=False)  # what its prefix cache holds
+    kv_events: bool = True  # it may serve KVEvents (False once it answered UNIMPLEMENTED)
     model: generation_pb2.ModelInfo | None = None  # GetModelInfo, fetched when it turns healthy (not prefill)
     retired: bool = False  # removed from the pool (or the pool closed): its channel closes once idle
     watching: bool = False  # its watcher is running or about to (and may start RPCs on the channel)
-    watcher: asyncio.Task | None = field(default=None, repr=False)  # the health watch, on the loop
+    watcher: asyncio.Task | None = field(default=None, repr=False)  # the health and KV-event watches, on the loop
 
     @property
     def key(self) -> str:
@@ -75,13 +107,17 @@ class NodePool:
         health_retry_s: float = 1.0,
         loop: rpc.EventLoop | None = None,
         connect: bool = True,
+        policy: Policy | None = None,
     ):
         """nodes: (role, address) pairs; loop: where the channels and watchers live (required unless
-        connect=False, which makes channel-less nodes for selection tests)."""
+        connect=False, which makes channel-less nodes for selection tests); policy: how a node is
+        picked (cache_aware by default)."""
         if connect and loop is None:
             raise ValueError("a pool that connects to its nodes needs the event loop its channels live on")
         self.health_retry_s = health_retry_s
         self.connect = connect
+        self.policy = policy or Policy()
+        self.on_resync: Callable[[str], None] = lambda reason: None  # a KV index was cleared to resync, and why
         self.loop = loop
         self.nodes: list[Node] = []  # replaced, never mutated in place: a reader may iterate it unlocked
         self._lock = threading.Lock()
@@ -139,6 +175,7 @@ class NodePool:
             [node] = found
             self.nodes = [n for n in self.nodes if n is not node]
             node.retired = True
+        node.blocks.clear()
         if self.loop is not None:
             self.loop.call(self._stop_watcher, node)
         self._close_if_idle(node)
@@ -147,27 +184,61 @@ class NodePool:
 
     # ------------------------------------------------------------------ selection and accounting
 
-    def acquire(self, roles: Collection[str], exclude: Collection[Node] = ()) -> Node | None:
-        """The eligible node of one of `roles` with the fewest outstanding requests (ties
-        round-robin), counted as outstanding from now on; None when none is eligible."""
+    def pick(
+        self, roles: Collection[str], exclude: Collection[Node] = (), prompt: PromptBlocks | None = None
+    ) -> Pick | None:
+        """The eligible node of one of `roles` the policy picks for a prompt with these blocks
+        (None: unknown), counted as outstanding (and its share of the prompt as pending) from now
+        on; None when none is eligible."""
+        cached = self._cached(roles, exclude, prompt)  # (outside the lock: indexes have their own)
         with self._lock:
             live = [n for n in self.nodes if n.role in roles and n.healthy and n not in exclude]
             if not live:
                 return None
-            low = min(n.outstanding for n in live)
-            tied = [n for n in live if n.outstanding == low]
             turn = tuple(sorted(roles))
-            node = tied[self._turns.get(turn, 0) % len(tied)]
-            self._turns[turn] = self._turns.get(turn, 0) + 1
+            at = self._turns.get(turn, 0)
+            self._turns[turn] = at + 1
+            tokens = prompt.tokens if prompt is not None else 0
+            overlaps = None if cached is None else [cached.get(n, 0) for n in live]
+            choice = self.policy.choose(live, at, tokens, overlaps)
+            node = live[choice.index]
             node.outstanding += 1
             node.routed += 1
-            return node
+            node.pending_tokens += choice.tokens
+            return Pick(node, choice.reason, choice.tokens)
 
-    def release(self, node: Node) -> None:
+    def acquire(self, roles: Collection[str], exclude: Collection[Node] = ()) -> Node | None:
+        """pick() without a prompt: the least loaded (ties round-robin) under least_loaded and
+        cache_aware, the next in turn under round_robin."""
+        picked = self.pick(roles, exclude)
+        return picked.node if picked is not None else None
+
+    def release(self, node: Node, tokens: int = 0) -> None:
+        """The request acquired on `node` ended; tokens: its Pick.tokens."""
         with self._lock:
             assert node.outstanding > 0, f"release of {node.key} with nothing outstanding"
+            assert node.pending_tokens >= tokens, f"release of {tokens} tokens from {node.key} holding fewer"
             node.outstanding -= 1
+            node.pending_tokens -= tokens
         self._close_if_idle(node)
+
+    def page_sizes(self) -> set[int]:
+        """The page sizes of the nodes whose KV index is synced (what a prompt is hashed at)."""
+        return {n.blocks.page_size for n in self.nodes if n.blocks.synced}
+
+    def _cached(
+        self, roles: Collection[str], exclude: Collection[Node], prompt: PromptBlocks | None
+    ) -> dict[Node, int] | None:
+        """Prompt tokens each candidate holds; None without a prompt or when no candidate is indexed."""
+        if prompt is None or not self.policy.needs_prompt:
+            return None
+        nodes = [n for n in self.nodes if n.role in roles and n.healthy and n not in exclude and n.blocks.synced]
+        cached = {}
+        for n in nodes:
+            size = n.blocks.page_size
+            if size in prompt.hashes:
+                cached[n] = min(n.blocks.overlap(prompt.hashes[size]) * size, prompt.tokens)
+        return cached if nodes else None
 
     def has_eligible(self, role: str, exclude: Collection[Node] = ()) -> bool:
         with self._lock:
@@ -258,6 +329,8 @@ class NodePool:
             nodes, self.nodes = self.nodes, []
             for node in nodes:
                 node.retired = True
+        for node in nodes:
+            node.blocks.clear()
         return nodes
 
     def _notify(self) -> None:
@@ -305,8 +378,11 @@ class NodePool:
 
     async def _watch(self, node: Node) -> None:
         try:
-            await self._watch_health(node)
+            async with asyncio.TaskGroup() as watches:
+                watches.create_task(self._watch_health(node))
+                watches.create_task(self._watch_kv(node))
         finally:
+            node.blocks.clear()
             with self._lock:
                 node.watching = False
             self._close_if_idle(node)
@@ -334,3 +410,48 @@ class NodePool:
             return await stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=MODEL_INFO_DEADLINE_S)
         except grpc.aio.AioRpcError:
             return None
+
+    async def _watch_kv(self, node: Node) -> None:
+        """Runs until cancelled, or until the node says it has no KV events."""
+        stub = kv_events_pb2_grpc.KVEventsStub(node.channel)
+        index = node.blocks
+        while True:
+            pause = self.health_retry_s
+            stream = stub.Watch(kv_events_pb2.WatchKVEventsRequest(), timeout=KV_WATCH_DEADLINE_S)
+            try:
+                first = True
+                async for msg in stream:
+                    if msg.snapshot and not first:
+                        self.on_resync("lagged")
+                    first = False
+                    verdict = await self._apply(index, msg)
+                    if verdict is not None:  # cleared: a new stream starts with a snapshot
+                        self.on_resync(verdict)
+                        pause = 0.0 if verdict == "gap" else self.health_retry_s
+                        break
+                else:  # the node ended the stream: what it holds from now on is unknown
+                    self._lost(index)
+            except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    node.kv_events = False
+                    index.clear()
+                    return
+                if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    continue  # the stream's own deadline: the next one's snapshot replaces the index
+                self._lost(index)
+            except ValueError:  # a batch that makes no sense
+                self._lost(index)
+            finally:
+                stream.cancel()
+            await asyncio.sleep(pause)
+
+    async def _apply(self, index: BlockIndex, msg: kv_events_pb2.KVEventBatch) -> str | None:
+        if sum(len(e.block_hashes) for e in msg.events) <= INLINE_HASHES:
+            return index.apply(batch_from_proto(msg))
+        return await asyncio.to_thread(lambda: index.apply(batch_from_proto(msg)))
+
+    def _lost(self, index: BlockIndex) -> None:
+        """The stream broke: clear the index; a resync when it was synced."""
+        if index.synced:
+            self.on_resync("error")
+        index.clear()

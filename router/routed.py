@@ -1,16 +1,18 @@
 """A routed request (`Routed`): one client request's upstream calls, on the router's event loop
 (a request is a coroutine chain, never a thread; nothing here blocks).
 
-Colocated: the least loaded healthy colocated node streams the whole request.
+Nodes are picked by the pool's policy (router/policy.py; cache_aware hashes the prompt's blocks
+first, router/prompts.py, once per request); each pick is counted by role, policy and reason.
+Colocated: one colocated node streams the whole request.
 Disaggregated: a decode node D and a prefill node P are picked independently; the router makes a
 random 63-bit room, then at once opens D.Generate (a stream, with PrefillRoute{room, P's address})
-and P.Prefill{rid, room, prompt, sampling} (a task beside D's stream). D's responses go to the
-client. If P fails before D's first response, D's stream is cancelled and the client gets P's
-status; later, D holds the whole KV already, so P's failure does not touch the stream (P's call
-outlives D's first token: it returns once P's pushes settle, and the dispatcher holds its task
-until then). If D fails, P is cancelled. A decode node competes with the
-colocated nodes for each request (least outstanding wins), and is eligible only while some prefill
-node is.
+and P.Prefill{rid, room, prompt, sampling, cache_salt} (a task beside D's stream). D's responses go
+to the client; the last one's usage.cached_tokens is P's PrefillResponse.cached_tokens (awaited at
+most CACHED_TOKENS_WAIT_S if P's call has not returned yet). If P fails before D's first response,
+D's stream is cancelled and the client gets P's status; later, D holds the whole KV already, so P's
+failure does not touch the stream (P's call outlives D's first token: it returns once P's pushes
+settle, and the dispatcher holds its task until then). If D fails, P is cancelled. A decode node
+competes with the colocated nodes for each request, and is eligible only while some prefill node is.
 
 Retries. An attempt that fails before any response reached the client is tried again on another
 node (pair) when another node may do better: UNAVAILABLE (down, draining, lost a rank),
@@ -70,7 +72,8 @@ from common.limits import room_tag
 from common.logs import log_event
 from common.metrics import outcome_of
 from kvbridge.v1 import generation_pb2, generation_pb2_grpc, prefill_pb2, prefill_pb2_grpc
-from router.pool import Node
+from router.pool import Node, Pick
+from router.prompts import PromptBlocks
 
 if TYPE_CHECKING:
     from router.dispatch import Dispatcher
@@ -79,6 +82,7 @@ GENERATION_ROLES = ("colocated", "decode")
 PHASES = ("routing", "colocated", "prefill+decode")  # a Routed's phase: no node yet, then how it is served
 RETRIED_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED)
 RETRY_BACKOFF_CAP_S = 1.0  # the longest pause between two attempts
+CACHED_TOKENS_WAIT_S = 1.0  # the last response waits this long at most for P's answer (its cached_tokens)
 CLIENT_CANCELLED = "the client cancelled the request"
 OPERATOR_ABORTED = "an operator aborted the request (Admin.AbortRequest on the router)"
 ROUTER_STOPPING = "the router is stopping"
@@ -131,7 +135,9 @@ class Routed:
         self.room = 0  # the current attempt's room (disaggregated), else 0
         self.peer = ""  # the nodes serving it: "P_ADDR -> D_ADDR", or the colocated node's address
         self.attempts = 0  # attempts started so far
-        self.prompt_tokens = len(request.prompt.token_ids.ids)  # 0 until known (text, chat: the last usage)
+        self.prompt_tokens = len(request.prompt.token_ids.ids)  # 0 until known (text, chat: hashed, or the last usage)
+        self.blocks: PromptBlocks | None = None  # the prompt's block hashes, for the policy (None: unknown)
+        self._hashed = False  # blocks were looked for (once per request, before the first attempt)
         self.output_tokens = 0  # token ids handed to the client so far
         self.sent = 0  # responses handed to the client so far
         self.finish_reason = ""  # of the last response, once it came
@@ -201,11 +207,17 @@ class Routed:
         self.phase, self.room, self.peer = "routing", 0, ""
         if self.cancelled.is_set():
             raise RouteError(grpc.StatusCode.CANCELLED, self.why)
+        if not self._hashed and self.pool.policy.needs_prompt:
+            self._hashed = True
+            self.blocks = await self.dispatcher.prompts.blocks(self.request, self.pool.page_sizes())
+            if self.blocks is not None:
+                self.prompt_tokens = self.blocks.tokens
         timeout = self._remaining()
         roles = GENERATION_ROLES if self.pool.has_eligible("prefill", excluded) else ("colocated",)
-        node = self.pool.acquire(roles, excluded)
-        if node is None:
+        picked = self._pick(roles, excluded)
+        if picked is None:
             raise self._none_left()
+        node = picked.node
         self.attempts += 1
         self._calls = []
         request = generation_pb2.GenerateRequest()
@@ -215,19 +227,25 @@ class Routed:
         if node.role == "colocated":
             self.peer, self.phase = node.address, "colocated"
             self._log("routed", colocated=node.address)
-            served = self._colocated(node, request, timeout)
+            served = self._colocated(picked, request, timeout)
         else:
-            prefill = self.pool.acquire(("prefill",), excluded)
+            prefill = self._pick(("prefill",), excluded)
             if prefill is None:  # the last prefill node turned unhealthy just now
-                self.pool.release(node)
+                self.pool.release(node, picked.tokens)
                 raise self._none_left()
-            self.room, self.peer = secrets.randbits(63), f"{prefill.address} -> {node.address}"
+            self.room, self.peer = secrets.randbits(63), f"{prefill.node.address} -> {node.address}"
             self.phase = "prefill+decode"
-            self._log("routed", prefill=prefill.address, decode=node.address)
-            served = self._disaggregated(prefill, node, request, timeout)
+            self._log("routed", prefill=prefill.node.address, decode=node.address)
+            served = self._disaggregated(prefill, picked, request, timeout)
         async with contextlib.aclosing(served) as responses:
             async for resp in responses:
                 yield resp
+
+    def _pick(self, roles: tuple[str, ...], excluded: list[Node]) -> Pick | None:
+        picked = self.pool.pick(roles, excluded, self.blocks)
+        if picked is not None:
+            self.dispatcher.metrics.routed(picked.node.role, self.pool.policy.name, picked.reason)
+        return picked
 
     async def _pause_before_retry(self, retry: _Retry, excluded: list[Node]) -> None:
         """Wait the backoff before the next attempt; raise the failure when there is to be none."""
@@ -263,9 +281,10 @@ class Routed:
         return call
 
     async def _colocated(
-        self, node: Node, request: generation_pb2.GenerateRequest, timeout: float
+        self, picked: Pick, request: generation_pb2.GenerateRequest, timeout: float
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
-        """The node's stream, passed through. The caller acquired `node`; it is released here."""
+        """The node's stream, passed through. The caller acquired the node; it is released here."""
+        node = picked.node
         try:
             stream = self._open(generation_pb2_grpc.GenerationStub(node.channel).Generate(request, timeout=timeout))
             done = False
@@ -284,21 +303,23 @@ class Routed:
                 if not done:  # an error, or the consumer closed this generator: no-op on a finished call
                     stream.cancel()
         finally:
-            self.pool.release(node)
+            self.pool.release(node, picked.tokens)
 
     async def _disaggregated(
-        self, p: Node, d: Node, request: generation_pb2.GenerateRequest, timeout: float
+        self, p_pick: Pick, d_pick: Pick, request: generation_pb2.GenerateRequest, timeout: float
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         """D's stream, passed through, with P's Prefill running beside it as a task. The caller
         acquired both; D is released when its stream ends, P when its Prefill call returns."""
+        p, d = p_pick.node, d_pick.node
         dreq = generation_pb2.GenerateRequest()
         dreq.CopyFrom(request)
         dreq.prefill.room, dreq.prefill.prefill_addr = self.room, p.address
         preq = prefill_pb2.PrefillRequest(
-            rid=request.rid, room=self.room, prompt=request.prompt, sampling=request.sampling
-        )
+            rid=request.rid, room=self.room, prompt=request.prompt, sampling=request.sampling,
+            cache_salt=request.cache_salt,
+        )  # fmt: skip
         answered = False  # D sent its first response: it holds the whole KV
-        prefilled = False  # P's Prefill call returned
+        prefilled: prefill_pb2.PrefillResponse | None = None  # P's answer, once its Prefill call returned
         p_failed: grpc.aio.AioRpcError | None = None  # P's error, recorded before D's stream is cancelled for it
         calls: list[grpc.aio.Call] = []
         settling = False  # P's task holds P (and releases it when its call ends)
@@ -312,8 +333,7 @@ class Routed:
             async def prefill() -> None:
                 nonlocal prefilled, p_failed
                 try:
-                    await p_call
-                    prefilled = True
+                    prefilled = await p_call
                 except grpc.aio.AioRpcError as e:
                     if not answered:  # (once D answered, P's failure cannot touch the stream)
                         p_failed = e
@@ -322,16 +342,21 @@ class Routed:
                     pass  # cancelled here: the attempt failed, or the router is stopping
 
             task = self.dispatcher._settle(prefill())
-            task.add_done_callback(lambda _: self.pool.release(p))  # (runs even if cancelled before it started)
+            task.add_done_callback(lambda _: self.pool.release(p, p_pick.tokens))  # (runs even if cancelled first)
             settling = True
             try:
                 while (resp := await self._next(stream)) is not None:
                     answered = True
+                    if resp.HasField("usage"):  # the last response: it tells what P found cached
+                        if prefilled is None:
+                            await asyncio.wait([task], timeout=CACHED_TOKENS_WAIT_S)
+                        if prefilled is not None:
+                            resp.usage.cached_tokens = prefilled.cached_tokens
                     self._deliver(resp)
                     yield resp
                 done = True  # P may still be finishing (its pushes settle after D has the KV): let it
             except _TimedOut as e:
-                raise self._timeout_error(e.kind, [d] if prefilled else [p]) from None
+                raise self._timeout_error(e.kind, [d] if prefilled is not None else [p]) from None
             except (_Interrupted, grpc.aio.AioRpcError) as e:
                 if p_failed is not None:  # P's own timeouts wait on D (its registration, its pages taking the KV)
                     waited_on_d = p_failed.code() == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -344,8 +369,8 @@ class Routed:
                 for call in calls:
                     call.cancel()
             if not settling:
-                self.pool.release(p)
-            self.pool.release(d)
+                self.pool.release(p, p_pick.tokens)
+            self.pool.release(d, d_pick.tokens)
 
     async def _next(self, stream: grpc.aio.UnaryStreamCall) -> generation_pb2.GenerateResponse | None:
         """The node's next response (None: the stream ended), waited for at most the timeout that

@@ -34,7 +34,7 @@ class Router:
         self.metrics_server: MetricsServer | None = None
         self._stopped = False
         try:
-            self.pool = NodePool(config.nodes, health_retry_s=config.health_retry_s, loop=self.loop)
+            self.pool = NodePool(config.nodes, config.health_retry_s, self.loop, policy=config.policy)
             self.dispatcher = Dispatcher(self.pool, config)
             # HTTP first: a bad host fails here with a clean message (gRPC's core also logs its own)
             self.http = HTTPFront(config, self.dispatcher)

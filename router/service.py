@@ -1,9 +1,10 @@
 """The router's gRPC services, on grpc.aio (coroutines on the router's event loop): Generation
 (checked, then forwarded through the dispatcher) and Admin (status, the requests in flight, abort,
-drain and resume, config, and the fleet)."""
+drain and resume, config, the fleet, and clearing every node's prefix cache)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -13,7 +14,7 @@ from dataclasses import asdict
 
 import grpc
 
-from common import __version__, rpc
+from common import __version__, rpc, security
 from common.limits import listed_room, room_tag
 from common.logs import log_event
 from kvbridge.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
@@ -26,6 +27,7 @@ from router.routed import OPERATOR_ABORTED, PHASES, Routed, RouteError
 SERVICES = ("kvbridge.v1.Generation", "kvbridge.v1.Admin")
 DEFAULT_PAGE = 100  # ListRequests page_size 0
 MAX_PAGE = 1000
+CLEAR_DEADLINE_S = 10.0  # each node's ClearPrefixCache
 log = logging.getLogger("kvbridge.router")
 
 
@@ -157,6 +159,30 @@ class AdminService(admin_pb2_grpc.AdminServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         log_event(log, "node_removed", role=node.role, address=node.address, outstanding=node.outstanding)
         return node_info(node)
+
+    async def ClearPrefixCache(self, request, context):
+        """Every node's Admin.ClearPrefixCache at once (with this router's admin key); the pages
+        dropped in all. A node that fails it: UNAVAILABLE naming it (the others are cleared)."""
+        nodes = [n for n in self.pool.nodes if n.channel is not None]
+        results = await asyncio.gather(*(_clear(n) for n in nodes), return_exceptions=True)
+        failed = [f"{n.key} ({_why(r)})" for n, r in zip(nodes, results) if isinstance(r, BaseException)]
+        if failed:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"ClearPrefixCache failed on {', '.join(failed)}")
+        dropped = sum(r.pages_dropped for r in results)
+        log_event(log, "prefix_cache_cleared", nodes=len(nodes), pages_dropped=dropped)
+        return admin_pb2.ClearPrefixCacheResponse(pages_dropped=dropped)
+
+
+async def _clear(node: Node) -> admin_pb2.ClearPrefixCacheResponse:
+    metadata = security.auth_metadata(rpc.security().admin_key)
+    stub = admin_pb2_grpc.AdminStub(node.channel)
+    return await stub.ClearPrefixCache(admin_pb2.ClearPrefixCacheRequest(), timeout=CLEAR_DEADLINE_S, metadata=metadata)
+
+
+def _why(e: BaseException) -> str:
+    if isinstance(e, grpc.aio.AioRpcError):
+        return f"{e.code().name}: {rpc.shown(e.details() or '')}"
+    return rpc.shown(e)
 
 
 def node_info(n: Node) -> admin_pb2.NodeInfo:

@@ -33,6 +33,9 @@ COLOCATED = admin_pb2.Status(
         admin_pb2.RankStatus(rank=0, alive=True, kv_pages_used=12, kv_pages_total=2048),
         admin_pb2.RankStatus(rank=1, alive=False, kv_pages_used=12, kv_pages_total=2048),
     ],
+    prefix_cache=admin_pb2.PrefixCacheStatus(
+        enabled=True, cached_pages=10, idle_pages=4, hit_tokens=30, query_tokens=120, evicted_pages=2
+    ),
 )
 
 ROUTER = admin_pb2.Status(
@@ -92,6 +95,7 @@ def test_status_of_a_node():
         "draining     no",
         "requests     3 in flight, 17 served",
         "transfers    0 in flight",
+        "cache        10 pages (4 idle), hit 30 of 120 prompt tokens (25%), 2 evicted",
         "",
         "QUEUE    REQUESTS",
         "running  2",
@@ -119,6 +123,14 @@ def test_status_of_a_node():
         "model": "tiny-random",
         "serving": True,
         "nodes": [],
+        "prefix_cache": {
+            "enabled": True,
+            "cached_pages": 10,
+            "idle_pages": 4,
+            "hit_tokens": 30,
+            "query_tokens": 120,
+            "evicted_pages": 2,
+        },
     }
 
 
@@ -405,3 +417,7 @@ def test_status_of_a_real_colocated_node(capsys, node, tiny_model):
     lines = out.splitlines()
     assert code == 0 and lines[0] == "role         colocated" and lines[1] == "model        tiny-random"
     assert lines[-2:] == ["RANK  ALIVE  KV PAGES USED  KV PAGES TOTAL", "0     yes    0              2048"]
+    assert "cache        0 pages (0 idle), hit 0 of 0 prompt tokens, 0 evicted" in lines
+    assert admin(capsys, "clear-cache", "--target", node.address) == (0, "dropped 0 cached pages\n", "")
+    code, out, _ = admin(capsys, "clear-cache", "--json", "--target", node.address)
+    assert (code, json.loads(out)) == (0, {"pages_dropped": 0})

@@ -29,6 +29,7 @@ STATUS = {
     "transfers_in_flight": 1,
     "requests_in_flight": 3,
     "draining": False,
+    "prefix_cache": {"enabled": True, "cached_pages": 10, "idle_pages": 4},
 }
 
 # What a rank process counts, written to the node's multiprocess files as a real rank does.
@@ -96,6 +97,8 @@ def test_promtool_accepts_a_node_and_router_metrics_page(rank_files):
         'kvbridge_queue_requests{queue="running"} 2.0',
         'kvbridge_kv_pages_used{rank="1"} 12.0',
         'kvbridge_rank_up{rank="1"} 0.0',
+        'kvbridge_prefix_cache_pages{state="in_use"} 6.0',
+        'kvbridge_prefix_cache_pages{state="idle"} 4.0',
         'kvbridge_time_to_first_token_seconds_bucket{le="0.05"} 1.0',
         # from the rank process's files
         'kvbridge_kv_transfer_bytes_total{rank="0"} 4096.0',

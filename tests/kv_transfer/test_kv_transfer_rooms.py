@@ -247,3 +247,25 @@ def test_forget_waits_for_copies_in_flight():
     t.end_write(ticket)
     th.join(5)
     assert done.is_set() and 5 not in t.board
+
+
+def test_a_room_with_held_pages_expects_only_the_pages_after_them():
+    """The decode node holds the prompt's first 2 pages (its prefix cache): 10 tokens need page 3 only."""
+    t = make_table()
+    t.expect(5, "r", [9], P_SOURCES, "grpc", KEY, held_pages=2)
+    write(t, 5, 0, 2, 3, [9])
+    t.done(notice(0, 10, BLOCK), 5, KEY)
+    write(t, 5, 1, 3, 4, [9])
+    t.done(notice(1, 10, BLOCK), 5, KEY)
+    assert t.board.poll(5) == KVPoll.SUCCESS
+    # a prompt held whole: nothing to write, the notices alone complete it (8 tokens = 2 pages)
+    t.expect(6, "r", [], P_SOURCES, "shm", KEY, held_pages=2)
+    t.done(notice(0, 8, 0), 6, KEY)
+    t.done(notice(1, 8, 0), 6, KEY)
+    assert t.board.poll(6) == KVPoll.SUCCESS
+    # a notice claiming fewer tokens than the held pages plus one written page fails the room
+    t.expect(7, "r", [10], P_SOURCES, "shm", KEY, held_pages=2)
+    with pytest.raises(BadTransfer, match=re.escape("num_tokens 8 outside [9, 12] (the room's pages)")):
+        t.done(notice(0, 8, BLOCK), 7, KEY)
+    with pytest.raises(ValueError, match="room 8: no pages"):
+        t.expect(8, "r", [], P_SOURCES, "shm", KEY)

@@ -204,8 +204,15 @@ def register_input(f: Fleet, draw) -> None:
     secret = draw(
         mostly(st.binary(min_size=16, max_size=16), st.sampled_from([b"", b"k" * 15, b"k" * 17]), FORGED_KEYS)
     )
+    held = draw(mostly(st.just(0), st.integers(1, 8), st.integers(1025, 2**32 - 1)))  # pages the decode node holds
     req = prefill_pb2.RegisterRequest(
-        rid=draw(TEXT), room=room, backend=backend, decode_layout=layout, page_ids=pages, decode_addr=draw(TEXT)
+        rid=draw(TEXT),
+        room=room,
+        backend=backend,
+        decode_layout=layout,
+        page_ids=pages,
+        decode_addr=draw(TEXT),
+        held_pages=held,
     )
     req.secret = secret
     tried("prefill+bootstrap")
@@ -215,8 +222,10 @@ def register_input(f: Fleet, draw) -> None:
             e.add(C.INVALID_ARGUMENT, f"backend {backend!r}")
         elif len(set(pages)) != len(pages):
             e.add(C.INVALID_ARGUMENT, "page ids repeat")
-        elif not room or not pages or any(q >= layout.num_pages for q in pages):
+        elif not room or not (pages or held) or any(q >= layout.num_pages for q in pages):
             e.add(C.INVALID_ARGUMENT, "needs page ids in [0,")
+        elif held > layout.num_pages:
+            e.add(C.INVALID_ARGUMENT, f"held_pages {held} is more than the decode pool's")
         elif len(secret) != 16:
             e.add(C.INVALID_ARGUMENT, "secret must be 16 bytes")
         elif room in REGISTERED:  # still waiting for its Prefill call, unless it expired meanwhile

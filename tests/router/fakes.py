@@ -1,11 +1,15 @@
 """In-test nodes that follow the contract, for the router's tests: FakeNode serves Generation (a
 colocated or decode node) or Prefill (a prefill node) on a free port, fails, stalls or holds on
 cue, and records what it received; fake decode nodes wait on the room their paired prefill node
-prefilled (Rooms). Plus the requests and waits the router tests share. The `fleet` fixture that
+prefilled (Rooms). With kv_events=True a node also serves KVEvents (its Watch streams driven by the
+test through FakeKV: stores, removals, a lost batch, a lagged snapshot, a broken stream; its
+GetTokenizer a real byte-level tokenizer) and Admin.ClearPrefixCache. Plus the requests and waits
+the router tests share. The `fleet` fixture that
 puts a router in front of them is in tests/router/conftest.py."""
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -14,7 +18,21 @@ import grpc
 from grpc_health.v1 import health_pb2
 
 from common import rpc
-from kvbridge.v1 import common_pb2, generation_pb2, generation_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from engine.tokenizer import Tokenizer
+from kvbridge.v1 import (
+    admin_pb2,
+    admin_pb2_grpc,
+    common_pb2,
+    generation_pb2,
+    generation_pb2_grpc,
+    kv_events_pb2,
+    kv_events_pb2_grpc,
+    prefill_pb2,
+    prefill_pb2_grpc,
+)
+
+FINGERPRINT = "f00"  # the fake model's
+TOKENIZER = Tokenizer.byte_level(259)  # what GetTokenizer hands out: ids = 3 + the bytes' rank, ChatML specials
 
 
 @dataclass
@@ -73,11 +91,13 @@ class FakeGeneration(generation_pb2_grpc.GenerationServicer):
         yield generation_pb2.GenerateResponse(
             rid=request.rid,
             finish_reason="length",
-            usage=common_pb2.Usage(prompt_tokens=len(request.prompt.token_ids.ids), completion_tokens=n),
+            usage=common_pb2.Usage(
+                prompt_tokens=len(request.prompt.token_ids.ids), completion_tokens=n, cached_tokens=node.cached_tokens
+            ),
         )
 
     def GetModelInfo(self, request, context):
-        return generation_pb2.ModelInfo(model="fake", fingerprint="f00", max_context=64, role=self.node.role)
+        return generation_pb2.ModelInfo(model="fake", fingerprint=FINGERPRINT, max_context=64, role=self.node.role)
 
 
 class FakePrefill(prefill_pb2_grpc.PrefillServicer):
@@ -101,11 +121,141 @@ class FakePrefill(prefill_pb2_grpc.PrefillServicer):
         if node.fail is not None:  # the KV went out; the call fails while the pushes would settle
             time.sleep(node.fail_late_s)
             context.abort(node.fail, f"{node.address} fails late as told")
-        return prefill_pb2.PrefillResponse(rid=request.rid, prompt_tokens=3, first_token=100)
+        return prefill_pb2.PrefillResponse(
+            rid=request.rid, prompt_tokens=3, first_token=100, cached_tokens=node.cached_tokens
+        )
+
+
+_END = object()  # a FakeKV stream item: end the stream
+
+
+class FakeKV:
+    """A node's prefix cache as its KVEvents tell it: what it holds, its seq, and the Watch streams
+    open on it. Each change is sent to every open stream as one batch (seq + 1); `lose` makes one
+    without sending it (a gap on the next); `lag` sends a fresh snapshot on the open streams; `end`
+    ends them (normally, or failing with a code); while `refuse` is set, new streams fail with it."""
+
+    def __init__(self, role: str, page_size: int):
+        self.role, self.page_size = role, page_size
+        self.blocks: set[int] = set()
+        self.seq = 0
+        self.opened = 0  # Watch streams opened so far
+        self.refuse: grpc.StatusCode | None = None
+        self.refused = 0  # Watch streams refused so far
+        self.open: list[queue.Queue] = []  # of the streams open now
+        self.lock = threading.Lock()
+
+    def batch(self, kind: int, hashes=(), snapshot: bool = False) -> kv_events_pb2.KVEventBatch:
+        event = kv_events_pb2.KVEvent(kind=kind, block_hashes=list(hashes))
+        return kv_events_pb2.KVEventBatch(
+            seq=self.seq, snapshot=snapshot, events=[event], page_size=self.page_size, role=self.role
+        )
+
+    def snapshot(self) -> kv_events_pb2.KVEventBatch:
+        return self.batch(kv_events_pb2.KVEvent.STORED, sorted(self.blocks), snapshot=True)
+
+    def store(self, hashes, send: bool = True) -> None:
+        self._change(kv_events_pb2.KVEvent.STORED, hashes, send)
+
+    def remove(self, hashes, send: bool = True) -> None:
+        self._change(kv_events_pb2.KVEvent.REMOVED, hashes, send)
+
+    def clear(self, send: bool = True) -> None:
+        self._change(kv_events_pb2.KVEvent.CLEARED, (), send)
+
+    def lose(self, hashes) -> None:
+        """Store `hashes` with a batch that never reaches the watchers."""
+        self.store(hashes, send=False)
+
+    def lag(self) -> None:
+        with self.lock:
+            self._send(self.snapshot())
+
+    def end(self, code: grpc.StatusCode | None = None) -> None:
+        with self.lock:
+            self._send(_END if code is None else code)
+
+    def _change(self, kind: int, hashes, send: bool) -> None:
+        with self.lock:
+            if kind == kv_events_pb2.KVEvent.STORED:
+                self.blocks.update(hashes)
+            elif kind == kv_events_pb2.KVEvent.REMOVED:
+                self.blocks.difference_update(hashes)
+            else:
+                self.blocks.clear()
+            self.seq += 1
+            if send:
+                self._send(self.batch(kind, hashes))
+
+    def _send(self, item) -> None:
+        for q in self.open:
+            q.put(item)
+
+
+class FakeKVEvents(kv_events_pb2_grpc.KVEventsServicer):
+    def __init__(self, node: FakeNode):
+        self.node = node
+
+    def Watch(self, request, context):
+        kv, q = self.node.kv, queue.Queue()
+        if kv.refuse is not None:
+            kv.refused += 1
+            context.abort(kv.refuse, f"{self.node.address} refuses KV event streams, as told")
+        with kv.lock:
+            kv.opened += 1
+            kv.open.append(q)
+            q.put(kv.snapshot())
+        try:
+            while context.is_active():
+                try:
+                    item = q.get(timeout=0.02)
+                except queue.Empty:
+                    continue
+                if item is _END:
+                    return
+                if isinstance(item, grpc.StatusCode):
+                    context.abort(item, f"{self.node.address} ends its KV events as told")
+                yield item
+        finally:
+            with kv.lock:
+                kv.open.remove(q)
+
+    def GetTokenizer(self, request, context):
+        node = self.node
+        node.tokenizer_calls += 1
+        if node.tokenizer_fail is not None:
+            context.abort(node.tokenizer_fail, f"{node.address} has no tokenizer to give, as told")
+        return kv_events_pb2.TokenizerInfo(
+            tokenizer_json=TOKENIZER.to_json(),
+            model_fingerprint=FINGERPRINT,
+            page_size=node.kv.page_size,
+            max_context=64,
+        )
+
+
+class FakeAdmin(admin_pb2_grpc.AdminServicer):
+    def __init__(self, node: FakeNode):
+        self.node = node
+
+    def ClearPrefixCache(self, request, context):
+        if self.node.fail_clear is not None:
+            context.abort(self.node.fail_clear, f"{self.node.address} cannot clear, as told")
+        dropped = len(self.node.kv.blocks)
+        self.node.kv.clear()
+        return admin_pb2.ClearPrefixCacheResponse(pages_dropped=dropped)
 
 
 class FakeNode:
-    def __init__(self, role: str, rooms: Rooms, tokens: int = 4, token_s: float = 0.0, first_s: float = 0.0):
+    def __init__(
+        self,
+        role: str,
+        rooms: Rooms,
+        tokens: int = 4,
+        token_s: float = 0.0,
+        first_s: float = 0.0,
+        kv_events: bool = False,
+        page_size: int = 4,
+    ):
         self.role, self.rooms = role, rooms
         self.tokens, self.token_s, self.first_s = tokens, token_s, first_s  # tokens per request, seconds
         self.requests: list = []  # every request received, in order
@@ -117,12 +267,23 @@ class FakeNode:
         self.fail_late_s: float | None = None  # prefill: fail only this long after the room was prefilled
         self.stall_after: int | None = None  # stream this many tokens, then send nothing until cancelled
         self.hold: threading.Event | None = None  # prefill: block until set or cancelled
+        self.cached_tokens = 0  # what its answers say it found cached (PrefillResponse, Usage)
+        self.kv = FakeKV(role, page_size)  # served only with kv_events=True
+        self.tokenizer_calls = 0
+        self.tokenizer_fail: grpc.StatusCode | None = None  # GetTokenizer fails with this code
+        self.fail_clear: grpc.StatusCode | None = None  # Admin.ClearPrefixCache fails with this code
         if role == "prefill":
             services = [(prefill_pb2_grpc.add_PrefillServicer_to_server, FakePrefill(self))]
             names = ["kvbridge.v1.Prefill"]
         else:
             services = [(generation_pb2_grpc.add_GenerationServicer_to_server, FakeGeneration(self))]
             names = ["kvbridge.v1.Generation"]
+        if kv_events:
+            services += [
+                (kv_events_pb2_grpc.add_KVEventsServicer_to_server, FakeKVEvents(self)),
+                (admin_pb2_grpc.add_AdminServicer_to_server, FakeAdmin(self)),
+            ]
+            names += ["kvbridge.v1.KVEvents", "kvbridge.v1.Admin"]
         self.server, port, self.health = rpc.make_server("127.0.0.1", 0, services, names)
         self.address = f"127.0.0.1:{port}"
         self.server.start()

@@ -123,7 +123,7 @@ def healthy(router: Router, *addresses: str) -> bool:
 
 def test_router_without_nodes_serves_once_nodes_are_added_and_routing_follows_removals(nodes, make_router):
     c1, c2 = nodes["c1"], nodes["c2"]
-    r = make_router()
+    r = make_router(routing="least_loaded")  # (cache_aware would send the same prompt to the node that cached it)
     stub = admin(r)
     assert (health(r, ""), health(r, "kvbridge.v1.Generation")) == (NOT_SERVING, NOT_SERVING)
     err = rpc_error(lambda: tokens(r))
@@ -159,7 +159,7 @@ def test_router_without_nodes_serves_once_nodes_are_added_and_routing_follows_re
 
 def test_half_a_prefill_decode_pair_serves_nothing_and_the_pair_shares_with_colocated(nodes, make_router):
     c1, p, d = nodes["c1"], nodes["p"], nodes["d"]
-    r = make_router(prefill=(p.address,))  # half a pair: a valid start, not serving
+    r = make_router(prefill=(p.address,), routing="least_loaded")  # half a pair: a valid start, not serving
     assert wait_until(lambda: healthy(r, p.address))
     assert health(r, "kvbridge.v1.Generation") == NOT_SERVING
     stub = admin(r)
@@ -394,5 +394,8 @@ def test_status_and_config_describe_the_router_and_its_fleet(nodes, make_router)
         "http_header_timeout_s": 10.0,
         "http_body_timeout_s": 30.0,
         "http_keep_alive_s": 5.0,
+        "routing": "cache_aware",
+        "balance_abs_threshold": 64,
+        "balance_rel_threshold": 1.5,
         "nodes": [{"role": "colocated", "address": c1.address}],
     }

@@ -1,6 +1,7 @@
 """The router in front of real colocated nodes (tiny-random): same tokens as the nodes, both
-nodes used, the official openai client, bad input never reaching or killing anything, a stopped
-node routed around, and a vanished client aborting the request on its node."""
+nodes used, a repeated prompt sent to the node that cached it, the official openai client, bad
+input never reaching or killing anything, a stopped node routed around, and a vanished client
+aborting the request on its node."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from common import rpc
+from common.blocks import block_hashes
 from engine.config import EngineConfig, PPConfig
 from kvbridge.nodes import start_node
 from kvbridge.v1 import common_pb2, generation_pb2, generation_pb2_grpc
@@ -25,7 +27,7 @@ from router.server import start_router
 from serving.config import NodeConfig
 from tests.conftest import make_prompts
 from tests.pd import status
-from tests.router.fakes import make_request
+from tests.router.fakes import make_request, wait_until
 
 TINY = EngineConfig(model="tiny-random", page_size=4, kv_cache_tokens=8192)
 VOCAB = 320  # tiny-random's vocabulary
@@ -99,6 +101,25 @@ def test_both_nodes_serve_requests(router, nodes):
     assert [a - b for a, b in zip(after, before)] == [3, 3]  # idle and equal: strict alternation
     st = status(f"127.0.0.1:{router.port}")
     assert st.role == "router" and set(st.queues.values()) == {0} and st.requests_served >= 6
+
+
+def test_a_repeated_prompt_goes_to_the_node_that_cached_it(router, nodes):
+    prompt = make_prompts(1, VOCAB, seed=11, min_len=17, max_len=17)[0]  # 4 full pages of 4
+    stub = gen_stub(f"127.0.0.1:{router.port}")
+    labels = {"role": "colocated", "policy": "cache_aware", "reason": "prefix_hit"}
+
+    def hits() -> float:
+        return router.dispatcher.metrics.registry.get_sample_value("kvbridge_router_routing_decisions_total", labels)
+
+    before, hits_before = [status(n.address).requests_served for n in nodes], hits() or 0.0
+    run(stub, make_request(prompt, max_new_tokens=2))
+    [first] = [i for i, n in enumerate(nodes) if status(n.address).requests_served > before[i]]
+    index = next(n for n in router.pool.nodes if n.address == nodes[first].address).blocks
+    assert wait_until(lambda: block_hashes(prompt, 4)[0] in index)  # its KV events reached the router
+    for _ in range(3):
+        run(stub, make_request(prompt, max_new_tokens=2))
+    served = [status(n.address).requests_served - b for n, b in zip(nodes, before)]
+    assert (served[first], served[1 - first], hits() - hits_before) == (4, 0, 3)
 
 
 def test_openai_client_chat_and_streamed_completion(router, nodes):

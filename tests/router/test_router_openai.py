@@ -238,13 +238,10 @@ def test_any_bytes_parse_or_are_a_bad_request(raw):
         parse_request(raw, chat=False)
 
 
-def responses(*texts: str, finish: str = "length") -> list[generation_pb2.GenerateResponse]:
+def responses(*texts: str, finish: str = "length", cached: int = 0) -> list[generation_pb2.GenerateResponse]:
     out = [generation_pb2.GenerateResponse(rid="r", token_ids=[i], text=t) for i, t in enumerate(texts)]
-    out.append(
-        generation_pb2.GenerateResponse(
-            rid="r", finish_reason=finish, usage=common_pb2.Usage(prompt_tokens=3, completion_tokens=len(texts))
-        )
-    )
+    usage = common_pb2.Usage(prompt_tokens=3, completion_tokens=len(texts), cached_tokens=cached)
+    out.append(generation_pb2.GenerateResponse(rid="r", finish_reason=finish, usage=usage))
     return out
 
 
@@ -257,13 +254,15 @@ def test_chat_stream_chunks_then_usage():
     assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, None, "length"]
     assert chunks[0]["id"] == "chatcmpl-r" and chunks[0]["object"] == "chat.completion.chunk"
     assert all(c["usage"] is None for c in chunks)
-    assert reply.usage_chunk()["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+    assert reply.usage_chunk()["usage"] == {
+        "prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6, "prompt_tokens_details": {"cached_tokens": 0}
+    }  # fmt: skip
     assert reply.final()["choices"][0]["message"] == {"role": "assistant", "content": "Hello"}
 
 
 def test_completion_final_body():
     reply = Reply(parse(prompt="q"), "r", "m", created=1)
-    for r in responses("a", "b", finish="stop"):
+    for r in responses("a", "b", finish="stop", cached=2):
         reply.add(r)
     assert reply.usage_chunk() is None
     assert reply.final() == {
@@ -272,8 +271,22 @@ def test_completion_final_body():
         "created": 1,
         "model": "m",
         "choices": [{"index": 0, "text": "ab", "logprobs": None, "finish_reason": "stop"}],
-        "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
-    }
+        "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
+                  "prompt_tokens_details": {"cached_tokens": 2}},
+    }  # fmt: skip
+
+
+def test_cache_salt_is_a_non_empty_string_of_at_most_256_bytes():
+    assert parse(prompt="x", cache_salt="tenant-a").request.cache_salt == "tenant-a"
+    assert parse(chat=True, messages=[{"role": "user", "content": "x"}], cache_salt="é" * 128).request.cache_salt
+    assert parse(prompt="x").request.cache_salt == ""
+    for bad in ("", 5, ["a"]):
+        with pytest.raises(BadRequest, match=r"^cache_salt must be a non-empty string, got ") as err:
+            parse(prompt="x", cache_salt=bad)
+        assert err.value.param == "cache_salt"
+    with pytest.raises(BadRequest, match=r"^cache_salt is 258 UTF-8 bytes; at most 256$") as err:
+        parse(prompt="x", cache_salt="é" * 129)
+    assert err.value.param == "cache_salt"
 
 
 @pytest.mark.parametrize(
