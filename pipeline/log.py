@@ -17,7 +17,8 @@ from engine.batch import ForwardBatch
 
 ADMIT, ROUTE, FINISH, ABORT = "admit", "route", "finish", "abort"
 RETRACT, RESUME = "retract", "resume"  # decode: a request's KV to host memory and back (info: its pages)
-KINDS = (ADMIT, ROUTE, FINISH, ABORT, RETRACT, RESUME)
+REUSE = "reuse"  # the request starts from these pages of the prefix cache (info: {"pages": [...]}), not computed
+KINDS = (ADMIT, ROUTE, FINISH, ABORT, RETRACT, RESUME, REUSE)
 ENDS = (FINISH, ABORT)  # the request is gone after these
 STEP, CONTROL, SHUTDOWN = "step", "control", "shutdown"
 
@@ -26,7 +27,7 @@ STEP, CONTROL, SHUTDOWN = "step", "control", "shutdown"
 class LogEntry:
     seq: int  # position in the node's decision log, from 0, contiguous
     kind: str  # ADMIT (the request exists; carries its sampling params) | ROUTE (where its KV goes) | FINISH | ABORT
-    # | RETRACT / RESUME
+    # | RETRACT / RESUME | REUSE
     rid: str
     params: SamplingParams | None = None  # ADMIT only: the last rank samples with it
     info: dict | None = None  # role-specific, JSON-safe (e.g. a disaggregated request's room and pages)

@@ -35,7 +35,7 @@ from engine.sampler import sample
 from engine.scheduler import ScheduledStep, Scheduler
 from pipeline.agent import KVAgent
 from pipeline.dist import Link
-from pipeline.log import ABORT, ADMIT, CONTROL, FINISH, SHUTDOWN, STEP, LogEntry, Message, PipelineLog
+from pipeline.log import ABORT, ADMIT, CONTROL, FINISH, REUSE, SHUTDOWN, STEP, LogEntry, Message, PipelineLog
 from pipeline.messages import Abort, Add, Answer, Ask, CacheEvents, Finish, Register, Shutdown, Token, Wake
 from pipeline.metrics import RankRecorder
 from pipeline.roles import ColocatedRole, Role
@@ -113,6 +113,9 @@ class Rank0Loop:
     def _launch(self, step: ScheduledStep) -> None:
         for req, q_len in zip(step.requests, step.batch.q_lens):
             self.announce(req)
+            start = req.num_computed - q_len
+            if req.phase is Phase.WAITING and start:  # admitted past its cached prefix: every rank learns it
+                self.decide(REUSE, req.rid, info={"pages": req.page_table.pages[: start // self.pool.page_size]})
             if req.num_computed <= len(req.prompt_ids):  # (num_computed already counts this step)
                 self.recorder.chunk(q_len)
                 self.move(req, Phase.PREFILLING)

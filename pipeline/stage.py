@@ -11,14 +11,14 @@ from __future__ import annotations
 import torch
 
 from engine import faults
-from engine.batch import AttentionMetadata
+from engine.batch import AttentionMetadata, ForwardBatch
 from engine.kv_pool import KVPool
 from engine.model import ModelStage
 from engine.request import Request
 from engine.sampler import sample
 from pipeline.agent import KVAgent
 from pipeline.dist import Link
-from pipeline.log import ADMIT, ENDS, SHUTDOWN, STEP, LogEntry, Message, PipelineLog
+from pipeline.log import ADMIT, ENDS, REUSE, SHUTDOWN, STEP, LogEntry, Message, PipelineLog
 
 
 class StageLoop:
@@ -31,6 +31,7 @@ class StageLoop:
         self.is_last = rank == pp_size - 1
         self.emit = self._return_tokens if self.is_last else self._forward
         self.live: dict[str, Request] = {}  # admitted requests: the last rank's sampler state
+        self.reused: dict[str, list[int]] = {}  # rid -> the cached pages its next chunk must start from (REUSE)
         self.log = PipelineLog()
 
     def run(self) -> PipelineLog:
@@ -40,6 +41,8 @@ class StageLoop:
             self._apply(msg.decisions)
             if msg.kind == STEP:
                 b = msg.batch
+                if self.reused:
+                    self._check_reuse(b)
                 meta = AttentionMetadata.build(b, self.pool.page_size, self.stage.device)
                 hidden = self.link.recv_tensor(
                     (b.num_tokens, self.stage.config.hidden_size), self.stage.dtype, self.prev
@@ -60,9 +63,20 @@ class StageLoop:
             if d.kind == ADMIT:
                 self.live[d.rid] = req = Request(d.rid, [], d.params, None)
                 req.num_sampled = (d.info or {}).get("first_sample_index", 0)
+            elif d.kind == REUSE:
+                self.reused[d.rid] = list(d.info["pages"])
             elif d.kind in ENDS:
                 del self.live[d.rid]
+                self.reused.pop(d.rid, None)
             self.agent.on_decision(d)
+
+    def _check_reuse(self, b: ForwardBatch) -> None:
+        """A request's chunk after its REUSE starts right after those pages, at their place in its
+        table: this rank reads the prefix rank 0 decided on, or stops (it would compute garbage)."""
+        for rid, start, table in zip(b.rids, b.starts, b.page_tables):
+            pages = self.reused.pop(rid, None)
+            if pages is not None and (start != len(pages) * self.pool.page_size or list(table[: len(pages)]) != pages):
+                raise AssertionError(f"rank {self.rank}: {rid} starts at {start} on pages {table[:8]}, not on {pages}")
 
     def _forward(self, raw: bytes, msg: Message, meta: AttentionMetadata, hidden: torch.Tensor) -> None:
         self.link.send_bytes(raw, self.rank + 1)

@@ -1,8 +1,8 @@
 """A prefill rank's part of the hand-off: connect to the decode ranks a request's KV goes
 to, push the pages each prefill chunk wrote, and report to consensus.
 
-A request's first chunk may start past the prompt's first pages (found in the prefix cache):
-those pages are pushed with it, as if it had computed them. The decode node may hold the prompt's
+A request's first chunk may start past the prompt's first pages (found in the prefix cache; a
+REUSE entry of the log names them): those pages are pushed with it, as if it had computed them. The decode node may hold the prompt's
 first pages already (its own prefix cache: the route's `held` pages): those are never pushed.
 
 Prefill does not wait for the route (the decode node's registration, a ROUTE decision):
@@ -29,7 +29,7 @@ from kv_transfer import KVPoll, StatusChange, make_sender
 from kv_transfer.adapters import layout_from_dict
 from pipeline.agent import KVAgent
 from pipeline.control import ControlChannel
-from pipeline.log import ABORT, FINISH, ROUTE, LogEntry
+from pipeline.log import ABORT, FINISH, REUSE, ROUTE, LogEntry
 from pipeline.metrics import RankRecorder
 
 log = logging.getLogger("kvbridge.transfer")
@@ -66,7 +66,7 @@ class PrefillAgent(KVAgent):
         self.routes: dict[str, Route] = {}  # rid -> route, while the request transfers
         self.unrouted: dict[str, Unrouted] = {}  # rid -> what was computed before its route
         self.senders: dict[str, object] = {}  # backend name -> its Sender, made on first use
-        self.started: set[str] = set()  # rids whose first chunk this rank computed (until they end)
+        self.reused: set[str] = set()  # rids whose next chunk starts past cached pages (REUSE): pushed from page 0
         self.recorder = recorder
         self.faults = faults.current()
         # bytes of one page of this rank's layers
@@ -89,13 +89,15 @@ class PrefillAgent(KVAgent):
             decode, secret = layout_from_dict(info["decode"]), bytes.fromhex(info["secret"])
             self._sender(route.backend).connect(route.room, decode, route.page_ids, secret, d.rid)
             done = self.unrouted.pop(d.rid, None)
-            if done is not None and self._push(route, done.table, 0, done.end) and done.done:
+            if done is not None and self._push(route, done.table, 0, done.end, done.done) and done.done:
                 if self.is_last:
                     self._sender(route.backend).send_first_token(route.room, done.first_token, done.end)
                 self._finish(route, done.end)
+        elif d.kind == REUSE:
+            self.reused.add(d.rid)
         elif d.kind in (FINISH, ABORT):
             self.unrouted.pop(d.rid, None)
-            self.started.discard(d.rid)
+            self.reused.discard(d.rid)
             route = self.routes.pop(d.rid, None)
             if route is None:
                 return
@@ -111,19 +113,21 @@ class PrefillAgent(KVAgent):
             batch.rids, batch.starts, batch.q_lens, batch.page_tables, batch.sample
         ):
             end = start + q_len
-            if rid not in self.started:  # its first chunk: the cached pages before it go too
-                self.started.add(rid)
+            if rid in self.reused:  # its first chunk: the cached pages before it go too
+                self.reused.discard(rid)
                 start = 0
             route = self.routes.get(rid)
             if route is None:  # pushed once the route is known
                 self.unrouted[rid] = Unrouted(list(table), end, done=sample)
-            elif self._push(route, table, start, end) and sample and not self.is_last:
+            elif self._push(route, table, start, end, sample) and sample and not self.is_last:
                 self._finish(route, end)  # (the last rank finishes after sending the first token)
 
-    def _push(self, route: Route, table, start: int, end: int) -> bool:
-        """Queue the pages holding prompt tokens [start, end), but those the decode node holds; False
-        when the room failed instead."""
-        first, last = max(start // self.page_size, route.held), (end - 1) // self.page_size + 1
+    def _push(self, route: Route, table, start: int, end: int, final: bool) -> bool:
+        """Queue the pages holding prompt tokens [start, end), but those the decode node holds and,
+        unless the prompt ends here (`final`), a last page the next chunk still writes to (it goes
+        with that chunk: no page is pushed twice); False when the room failed instead."""
+        ps = self.page_size
+        first, last = max(start // ps, route.held), (end - 1) // ps + 1 if final else end // ps
         sender = self._sender(route.backend)
         if route.doomed:
             sender.abort(route.room, INJECTED)

@@ -2,14 +2,19 @@
 nodes, with the prefix cache and each routing policy, against the cache turned off.
 
     kvbridge bench prefix [--conversations 8] [--turns 6] [--system-tokens 480] [--user-tokens 45]
+        [--turn-period-s 12]
         [--output-tokens 24] [--seed 0] [--model smollm2-135m-instruct]
         [--modes cache_aware,least_loaded,round_robin,cache_off] [--json]
 
 The workload (kvbridge/bench/prefix_load.py): --conversations chats of --turns turns, all sharing one
 system prompt of --system-tokens tokens; each user message --user-tokens tokens, +-1/3 (seeded by
 --seed); every reply greedy, ignore_eos, --output-tokens long. Each turn's prompt is the whole
-conversation so far (system, users, the replies as returned, the next user) as chat messages;
-conversations run at once, each one's turns in order, a turn sent when the previous reply ended.
+conversation so far (system, users, the replies as returned, the next user) as chat messages.
+Every mode gets the same arrival schedule: turn t of conversation c is sent at
+(c / N + t - 1) * --turn-period-s after the start, as users who read a reply before they answer
+(or as soon as its previous reply ended, if that is later); 0 sends each turn right after the
+previous reply (closed loop: a faster mode then also runs more decodes at once, which on a shared
+CPU slows every token of them, so its inter-token latency would not compare).
 
 The modes, on the same workload: cache_aware, least_loaded, round_robin (the router's --routing,
 prefix cache on) and cache_off (nodes started with --disable-prefix-cache, routing least_loaded).
@@ -96,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--system-tokens", type=int, default=480, help="the shared system prompt's length")
     ap.add_argument("--user-tokens", type=int, default=45, help="each user message: this, +-1/3")
     ap.add_argument("--output-tokens", type=int, default=24, help="every reply's length")
+    ap.add_argument(
+        "--turn-period-s", type=float, default=12.0, help="seconds between a conversation's turns (0: closed loop)"
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--modes", type=_modes, default=list(MODES), help=f"default: {','.join(MODES)}")
@@ -118,6 +126,8 @@ def check(args: argparse.Namespace) -> None:
             raise BenchUsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.threads < 0 or not args.request_timeout_s > 0:
         raise BenchUsageError("--threads must be >= 0 and --request-timeout-s > 0")
+    if not 0 <= args.turn_period_s < float("inf"):
+        raise BenchUsageError(f"--turn-period-s must be >= 0, got {args.turn_period_s}")
 
 
 def check_context(w: ChatWorkload, max_context: int) -> None:
@@ -242,10 +252,13 @@ def run_mode(args, pool, fleet: PrefixFleet, mode: str, w: ChatWorkload, warm: l
     time.sleep(0.5)  # the router's KV event streams see the clearing
     before, routed = fleet.counters(), fleet.routing_decisions()
     log(f"{mode}: {len(w.users)} conversations x {len(w.users[0])} turns ...")
-    records, duration = pool.submit(prefix_load.run_chats, address, w, args.request_timeout_s, mode).result()
+    records, duration = pool.submit(
+        prefix_load.run_chats, address, w, args.request_timeout_s, mode, args.turn_period_s
+    ).result()
     delta = counter_delta(before, fleet.counters())
     head = {"bench": "prefix", "mode": mode, "routing": policy, "prefix_cache": cache, "model": args.model}
     head |= {"seed": args.seed, "conversations": len(w.users), "turns": len(w.users[0]), "page_size": args.page_size}
+    head["turn_period_s"] = args.turn_period_s
     head["caches_cleared"] = cleared is not None
     row = mode_row(head, records, duration, delta, args.page_size)
     after = fleet.routing_decisions()

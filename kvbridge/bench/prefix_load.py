@@ -7,7 +7,8 @@ prompts of turns >= 2 are only known while the run goes.
 
 `run_chats` (and `run_warmup`) are synchronous entry points meant for a child process of their own,
 as bench serve's load generator: asyncio + grpc.aio against the router's Generation service. Every
-conversation is one task sending its turns in order, each once the previous reply ended; each
+conversation is one task sending its turns in order, each at its time on the schedule (`period_s`:
+turn t of conversation c at (c / N + t - 1) * period_s) or once the previous reply ended if later; each
 turn's prompt is the conversation so far as chat messages (system, user, the replies as returned,
 the next user). Timings are taken here: TTFT at the first response carrying tokens, ITL between
 such responses, latency at the end of the stream. Usage (prompt, cached, completion tokens) comes
@@ -124,9 +125,13 @@ async def send_turn(stub, messages: list[tuple[str, str]], rec: TurnRecord, max_
     return "".join(text)
 
 
-async def _conversation(stub, w: ChatWorkload, c: int, out: list[TurnRecord], timeout_s: float) -> None:
+async def _conversation(
+    stub, w: ChatWorkload, c: int, out: list[TurnRecord], timeout_s: float, period_s: float, t0: float
+) -> None:
     messages = [("system", w.system)]
     for t, user in enumerate(w.users[c], 1):
+        due = t0 + (c / len(w.users) + t - 1) * period_s
+        await asyncio.sleep(max(0.0, due - time.perf_counter()))
         messages.append(("user", user))
         rec = TurnRecord(c, t)
         reply = await send_turn(stub, messages, rec, w.output_tokens, timeout_s)
@@ -145,7 +150,9 @@ async def _progress(label: str, total: int, out: list[TurnRecord]) -> None:
         print(line, file=sys.stderr, flush=True)
 
 
-async def _chats(address: str, w: ChatWorkload, timeout_s: float, label: str) -> tuple[list[TurnRecord], float]:
+async def _chats(
+    address: str, w: ChatWorkload, timeout_s: float, label: str, period_s: float
+) -> tuple[list[TurnRecord], float]:
     from common import rpc
     from kvbridge.v1 import generation_pb2_grpc
 
@@ -154,16 +161,19 @@ async def _chats(address: str, w: ChatWorkload, timeout_s: float, label: str) ->
         stub = generation_pb2_grpc.GenerationStub(channel)
         reporter = asyncio.create_task(_progress(label, w.requests, out))
         t0 = time.perf_counter()
-        await asyncio.gather(*(_conversation(stub, w, c, out, timeout_s) for c in range(len(w.users))))
+        await asyncio.gather(*(_conversation(stub, w, c, out, timeout_s, period_s, t0) for c in range(len(w.users))))
         duration = time.perf_counter() - t0
         reporter.cancel()
     return sorted(out, key=lambda r: (r.conversation, r.turn)), duration
 
 
-def run_chats(address: str, w: ChatWorkload, timeout_s: float, label: str) -> tuple[list[TurnRecord], float]:
-    """Every conversation of `w` at once through the router at `address` (host:port of its gRPC
-    Generation). Returns the records by (conversation, turn) and the run's duration."""
-    return asyncio.run(_chats(address, w, timeout_s, label))
+def run_chats(
+    address: str, w: ChatWorkload, timeout_s: float, label: str, period_s: float = 0.0
+) -> tuple[list[TurnRecord], float]:
+    """Every conversation of `w` through the router at `address` (host:port of its gRPC Generation),
+    on the schedule of `period_s` (0: each turn right after the previous reply). Returns the records
+    by (conversation, turn) and the run's duration."""
+    return asyncio.run(_chats(address, w, timeout_s, label, period_s))
 
 
 async def _warmup(address: str, prompts: list[str], timeout_s: float) -> list[TurnRecord]:

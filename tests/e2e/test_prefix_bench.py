@@ -16,7 +16,7 @@ from kvbridge.bench.prefix_report import change_pct, mode_row, on_prefix_node, p
 from kvbridge.bench.serve import BenchUsageError
 
 ROW_KEYS = {
-    "bench", "mode", "routing", "prefix_cache", "model", "seed", "conversations", "turns", "page_size",
+    "bench", "mode", "routing", "prefix_cache", "model", "seed", "conversations", "turns", "page_size", "turn_period_s",
     "caches_cleared", "requests", "failed", "failed_by_reason", "duration_s", "prompt_tokens", "cached_tokens",
     "prefill_query_tokens", "prefill_hit_tokens", "prefix_cache_hit_rate", "decode_hit_rate",
     "prefill_tokens_computed", "kv_bytes_moved", "transfer_kv_bytes", "decode_pages_skipped", "evicted_pages",
@@ -214,7 +214,7 @@ def test_a_bad_flag_is_one_line_and_exit_2(capsys, argv, named):
 def test_every_mode_on_tiny_random(capsys):
     """Needs the node and router sides of the prefix cache (RouterConfig.routing, Usage.cached_tokens)."""
     argv = ["--model", "tiny-random", "--conversations", "2", "--turns", "2", "--system-tokens", "96",
-            "--user-tokens", "12", "--output-tokens", "6", "--json"]  # fmt: skip
+            "--user-tokens", "12", "--output-tokens", "6", "--turn-period-s", "0.5", "--json"]  # fmt: skip
     assert prefix.main(argv) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     runs, s = rows[:-1], rows[-1]
