@@ -2,8 +2,9 @@
 to, push the pages each prefill chunk wrote, and report to consensus.
 
 A request's first chunk may start past the prompt's first pages (found in the prefix cache; a
-REUSE entry of the log names them): those pages are pushed with it, as if it had computed them. The decode node may hold the prompt's
-first pages already (its own prefix cache: the route's `held` pages): those are never pushed.
+REUSE entry of the log names them): those pages are pushed with it, as if it had computed them.
+The decode node may hold the prompt's first pages already (its own prefix cache: the route's
+`held` pages): those are never pushed.
 
 Prefill does not wait for the route (the decode node's registration, a ROUTE decision):
 chunks computed before it are remembered (`Unrouted`) and pushed the moment it arrives, the
