@@ -10,11 +10,12 @@ The workload (kvbridge/bench/prefix_load.py): --conversations chats of --turns t
 system prompt of --system-tokens tokens; each user message --user-tokens tokens, +-1/3 (seeded by
 --seed); every reply greedy, ignore_eos, --output-tokens long. Each turn's prompt is the whole
 conversation so far (system, users, the replies as returned, the next user) as chat messages.
-Every mode gets the same arrival schedule: turn t of conversation c is sent at
-(c / N + t - 1) * --turn-period-s after the start, as users who read a reply before they answer
-(or as soon as its previous reply ended, if that is later); 0 sends each turn right after the
-previous reply (closed loop: a faster mode then also runs more decodes at once, which on a shared
-CPU slows every token of them, so its inter-token latency would not compare).
+Every mode gets the same arrival schedule, drawn from the seed: a conversation's first turn within
+the first --turn-period-s, each next one a think time of 0.5 to 1.5 periods later, as users who
+read a reply before they answer (or as soon as its previous reply ended, if that is later). 0
+sends each turn right after the previous reply (closed loop: a faster mode then also runs more
+decodes at once, which on a shared CPU slows every token of them, so its inter-token latency
+would not compare).
 
 The modes, on the same workload: cache_aware, least_loaded, round_robin (the router's --routing,
 prefix cache on) and cache_off (nodes started with --disable-prefix-cache, routing least_loaded).

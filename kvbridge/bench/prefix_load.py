@@ -7,8 +7,8 @@ prompts of turns >= 2 are only known while the run goes.
 
 `run_chats` (and `run_warmup`) are synchronous entry points meant for a child process of their own,
 as bench serve's load generator: asyncio + grpc.aio against the router's Generation service. Every
-conversation is one task sending its turns in order, each at its time on the schedule (`period_s`:
-turn t of conversation c at (c / N + t - 1) * period_s) or once the previous reply ended if later; each
+conversation is one task sending its turns in order, each at its time on the schedule
+(`ChatWorkload.sends` times `period_s`) or once the previous reply ended if later; each
 turn's prompt is the conversation so far as chat messages (system, user, the replies as returned,
 the next user). Timings are taken here: TTFT at the first response carrying tokens, ITL between
 such responses, latency at the end of the stream. Usage (prompt, cached, completion tokens) comes
@@ -37,6 +37,10 @@ class ChatWorkload:
     output_tokens: int  # max_new_tokens of every reply (ignore_eos, greedy)
     system_tokens: int  # the system prompt's measured length
     user_tokens: tuple[tuple[int, ...], ...]  # each user message's measured length
+    # sends[c][t]: when turn t + 1 of conversation c is due, in turn periods from the start: the
+    # first in [0, 1), each next one a think time of 0.5 to 1.5 periods later (seeded: the same
+    # schedule for every mode, no two conversations in step)
+    sends: tuple[tuple[float, ...], ...] = ()
 
     @property
     def requests(self) -> int:
@@ -61,7 +65,13 @@ def build_workload(
         drawn = [texts.words(rng, rng.randint(lo, hi)) for _ in range(turns)]
         users.append(tuple(text for text, _ in drawn))
         lens.append(tuple(n for _, n in drawn))
-    return ChatWorkload(system, tuple(users), output_tokens, system_len, tuple(lens))
+    sends = []
+    for _ in range(conversations):  # (drawn after the texts: the same seed gives the same texts)
+        at = [rng.random()]
+        for _ in range(turns - 1):
+            at.append(at[-1] + rng.uniform(0.5, 1.5))
+        sends.append(tuple(at))
+    return ChatWorkload(system, tuple(users), output_tokens, system_len, tuple(lens), tuple(sends))
 
 
 @dataclass
@@ -130,7 +140,7 @@ async def _conversation(
 ) -> None:
     messages = [("system", w.system)]
     for t, user in enumerate(w.users[c], 1):
-        due = t0 + (c / len(w.users) + t - 1) * period_s
+        due = t0 + w.sends[c][t - 1] * period_s
         await asyncio.sleep(max(0.0, due - time.perf_counter()))
         messages.append(("user", user))
         rec = TurnRecord(c, t)

@@ -285,6 +285,13 @@ class Answer:
     body: dict | None = None  # the JSON body of a non-200 answer
 
 
+def counts(usage: dict) -> dict:
+    """The usage a request must get whichever node served it: its token counts. (How many prompt
+    tokens were found cached depends on what that node served before: tests/e2e/test_cache_routing.py
+    and tests/nodes/test_cached_turns.py check those.)"""
+    return {k: v for k, v in usage.items() if k != "prompt_tokens_details"}
+
+
 def make_chats(n: int, seed: int, max_tokens: int = MAX_TOKENS) -> list[dict]:
     """n streamed greedy chat requests with prompts drawn from `seed` (<= 40 tokens with the template)."""
     rng = random.Random(seed)
@@ -319,7 +326,7 @@ async def post(http: httpx.AsyncClient, port: int, body: dict, on_first=None) ->
                 if r.status_code != 200:
                     return Answer(r.status_code, body=raw)
                 [choice] = raw["choices"]
-                return Answer(200, choice["message"]["content"], choice["finish_reason"], usage=raw["usage"])
+                return Answer(200, choice["message"]["content"], choice["finish_reason"], usage=counts(raw["usage"]))
             answer = Answer(200)
             async for line in r.aiter_lines():
                 if not line:
@@ -333,7 +340,7 @@ async def post(http: httpx.AsyncClient, port: int, body: dict, on_first=None) ->
                     answer.errors.append(event)
                     continue
                 if event.get("usage"):
-                    answer.usage = event["usage"]
+                    answer.usage = counts(event["usage"])
                 for choice in event["choices"]:
                     if choice["delta"].get("content") and on_first is not None and not answer.text:
                         on_first()

@@ -4,6 +4,7 @@ mode on tiny-random."""
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -44,6 +45,10 @@ def test_the_workload_is_fixed_by_the_seed(tokenizer):
     assert len(a.users) == 3 and all(len(u) == 4 for u in a.users) and a.requests == 12
     assert a.output_tokens == 24
     assert len({u for conv in a.users for u in conv}) == 12  # every user message its own
+    # the send schedule: first turns within one period, think times of 0.5..1.5 periods
+    assert [len(s) for s in a.sends] == [4, 4, 4] and all(0 <= s[0] < 1 for s in a.sends)
+    assert all(0.5 <= b - a_ <= 1.5 for s in a.sends for a_, b in itertools.pairwise(s))
+    assert len({s[0] for s in a.sends}) == 3  # no two conversations in step
 
 
 def test_the_workload_lengths_are_measured_and_near_their_targets(tokenizer):

@@ -54,6 +54,7 @@ def test_a_reflection_only_client_lists_services_and_calls_admin_and_generation(
         "grpc.reflection.v1alpha.ServerReflection",
         "kvbridge.v1.Admin",
         "kvbridge.v1.Generation",
+        "kvbridge.v1.KVEvents",
     ]
     status = result["status"]
     assert (status["role"], status["model"], status["pp_size"], status["serving"]) == (

@@ -180,11 +180,14 @@ def make_router(prefill: list[str], decode: list[str]):
 
 
 def reference(port: int) -> list[list[int]]:
-    """Each prompt's tokens through the router, before anything is killed."""
+    """Each prompt's tokens through the router, before anything is killed; then every node's prefix
+    cache is emptied (the router's Admin asks them all), so that the same prompts sent again prefill
+    whole and stay in each phase as long as the fault delays say."""
     calls = [Call(port, i) for i in range(len(PROMPTS))]
     results = [c.result() for c in calls]
     assert [c.error for c in results] == [None] * len(PROMPTS)
     assert all(len(c.tokens) == MAX_NEW_TOKENS for c in results)
+    admin(f"127.0.0.1:{port}").ClearPrefixCache(admin_pb2.ClearPrefixCacheRequest(), timeout=10)
     return [c.tokens for c in results]
 
 

@@ -65,8 +65,9 @@ def scratch_call(node, fake: FakePrefill, rid: str, room: int, prompt: list[int]
 
 
 def play_prefill(f: Fleet, reg: prefill_pb2.RegisterRequest, prompt_len: int, first_token: int, via="call") -> None:
-    """Everything a prefill node sends for a room: every page's bytes, the notices, the first token
-    (via "call": a FirstToken call; "notice": in the last overlapping source's notice to decode rank 0)."""
+    """Everything a prefill node sends for a room: the bytes of every page it registered (those after
+    its held_pages), the notices, the first token (via "call": a FirstToken call; "notice": in the
+    last overlapping source's notice to decode rank 0)."""
     block = f.d.node.layout.geometry.layer_block_bytes
     for j, dr in enumerate(reg.decode_layout.ranks):
         stub = client(kv_transfer_pb2_grpc.KVReceiverStub, dr.receiver_addr)
@@ -75,11 +76,12 @@ def play_prefill(f: Fleet, reg: prefill_pb2.RegisterRequest, prompt_len: int, fi
             ov = overlap_of(pr, dr)
             lo, hi = ov
             data = bytes(len(reg.page_ids) * (hi - lo) * block)
-            chunk = kv_transfer_pb2.PageChunk(
-                room=reg.room, src_rank=pr.rank, layer_start=lo, layer_end=hi, page_ids=reg.page_ids, data=data
-            )
-            chunk.secret = reg.secret
-            stub.WritePages(iter([chunk]), timeout=10)
+            if reg.page_ids:  # (none when the decode node's prefix cache holds the whole prompt: held_pages)
+                chunk = kv_transfer_pb2.PageChunk(
+                    room=reg.room, src_rank=pr.rank, layer_start=lo, layer_end=hi, page_ids=reg.page_ids, data=data
+                )
+                chunk.secret = reg.secret
+                stub.WritePages(iter([chunk]), timeout=10)
             notice = kv_transfer_pb2.TransferNotice(
                 room=reg.room, src_rank=pr.rank, layer_start=lo, layer_end=hi, num_tokens=prompt_len, bytes=len(data)
             )

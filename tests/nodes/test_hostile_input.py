@@ -25,7 +25,7 @@ from kvbridge.v1 import (
     prefill_pb2_grpc,
 )
 from tests.conftest import make_llm
-from tests.pd import TINY, pd_generate, start_nodes, stop_nodes, token_prompt, wait_idle, wait_phase
+from tests.pd import TINY, clear_cache, pd_generate, start_nodes, stop_nodes, token_prompt, wait_idle, wait_phase
 
 PROMPT = list(range(5, 69))  # 64 tokens: 4 chunks of 16
 MAX_NEW = 8
@@ -110,7 +110,9 @@ def test_a_prompt_too_long_for_the_context_is_refused_before_it_is_tokenized(col
 
 
 def start_pair(p, d):
-    """PROMPT's two halves, as the router sends them: (rid, room, the Prefill future, the Generate stream)."""
+    """PROMPT's two halves, as the router sends them: (rid, room, the Prefill future, the Generate stream).
+    Neither node has it cached (earlier tests sent it): its 4 chunks prefill, its pages all move."""
+    clear_cache(p.address, d.address)
     rid, room = secrets.token_hex(8), secrets.randbits(62) + 1
     prefill = prefill_pb2_grpc.PrefillStub(rpc.make_channel(p.address)).Prefill.future(
         prefill_pb2.PrefillRequest(rid=rid, room=room, prompt=token_prompt(PROMPT), sampling=sampling()), timeout=60
