@@ -19,6 +19,9 @@ _HELP = {
     "colocated": "nodes serving Generation themselves (kvbridge serve), HOST:PORT[,HOST:PORT..]",
     "prefill": "prefill nodes, HOST:PORT[,HOST:PORT..]; disaggregated requests need a prefill and a decode node",
     "decode": "decode nodes, HOST:PORT[,HOST:PORT..]; disaggregated requests need a prefill and a decode node",
+    "discover": "nodes found in DNS, ROLE=NAME:PORT[,ROLE=NAME:PORT..] (a headless Service: one address per pod), "
+    "resolved again every --discover-interval-s; an address gone from the answer is removed",
+    "discover_interval_s": "how often every --discover name is resolved again, seconds",
     "request_timeout_s": "deadline of each upstream Generate / Prefill call, seconds",
     "max_attempts": "tries of a request in all: one that a node fails before any token reached the client "
     "(UNAVAILABLE, RESOURCE_EXHAUSTED, a node timeout, no first token in time) is tried again on other nodes",

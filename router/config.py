@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from itertools import combinations
 
 from common.limits import parse_address
+from router.discovery import parse_target
 from router.policy import POLICIES, Policy
 
 
@@ -17,6 +18,8 @@ class RouterConfig:
     colocated: tuple[str, ...] = ()  # host:port of nodes that serve Generation themselves
     prefill: tuple[str, ...] = ()  # host:port of prefill nodes (Prefill service)
     decode: tuple[str, ...] = ()  # host:port of decode nodes (Generation with a PrefillRoute)
+    discover: tuple[str, ...] = ()  # ROLE=NAME:PORT: nodes found in DNS, re-resolved (router/discovery.py)
+    discover_interval_s: float = 10.0  # how often every --discover name is resolved again, seconds
     request_timeout_s: float = 300.0  # deadline of each upstream Generate / Prefill call, seconds
     max_attempts: int = 3  # node pairs a request is tried on before its failure reaches the client
     retry_backoff_s: float = 0.05  # pause before the first retry, doubling for each next one (capped)
@@ -51,6 +54,10 @@ class RouterConfig:
         for flag, addrs in (("colocated", self.colocated), ("prefill", self.prefill), ("decode", self.decode)):
             for addr in addrs:
                 parse_address(addr, flag)
+        for spec in self.discover:
+            parse_target(spec)
+        if not 0 < self.discover_interval_s < float("inf"):
+            raise ValueError(f"discover_interval_s must be > 0 and finite, got {self.discover_interval_s}")
         seen: set[tuple[str, str]] = set()
         for node in self.nodes:
             if node in seen:

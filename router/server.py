@@ -12,6 +12,7 @@ from common import rpc
 from common.metrics import MetricsServer
 from kvbridge.v1 import admin_pb2_grpc, generation_pb2_grpc
 from router.config import RouterConfig
+from router.discovery import Discovery, parse_target
 from router.dispatch import Dispatcher
 from router.http import HTTPFront
 from router.pool import NodePool
@@ -35,6 +36,9 @@ class Router:
         self._stopped = False
         try:
             self.pool = NodePool(config.nodes, config.health_retry_s, self.loop, policy=config.policy)
+            targets = [parse_target(spec) for spec in config.discover]
+            self.discovery = Discovery(self.pool, targets) if targets else None
+            self._discovering: asyncio.Task | None = None
             self.dispatcher = Dispatcher(self.pool, config)
             # HTTP first: a bad host fails here with a clean message (gRPC's core also logs its own)
             self.http = HTTPFront(config, self.dispatcher)
@@ -61,6 +65,10 @@ class Router:
 
     def start(self) -> None:
         self.pool.start()
+        if self.discovery is not None:  # (its first answer is in before the wait for health reports)
+            self.loop.run(self.discovery.refresh(), timeout=60)
+            every = self.config.discover_interval_s
+            self._discovering = self.loop.invoke(lambda: asyncio.ensure_future(self.discovery.run(every)))
         self.pool.wait_reported(self.config.startup_wait_s)
         self.loop.run(self.http.start(), timeout=10)
 
@@ -84,6 +92,8 @@ class Router:
         await self.http.stop()
         await grpc_stopped
         await self.dispatcher.aclose()
+        if self._discovering is not None:
+            self._discovering.cancel()
         await self.pool.aclose()
 
     def _abandon(self) -> None:

@@ -381,6 +381,8 @@ def test_status_and_config_describe_the_router_and_its_fleet(nodes, make_router)
         "colocated": [c1.address],
         "prefill": [],
         "decode": [],
+        "discover": [],
+        "discover_interval_s": 10.0,
         "request_timeout_s": 30.0,
         "max_attempts": 3,
         "retry_backoff_s": 0.05,
