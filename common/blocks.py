@@ -15,7 +15,13 @@ from __future__ import annotations
 import hashlib
 from array import array
 
-MAX_SALT_BYTES = 256  # a cache_salt longer than this is refused at the fronts
+MAX_SALT_BYTES = 256  # a cache_salt longer than this is refused at the fronts (salt_problem)
+
+
+def salt_problem(salt: str) -> str:
+    """Why a request's cache_salt is refused ("" when it is not): the one rule of router and nodes."""
+    size = len(salt.encode())
+    return f"cache_salt is {size} UTF-8 bytes; at most {MAX_SALT_BYTES}" if size > MAX_SALT_BYTES else ""
 
 
 def root(salt: str = "") -> bytes:

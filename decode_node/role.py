@@ -138,8 +138,7 @@ class DecodeRole:
             reserve = min(
                 reserve, alloc.num_pages - need - len(held)
             )  # never more than the pool: it would wait for ever
-            idle = sum(1 for p in held if not alloc.holders(p))  # (held again, they are free no more)
-            if not alloc.can_allocate(need + reserve + idle):
+            if not alloc.can_take(need + reserve, held):
                 return
             self.prealloc.remove(req)
             scheduler.reuse(req, held, len(req.prompt_ids))

@@ -45,6 +45,11 @@ class PageAllocator:
     def can_allocate(self, n: int) -> bool:
         return n <= self.num_free
 
+    def can_take(self, new: int, shared: list[int]) -> bool:
+        """`new` pages can be allocated after `shared` (cached pages) are shared: the idle ones among
+        them count as free until then."""
+        return self.can_allocate(new + sum(1 for p in shared if p not in self._holders))
+
     def allocate(self, owner: str, n: int) -> list[int]:
         if n > self.num_free:
             raise MemoryError(f"{owner}: asked for {n} KV pages, {self.num_free} free")

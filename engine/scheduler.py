@@ -100,8 +100,7 @@ class Scheduler:
                 break
             hit = self.cached_prefix(req)
             # admit only when the whole known sequence fits, so admission never starves decodes
-            idle_hits = sum(1 for p in hit if not self.allocator.holders(p))
-            if not self.allocator.can_allocate(req.page_table.num_pages_needed(req.num_tokens) - len(hit) + idle_hits):
+            if not self.allocator.can_take(req.page_table.num_pages_needed(req.num_tokens) - len(hit), hit):
                 break
             self.waiting.popleft()
             self.running.append(req)

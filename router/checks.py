@@ -8,7 +8,7 @@ costs no upstream call. Each check raises ValueError naming the field and the ba
 from __future__ import annotations
 
 from common import sampling
-from common.blocks import MAX_SALT_BYTES
+from common.blocks import salt_problem
 from common.limits import MAX_CLIENT_RID_CHARS, rid_problem
 from kvbridge.v1 import generation_pb2
 
@@ -47,6 +47,5 @@ def check_sampling(req: generation_pb2.GenerateRequest) -> None:
 
 
 def check_cache_salt(req: generation_pb2.GenerateRequest) -> None:
-    size = len(req.cache_salt.encode())
-    if size > MAX_SALT_BYTES:
-        raise ValueError(f"cache_salt is {size} UTF-8 bytes; at most {MAX_SALT_BYTES}")
+    if problem := salt_problem(req.cache_salt):
+        raise ValueError(problem)

@@ -109,8 +109,8 @@ class NodeFront:
         problem = rid_problem(rid)
         if problem:
             raise ValueError(problem)
-        if len(cache_salt.encode()) > blocks.MAX_SALT_BYTES:
-            raise ValueError(f"cache_salt has {len(cache_salt.encode())} bytes; at most {blocks.MAX_SALT_BYTES}")
+        if problem := blocks.salt_problem(cache_salt):
+            raise ValueError(problem)
         if cache_salt:
             extra = {**(extra or {}), "cache_salt": cache_salt}
         if rid in self._streams:

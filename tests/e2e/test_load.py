@@ -286,9 +286,7 @@ class Answer:
 
 
 def counts(usage: dict) -> dict:
-    """The usage a request must get whichever node served it: its token counts. (How many prompt
-    tokens were found cached depends on what that node served before: tests/e2e/test_cache_routing.py
-    and tests/nodes/test_cached_turns.py check those.)"""
+    """Token counts only: what a node found cached depends on what it served before (test_cache_routing.py)."""
     return {k: v for k, v in usage.items() if k != "prompt_tokens_details"}
 
 

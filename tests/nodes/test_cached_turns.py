@@ -170,7 +170,7 @@ def test_colocated_turns_with_the_cache_equal_cache_off_outputs(fleet, reference
     with pytest.raises(grpc.RpcError) as e:
         list(stub.Generate(too_long, timeout=60))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert e.value.details() == "cache_salt has 257 bytes; at most 256"
+    assert e.value.details() == "cache_salt is 257 UTF-8 bytes; at most 256"
 
 
 def test_the_event_stream_follows_the_cache_from_a_snapshot(fleet, reference):
