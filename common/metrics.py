@@ -171,6 +171,12 @@ class RouterMetrics:
         self.retries = Counter(
             "kvbridge_router_retries", "Requests retried on another node, by reason", ["reason"], registry=r
         )
+        self.migrations = Counter(
+            "kvbridge_router_migrations",
+            "Streams moved to another node pair after tokens reached the client, by the failure's reason",
+            ["reason"],
+            registry=r,
+        )
         self.timeouts = Counter(
             "kvbridge_router_timeouts",
             "Requests whose upstream calls the router cancelled for its own timeouts",

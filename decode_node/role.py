@@ -155,7 +155,7 @@ class DecodeRole:
                 "sources": [list(s) for s in h.sources],
                 "backend": h.backend,
                 "secret": h.secret,
-                "first_sample_index": 1,  # the prefill node sampled token 0
+                "first_sample_index": req.resumed + 1,  # the prefill node sampled the one before
             }
             self.loop.announce(req, info)
             self.loop.move(req, Phase.TRANSFERRING)
@@ -171,11 +171,11 @@ class DecodeRole:
             self.fail(req, error, "DATA_LOSS")
             return
         req.num_computed = len(req.prompt_ids)
-        req.num_sampled = 1
+        req.num_sampled = req.resumed + 1
         req.output_ids.append(token)
         req.first_token_s = time.perf_counter()
         kv_seconds = req.first_token_s - (req.handoff.preallocated_s or req.first_token_s)
-        self.loop.outbox.put(Token(req.rid, token, 0, kv_seconds, req.handoff.held_pages))
+        self.loop.outbox.put(Token(req.rid, token, req.resumed, kv_seconds, req.handoff.held_pages))
         scheduler = self.loop.scheduler
         scheduler.add_prebuilt(req)
         self.loop.move(req, Phase.DECODING, kv_seconds=round(kv_seconds, 6))

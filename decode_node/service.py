@@ -183,7 +183,8 @@ class DecodeGenerationService(generation_pb2_grpc.GenerationServicer):
                 raise ValueError(f"duplicate request id {rpc.shown(rid)}")
             extra = {"room": route.room, "sources": sources, "backend": backend, "peer": prefill_addr}
             extra["secret"] = secret
-            deltas = front.submit(ids, params, rid, extra, cache_salt=request.cache_salt)
+            deltas = front.submit(ids, params, rid, extra, request.cache_salt, request.resume_ids)
+            ids = [*ids, *request.resume_ids]  # (the KV moved covers the resumed outputs too)
         except ValueError as e:
             self._forget(rid, entry)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))

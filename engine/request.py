@@ -77,9 +77,13 @@ class Request:
     block_hashes: list[int] = field(default_factory=list)  # of its full blocks so far (common/blocks.py)
     cached_tokens: int = 0  # prompt tokens its latest admission found in the prefix cache
     indexed_pages: int = 0  # its first pages the prefix cache knows (found there, or indexed since)
+    # a migrated request's continuation: the last `resumed` prompt ids are output tokens an earlier
+    # attempt streamed to the client; they are computed as prompt and count as outputs (num_outputs)
+    resumed: int = 0
 
     def __post_init__(self) -> None:
         self.seed = self.params.seed if self.params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+        self.num_sampled = self.resumed  # (sampling continues at the token index the earlier attempt reached)
 
     @property
     def all_ids(self) -> list[int]:
@@ -88,6 +92,21 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_outputs(self) -> int:
+        """Output tokens so far, an earlier attempt's (resumed) included: what max_new_tokens and
+        min_tokens count."""
+        return self.resumed + len(self.output_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """The client's prompt, without the resumed outputs."""
+        return len(self.prompt_ids) - self.resumed
+
+    @property
+    def resumed_ids(self) -> list[int]:
+        return self.prompt_ids[len(self.prompt_ids) - self.resumed :]
 
     @property
     def num_pending(self) -> int:

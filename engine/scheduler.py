@@ -221,12 +221,14 @@ class Scheduler:
         if p.stop and self.tokenizer is not None:
             if req.stop_checker is None:
                 req.stop_checker = StopChecker(self.tokenizer, p.stop)
-            req.stop_checker.push(tok, match=len(req.output_ids) >= p.min_tokens)
+                for t in req.resumed_ids:  # (no stop string ended among them: the earlier attempt went on)
+                    req.stop_checker.push(t, match=False)
+            req.stop_checker.push(tok, match=req.num_outputs >= p.min_tokens)
             if req.stop_checker.cut is not None:
                 return "stop"
         if tok in p.stop_token_ids or (tok in self.eos and not p.ignore_eos):
             return "stop"
-        if len(req.output_ids) >= p.max_new_tokens or req.num_tokens >= self.max_context:
+        if req.num_outputs >= p.max_new_tokens or req.num_tokens >= self.max_context:
             return "length"
         return None
 
@@ -237,7 +239,7 @@ class Scheduler:
         if req.stop_checker is not None and req.stop_checker.cut is not None:
             req.text = req.stop_checker.text()
         elif self.tokenizer is not None:
-            req.text = self.tokenizer.decode(req.output_ids)
+            req.text = self.tokenizer.decode(req.resumed_ids + req.output_ids)
         req.stop_checker = None
         self.finish(req, reason)
 

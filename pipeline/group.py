@@ -133,17 +133,24 @@ class RankGroup:
     def add_request(
         self, prompt_ids: list[int], params: SamplingParams, rid: str | None = None, extra: dict | None = None
     ) -> str:
-        """Queue a request at rank 0. extra: role-specific fields of messages.Add (room, peer, sources, backend)."""
+        """Queue a request at rank 0. extra: role-specific fields of messages.Add (room, peer, sources,
+        backend; resumed: the last prompt ids are a migrated request's outputs so far)."""
         vocab = self.model.config.vocab_size
-        if not prompt_ids:
+        resumed = (extra or {}).get("resumed", 0)
+        if len(prompt_ids) <= resumed:
             raise ValueError("prompt is empty")
-        bad = [t for t in prompt_ids if not (isinstance(t, int) and 0 <= t < vocab)]
+        bad = [i for i, t in enumerate(prompt_ids) if not (isinstance(t, int) and 0 <= t < vocab)]
         if bad:
-            raise ValueError(f"prompt token id {bad[0]} is out of range [0, {vocab})")
+            field = "prompt" if bad[0] < len(prompt_ids) - resumed else "resume_ids"
+            raise ValueError(f"{field} token id {prompt_ids[bad[0]]} is out of range [0, {vocab})")
         if len(prompt_ids) >= self.max_context:
             raise ValueError(f"prompt has {len(prompt_ids)} tokens; the context holds {self.max_context}")
-        params = params.resolved(len(prompt_ids), self.max_context, self.config.max_default_tokens)
-        pages = -(-min(len(prompt_ids) + params.max_new_tokens, self.max_context) // self.config.page_size)
+        prompt = len(prompt_ids) - resumed  # (max_new_tokens and min_tokens count the resumed outputs)
+        params = params.resolved(prompt, self.max_context, self.config.max_default_tokens)
+        if resumed >= params.max_new_tokens:
+            limit = params.max_new_tokens
+            raise ValueError(f"resume_ids has {resumed} tokens: max_new_tokens={limit} leaves none to generate")
+        pages = -(-min(prompt + params.max_new_tokens, self.max_context) // self.config.page_size)
         if pages > self.config.total_pages:
             raise ValueError(f"request needs {pages} KV pages; the pool has {self.config.total_pages}")
         rid = rid or f"req-{next(self._ids)}"

@@ -32,6 +32,7 @@ class Add:
     backend: str = ""  # decode: the transfer engine the pair uses
     secret: str = ""  # decode: the room's write key (hex), minted by the decode node; every KV write carries it
     cache_salt: str = ""  # the prefix cache shares pages only between requests with equal salts
+    resumed: int = 0  # migration: the last `resumed` prompt ids are outputs an earlier attempt streamed
 
 
 @dataclass(frozen=True)

@@ -147,7 +147,7 @@ class Rank0Loop:
         finished = self.scheduler.postprocess(step, out[1:])
         for req, tok, was_live in zip(step.sampled, out[1:], live):
             if was_live:
-                self.outbox.put(Token(req.rid, tok, len(req.output_ids) - 1))
+                self.outbox.put(Token(req.rid, tok, req.num_outputs - 1))
         for req in finished:
             if not self.role.finished(req):  # (a prefill node keeps it: its KV is still to move)
                 self.retire(req, FINISH)
@@ -206,9 +206,9 @@ class Rank0Loop:
         """A message from the front (pipeline/messages.py); the role's own go to the role."""
         match msg:
             case Add():
-                req = Request(
-                    msg.rid, list(msg.prompt_ids), msg.params, PageTable(self.pool.page_size), cache_salt=msg.cache_salt
-                )
+                table = PageTable(self.pool.page_size)
+                ids, salt = list(msg.prompt_ids), msg.cache_salt
+                req = Request(msg.rid, ids, msg.params, table, cache_salt=salt, resumed=msg.resumed)
                 self.requests[msg.rid] = req
                 self.role.admit(req, msg)
             case Abort(rid, reason) if rid in self.requests:
@@ -255,10 +255,12 @@ class Rank0Loop:
         self.agent.on_decision(d)
 
     def announce(self, req: Request, info: dict | None = None) -> None:
-        """Every rank learns the request (its ADMIT, with the seed it samples with and the role's
-        `info`), once."""
+        """Every rank learns the request (its ADMIT, with the seed it samples with, the token index
+        its sampling starts at unless the role's `info` says, and that `info`), once."""
         if not req.announced:
             req.announced = True
+            if req.num_sampled:  # (a migrated request's continuation)
+                info = {"first_sample_index": req.num_sampled, **(info or {})}
             self.decide(ADMIT, req.rid, replace(req.params, seed=req.seed), info)
 
     def end(self, req: Request, error: str, code: str, reason: str = "error", release: bool = True, **event) -> None:
@@ -276,11 +278,12 @@ class Rank0Loop:
         self.served += 1
         if req.announced:
             self.decide(kind, req.rid)
-        fields = {"reason": req.finish_reason, "output_tokens": len(req.output_ids)}
+        fields = {"reason": req.finish_reason, "output_tokens": req.num_outputs}
         if event.get("error"):
             fields |= {"code": event.get("code", ""), "error": event["error"]}
         self._log_phase(req, "finished", **fields)
-        finish = Finish(req.rid, req.finish_reason, tuple(req.output_ids), req.text, len(req.prompt_ids), **event)
+        outputs = tuple(req.resumed_ids + req.output_ids)
+        finish = Finish(req.rid, req.finish_reason, outputs, req.text, req.num_prompt_tokens, **event)
         self.outbox.put(replace(finish, cached_tokens=req.cached_tokens) if req.cached_tokens else finish)
 
     def _log_phase(self, req: Request, phase: str, **fields) -> None:
@@ -350,8 +353,8 @@ class Rank0Loop:
                 "age_s": now - req.arrival_s,
                 "kv_pages": len(req.page_table.pages),
                 "peer": req.handoff.peer if req.handoff else "",
-                "prompt_tokens": len(req.prompt_ids),
-                "output_tokens": len(req.output_ids),
+                "prompt_tokens": req.num_prompt_tokens,
+                "output_tokens": req.num_outputs,
             }
             for req in self.requests.values()
         ]

@@ -44,8 +44,10 @@ class PrefillRole:
     # ---------------------------------------------------------------- inputs
 
     def admit(self, req: Request, add: Add) -> None:
-        # a prefill node samples the first token only (index 0: held back from EOS when min_tokens > 0)
-        req.params = replace(req.params, max_new_tokens=1, min_tokens=min(req.params.min_tokens, 1))
+        # a prefill node samples the first token only (its index: resumed, 0 unless migrated; held
+        # back from EOS when min_tokens is not reached by it)
+        first = req.resumed + 1
+        req.params = replace(req.params, max_new_tokens=first, min_tokens=min(req.params.min_tokens, first))
         req.handoff = Handoff(add.room)
         if add.room in self.rooms:  # the registration for it would route this request's KV to another's pages
             req.finish_reason = "error"
@@ -54,8 +56,8 @@ class PrefillRole:
             return
         req.handoff.expires(req.arrival_s, self.config.bootstrap_timeout_s, "bootstrap")
         self.rooms[add.room] = req.rid
-        if (registration := self.registrations.pop(add.room)) is not None:
-            self._route(req, registration)
+        if (registration := self.registrations.pop(add.room)) is not None and self._route(req, registration):
+            return  # (refused: the two halves disagree on the prompt)
         self.loop.move(req, Phase.WAITING)
         self.loop.scheduler.add(req)
 
@@ -69,7 +71,8 @@ class PrefillRole:
         """A decode node's registration of `room`: routes its request, or waits for it; the verdict."""
         rid = self.rooms.get(room)
         if rid is not None and not self.loop.requests[rid].handoff.routed:
-            self._route(self.loop.requests[rid], registration)
+            if error := self._route(self.loop.requests[rid], registration):
+                return {"code": "FAILED_PRECONDITION", "error": error}
         elif rid is not None or room in self.registrations:  # a second registration would redirect its KV
             return {"code": "ALREADY_EXISTS", "error": f"room {room} is registered already"}
         elif self.registrations.full():
@@ -78,8 +81,18 @@ class PrefillRole:
             self.registrations.add(room, registration, time.perf_counter())
         return {"code": "", "error": ""}
 
-    def _route(self, req: Request, registration: dict) -> None:
-        """Every rank learns where the KV goes (a ROUTE entry), connects and pushes what it has."""
+    def _route(self, req: Request, registration: dict) -> str:
+        """Every rank learns where the KV goes (a ROUTE entry), connects and pushes what it has. A
+        registration for another number of pages than the prompt's fails the request: the error."""
+        pages = -(-len(req.prompt_ids) // self.loop.pool.page_size)
+        registered = int(registration.get("held_pages", 0)) + len(registration["page_ids"])
+        if registered != pages:  # (a prompt, or resumed outputs, that differ between the two halves)
+            error = (
+                f"room {req.handoff.room}: the decode node registered {registered} pages; the prompt here "
+                f"({len(req.prompt_ids)} tokens, {req.resumed} of them resumed outputs) needs {pages}"
+            )
+            self.fail(req, error, "FAILED_PRECONDITION")
+            return error
         h = req.handoff
         h.peer, h.routed = registration.get("decode_addr", ""), True
         h.held_pages = int(registration.get("held_pages", 0))
@@ -88,6 +101,7 @@ class PrefillRole:
         self.loop.decide(ROUTE, req.rid, info=registration)
         if self.bootstrap.remove(req):  # prefilled already: its pushes start now
             self._await_transfer(req)
+        return ""
 
     # ---------------------------------------------------------------- consensus, timeouts
 

@@ -31,7 +31,8 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         try:
             ids = front.prompt_ids(request.prompt)
             params = sampling.from_proto(request.sampling)
-            deltas = front.submit(ids, params, request.rid, {"room": request.room}, cache_salt=request.cache_salt)
+            extra = {"room": request.room}
+            deltas = front.submit(ids, params, request.rid, extra, request.cache_salt, request.resume_ids)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except Overloaded as e:

@@ -25,6 +25,8 @@ _HELP = {
     "request_timeout_s": "deadline of each upstream Generate / Prefill call, seconds",
     "max_attempts": "tries of a request in all: one that a node fails before any token reached the client "
     "(UNAVAILABLE, RESOURCE_EXHAUSTED, a node timeout, no first token in time) is tried again on other nodes",
+    "max_migrations": "times a stream whose node fails after tokens reached the client is moved to another pair "
+    "(resubmitted as prompt + the tokens sent; the client's stream goes on, nothing repeated or lost); 0: never",
     "retry_backoff_s": "pause before the first retry, doubling for each next one (at most 1 s), seconds",
     "first_token_timeout_s": "cancel an attempt that got no first token within this and retry it elsewhere "
     "(the last attempt fails with DEADLINE_EXCEEDED), seconds; 0: off",

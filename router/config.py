@@ -22,6 +22,7 @@ class RouterConfig:
     discover_interval_s: float = 10.0  # how often every --discover name is resolved again, seconds
     request_timeout_s: float = 300.0  # deadline of each upstream Generate / Prefill call, seconds
     max_attempts: int = 3  # node pairs a request is tried on before its failure reaches the client
+    max_migrations: int = 3  # times a stream whose node failed after tokens reached the client moves on; 0 = never
     retry_backoff_s: float = 0.05  # pause before the first retry, doubling for each next one (capped)
     # (a first token waits for the request's turn in the nodes' queues: this bounds a hang, not a burst)
     first_token_timeout_s: float = 300.0  # an attempt without a first token this long is cancelled; 0 = off
@@ -71,6 +72,8 @@ class RouterConfig:
                 raise ValueError(f"{name} must be >= 0 and finite, got {getattr(self, name)}")
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
+        if self.max_migrations < 0:
+            raise ValueError(f"max_migrations must be >= 0, got {self.max_migrations}")
         if not self.startup_wait_s >= 0:
             raise ValueError(f"startup_wait_s must be >= 0, got {self.startup_wait_s}")
         for name in ("max_concurrent_requests", "max_body_bytes"):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
 import threading
 import time
 import uuid
@@ -17,10 +18,11 @@ import grpc
 
 from kvbridge.v1 import generation_pb2
 from router.config import RouterConfig
+from router.failures import RouteError
 from router.metrics import Recorder
 from router.pool import Node, NodePool
 from router.prompts import Prompts
-from router.routed import DRAINING, Routed, RouteError
+from router.routed import DRAINING, Routed
 
 CLOSE_WAIT_S = 5.0  # aclose() waits this long at most for the prefill calls still settling
 
@@ -62,6 +64,10 @@ class Dispatcher:
         req = generation_pb2.GenerateRequest()
         req.CopyFrom(request)
         req.rid = req.rid or uuid.uuid4().hex
+        s = req.sampling
+        if s.temperature > 0 and s.top_k != 1 and not s.HasField("seed"):
+            # sampled with a seed of its own, so that a migrated stream continues with the same randomness
+            s.seed = secrets.randbits(63)
         limit = self.config.request_timeout_s
         budget = limit if timeout_s is None else min(timeout_s, limit)
         return Routed(self, req, time.monotonic() + budget)

@@ -53,8 +53,9 @@ from common.security import check_bearer
 from kvbridge.v1 import generation_pb2
 from router.config import RouterConfig
 from router.dispatch import Dispatcher
+from router.failures import RouteError
 from router.openai_api import BadRequest, Reply, error_body, parse_request
-from router.routed import DRAINING, Routed, RouteError
+from router.routed import DRAINING, Routed
 
 MAX_HEADER_BYTES = 64 << 10  # request line and headers (h11's limit on an incomplete event)
 RETRY_AFTER_S = 1  # what a 503 for the concurrency limit tells the client to wait

@@ -5,6 +5,9 @@ process). The series are defined in common.metrics.RouterMetrics; here they are 
     kvbridge_router_retries_total{reason}           attempts moved to another node pair before any token reached
                                                     the client, by the failure's status code (unavailable,
                                                     resource_exhausted, deadline_exceeded)
+    kvbridge_router_migrations_total{reason}        streams resubmitted to another node pair after tokens reached
+                                                    the client (prompt + the tokens sent), by the failure's status
+                                                    code or router timeout (MIGRATION_REASONS)
     kvbridge_router_timeouts_total{timeout}         the router's own timeouts: first_token | idle_stream
     kvbridge_router_routing_decisions_total{role, policy, reason}
                                                     nodes picked, by the node's role, the policy and why
@@ -36,6 +39,8 @@ from router.pool import NodePool
 
 RETRY_REASONS = ("unavailable", "resource_exhausted", "deadline_exceeded")  # the retried status codes, lowercased
 TIMEOUTS = ("first_token", "idle_stream")
+# what ends a stream that is then migrated: a status code of the node, lowercased, or a router timeout
+MIGRATION_REASONS = ("unavailable", "unknown", "internal", "deadline_exceeded", "resource_exhausted", *TIMEOUTS)
 RESYNC_REASONS = ("gap", "error", "lagged", "overflow")
 
 
@@ -52,6 +57,9 @@ class Recorder:
             self.retries.labels(reason)
         for timeout in TIMEOUTS:
             self.timeouts.labels(timeout)
+        self.migrations = self.series.migrations
+        for reason in MIGRATION_REASONS:
+            self.migrations.labels(reason)
         self.routing, self.kv_resyncs = self.series.routing, self.series.kv_resyncs
         for reason in RESYNC_REASONS:
             self.kv_resyncs.labels(reason)
@@ -65,6 +73,9 @@ class Recorder:
 
     def retry(self, reason: str) -> None:
         self.retries.labels(reason).inc()
+
+    def migrated(self, reason: str) -> None:
+        self.migrations.labels(reason).inc()
 
     def timed_out(self, timeout: str) -> None:
         self.timeouts.labels(timeout).inc()

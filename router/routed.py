@@ -14,19 +14,8 @@ failure does not touch the stream (P's call outlives D's first token: it returns
 settle, and the dispatcher holds its task until then). If D fails, P is cancelled. A decode node
 competes with the colocated nodes for each request, and is eligible only while some prefill node is.
 
-Retries. An attempt that fails before any response reached the client is tried again on another
-node (pair) when another node may do better: UNAVAILABLE (down, draining, lost a rank),
-RESOURCE_EXHAUSTED (full), DEADLINE_EXCEEDED from a node's own timeout (bootstrap, prealloc,
-transfer; not the request's own deadline), or no first token within first_token_timeout_s. The node
-that failed is left out of the request's later attempts; but P's own timeouts leave out D (P waited
-on D: for its registration, or for its pages to take the KV), and a first-token timeout leaves out
-P while its Prefill call runs, else D. Each attempt has a fresh room and, after the first, a fresh
-upstream rid, `RID:retryN` (the nodes may still be dropping the attempt before). At most
-max_attempts attempts; the n-th retry waits retry_backoff_s * 2**(n-1), at most
-RETRY_BACKOFF_CAP_S. When the attempts are used up or no node is left, the client gets the last
-failure's status and message (RESOURCE_EXHAUSTED stays RESOURCE_EXHAUSTED: clients back off on it).
-Once a response reached the client nothing is retried (tokens would repeat): a failure ends the
-stream with the upstream status. Retries are counted in kvbridge_router_retries_total{reason}.
+Retries (before any response reached the client) and migrations (after) are decided by the
+failure's kind: router/failures.py.
 
 Timeouts: each wait for the node's next response runs under an asyncio timeout, so an attempt
 with no first token within first_token_timeout_s of its start is cancelled (retried as above, else
@@ -72,6 +61,7 @@ from common.limits import room_tag
 from common.logs import log_event
 from common.metrics import outcome_of
 from kvbridge.v1 import generation_pb2, generation_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from router.failures import MIGRATED_CODES, RETRIED_CODES, Interrupted, Migrate, Retry, RouteError, TimedOut
 from router.pool import Node, Pick
 from router.prompts import PromptBlocks
 
@@ -80,7 +70,6 @@ if TYPE_CHECKING:
 
 GENERATION_ROLES = ("colocated", "decode")
 PHASES = ("routing", "colocated", "prefill+decode")  # a Routed's phase: no node yet, then how it is served
-RETRIED_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED)
 RETRY_BACKOFF_CAP_S = 1.0  # the longest pause between two attempts
 CACHED_TOKENS_WAIT_S = 1.0  # the last response waits this long at most for P's answer (its cached_tokens)
 CLIENT_CANCELLED = "the client cancelled the request"
@@ -88,35 +77,6 @@ OPERATOR_ABORTED = "an operator aborted the request (Admin.AbortRequest on the r
 ROUTER_STOPPING = "the router is stopping"
 DRAINING = "the router is draining"
 log = logging.getLogger("kvbridge.router")
-
-
-class RouteError(Exception):
-    """The request failed; `code` and `message` are what the client is told."""
-
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(f"{code.name}: {message}")
-        self.code, self.message = code, message
-
-
-class _Retry(Exception):
-    """An attempt failed before any response reached the client, in a way other nodes may not."""
-
-    def __init__(self, nodes: list[Node], error: RouteError):
-        super().__init__(error.message)
-        self.nodes, self.error = nodes, error  # the nodes to leave out from now on; what the client gets if last
-
-
-class _TimedOut(Exception):
-    """The wait for the node's next response ran past the timeout that applied (`kind`)."""
-
-    def __init__(self, kind: str):
-        super().__init__(kind)
-        self.kind = kind  # "first_token" | "idle_stream"
-
-
-class _Interrupted(Exception):
-    """The upstream call was cancelled by this router (cancel(), or D's stream for P's failure)
-    while the attempt waited on it."""
 
 
 class Routed:
@@ -138,8 +98,10 @@ class Routed:
         self.prompt_tokens = len(request.prompt.token_ids.ids)  # 0 until known (text, chat: hashed, or the last usage)
         self.blocks: PromptBlocks | None = None  # the prompt's block hashes, for the policy (None: unknown)
         self._hashed = False  # blocks were looked for (once per request, before the first attempt)
-        self.output_tokens = 0  # token ids handed to the client so far
+        self.output_ids: list[int] = []  # token ids handed to the client so far (a migration resumes after them)
         self.sent = 0  # responses handed to the client so far
+        self.migrations = 0  # times the stream moved to another pair
+        self._attempt_sent = 0  # responses of the current attempt handed to the client
         self.finish_reason = ""  # of the last response, once it came
         self.cancelled = asyncio.Event()
         self.why = ""  # the reason of the first cancel(): what the client is told
@@ -172,6 +134,10 @@ class Routed:
     def age_s(self) -> float:
         return time.monotonic() - self.received
 
+    @property
+    def output_tokens(self) -> int:
+        return len(self.output_ids)
+
     async def _run(self) -> AsyncIterator[generation_pb2.GenerateResponse]:
         outcome = "error"
         try:
@@ -183,7 +149,10 @@ class Routed:
                         async for resp in responses:
                             yield resp
                     break
-                except _Retry as retry:
+                except Migrate as moved:
+                    excluded += moved.nodes
+                    self._migrate(moved, excluded)
+                except Retry as retry:
                     excluded += retry.nodes
                     await self._pause_before_retry(retry, excluded)
             outcome = outcome_of(self.finish_reason)
@@ -224,6 +193,8 @@ class Routed:
         request.CopyFrom(self.request)
         if self.attempts > 1:  # the nodes of an earlier attempt may still hold the rid for a moment
             request.rid = f"{self.rid}:retry{self.attempts - 1}"
+        request.resume_ids.extend(self.output_ids)  # (a migration: the new node goes on after them)
+        self._attempt_sent = 0
         if node.role == "colocated":
             self.peer, self.phase = node.address, "colocated"
             self._log("routed", colocated=node.address)
@@ -247,7 +218,7 @@ class Routed:
             self.dispatcher.metrics.routed(picked.node.role, self.pool.policy.name, picked.reason)
         return picked
 
-    async def _pause_before_retry(self, retry: _Retry, excluded: list[Node]) -> None:
+    async def _pause_before_retry(self, retry: Retry, excluded: list[Node]) -> None:
         """Wait the backoff before the next attempt; raise the failure when there is to be none."""
         self._last_error = retry.error
         if self.attempts >= self.config.max_attempts or not self.dispatcher.can_route(excluded):
@@ -262,6 +233,26 @@ class Routed:
                 await self.cancelled.wait()
         if self.cancelled.is_set():
             raise RouteError(grpc.StatusCode.CANCELLED, self.why)
+
+    def _migrate(self, moved: Migrate, excluded: list[Node]) -> None:
+        """Move the stream to another pair, or raise the failure saying why it cannot move."""
+        error = moved.error
+        if self.cancelled.is_set():
+            raise RouteError(grpc.StatusCode.CANCELLED, self.why)
+        why_not = ""
+        if self.migrations >= self.config.max_migrations:
+            why_not = f"it was migrated {self.migrations} times already (--max-migrations {self.config.max_migrations})"
+        elif not self.dispatcher.can_route(excluded):
+            why_not = "no other healthy node pair can take it over"
+        elif time.monotonic() >= self.deadline:
+            why_not = "the request's deadline passed"
+        if why_not:
+            self._log("not_migrated", code=error.code.name, reason=error.message, why=why_not)
+            raise RouteError(error.code, f"{error.message}; after {self.output_tokens} tokens, not migrated: {why_not}")
+        self.migrations += 1
+        self.dispatcher.metrics.migrated(moved.reason)
+        fields = {"tokens": self.output_tokens, "migration": self.migrations}
+        self._log("migrate", code=error.code.name, reason=error.message, **fields)
 
     def _none_left(self) -> RouteError:
         """No node to try: the last attempt's failure, if there was one."""
@@ -293,9 +284,9 @@ class Routed:
                     self._deliver(resp)
                     yield resp
                 done = True
-            except _TimedOut as e:
+            except TimedOut as e:
                 raise self._timeout_error(e.kind, [node]) from None
-            except _Interrupted:
+            except Interrupted:
                 raise self._interrupted() from None
             except grpc.aio.AioRpcError as e:
                 raise self._upstream_error(e, [node]) from None
@@ -316,7 +307,7 @@ class Routed:
         dreq.prefill.room, dreq.prefill.prefill_addr = self.room, p.address
         preq = prefill_pb2.PrefillRequest(
             rid=request.rid, room=self.room, prompt=request.prompt, sampling=request.sampling,
-            cache_salt=request.cache_salt,
+            cache_salt=request.cache_salt, resume_ids=request.resume_ids,
         )  # fmt: skip
         answered = False  # D sent its first response: it holds the whole KV
         prefilled: prefill_pb2.PrefillResponse | None = None  # P's answer, once its Prefill call returned
@@ -355,13 +346,13 @@ class Routed:
                     self._deliver(resp)
                     yield resp
                 done = True  # P may still be finishing (its pushes settle after D has the KV): let it
-            except _TimedOut as e:
+            except TimedOut as e:
                 raise self._timeout_error(e.kind, [d] if prefilled is not None else [p]) from None
-            except (_Interrupted, grpc.aio.AioRpcError) as e:
+            except (Interrupted, grpc.aio.AioRpcError) as e:
                 if p_failed is not None:  # P's own timeouts wait on D (its registration, its pages taking the KV)
                     waited_on_d = p_failed.code() == grpc.StatusCode.DEADLINE_EXCEEDED
                     raise self._upstream_error(p_failed, [d] if waited_on_d else [p]) from None
-                if isinstance(e, _Interrupted):
+                if isinstance(e, Interrupted):
                     raise self._interrupted() from None
                 raise self._upstream_error(e, [d]) from None
         finally:
@@ -375,8 +366,8 @@ class Routed:
     async def _next(self, stream: grpc.aio.UnaryStreamCall) -> generation_pb2.GenerateResponse | None:
         """The node's next response (None: the stream ended), waited for at most the timeout that
         applies now: first_token_timeout_s before any response reached the client, else
-        idle_stream_timeout_s (0: none). A timeout cancels the call and raises _TimedOut."""
-        first = self.sent == 0
+        idle_stream_timeout_s (0: none). A timeout cancels the call and raises TimedOut."""
+        first = self._attempt_sent == 0  # (a migrated attempt's first token waits for its prefill too)
         limit = self.config.first_token_timeout_s if first else self.config.idle_stream_timeout_s
         since = time.monotonic()
         try:
@@ -386,18 +377,18 @@ class Routed:
             kind = "first_token" if first else "idle_stream"
             self.dispatcher.metrics.timed_out(kind)
             self._log("timeout", timeout=kind, seconds=time.monotonic() - since)
-            raise _TimedOut(kind) from None
+            raise TimedOut(kind) from None
         except asyncio.CancelledError:
             if asyncio.current_task().cancelling():  # our own task is being cancelled: let it
                 raise
-            raise _Interrupted() from None  # grpc.aio reads a locally cancelled call as CancelledError
+            raise Interrupted() from None  # grpc.aio reads a locally cancelled call as CancelledError
         return None if resp is grpc.aio.EOF else resp
 
     def _interrupted(self) -> RouteError:
         return RouteError(grpc.StatusCode.CANCELLED, self.why or "the upstream call was cancelled")
 
     def _upstream_error(self, e: grpc.aio.AioRpcError, nodes: list[Node]) -> Exception:
-        """What a failed upstream call means for the client: a RouteError, or a _Retry when nothing
+        """What a failed upstream call means for the client: a RouteError, or a Retry when nothing
         reached the client yet and another node may succeed."""
         code, details = e.code(), e.details() or ""
         if self.cancelled.is_set():
@@ -406,7 +397,9 @@ class Routed:
         error = RouteError(code, f"{details} (from {where})")
         own_deadline = code == grpc.StatusCode.DEADLINE_EXCEEDED and time.monotonic() >= self.deadline
         if code in RETRIED_CODES and self.sent == 0 and not own_deadline:
-            return _Retry(nodes, error)
+            return Retry(nodes, error)
+        if code in MIGRATED_CODES and self.sent and not own_deadline:
+            return Migrate(nodes, error, code.name.lower())
         return error
 
     def _timeout_error(self, kind: str, nodes: list[Node]) -> Exception:
@@ -415,15 +408,17 @@ class Routed:
         where = ", ".join(n.key for n in nodes)
         if kind == "first_token":
             message = f"no first token within {self.config.first_token_timeout_s:g} s (from {where})"
-            return _Retry(nodes, RouteError(grpc.StatusCode.DEADLINE_EXCEEDED, message))
-        message = f"no token for {self.config.idle_stream_timeout_s:g} s (from {where})"
-        return RouteError(grpc.StatusCode.DEADLINE_EXCEEDED, message)
+        else:
+            message = f"no token for {self.config.idle_stream_timeout_s:g} s (from {where})"
+        error = RouteError(grpc.StatusCode.DEADLINE_EXCEEDED, message)
+        return Migrate(nodes, error, kind) if self.sent else Retry(nodes, error)
 
     # ------------------------------------------------------------------ accounting
 
     def _deliver(self, resp: generation_pb2.GenerateResponse) -> None:
         """Account for a response about to be handed to the client: counts, TTFT, token gaps."""
         self.sent += 1
+        self._attempt_sent += 1
         if resp.finish_reason:
             self.finish_reason = resp.finish_reason
         if resp.HasField("usage"):
@@ -437,7 +432,7 @@ class Routed:
         else:
             self.dispatcher.metrics.token_gap(now - self._last_token_at)
         self._last_token_at = now
-        self.output_tokens += len(resp.token_ids)
+        self.output_ids += resp.token_ids
 
     def _log(self, phase: str, **fields) -> None:
         log_event(log, "phase", rid=self.rid, room=room_tag(self.room), phase=phase, **fields)

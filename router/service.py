@@ -21,8 +21,9 @@ from kvbridge.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb
 from router.checks import check_generate
 from router.config import RouterConfig
 from router.dispatch import Dispatcher
+from router.failures import RouteError
 from router.pool import Node, PoolFull
-from router.routed import OPERATOR_ABORTED, PHASES, Routed, RouteError
+from router.routed import OPERATOR_ABORTED, PHASES, Routed
 
 SERVICES = ("kvbridge.v1.Generation", "kvbridge.v1.Admin")
 DEFAULT_PAGE = 100  # ListRequests page_size 0

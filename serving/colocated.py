@@ -33,7 +33,7 @@ class ColocatedGeneration(generation_pb2_grpc.GenerationServicer):
         try:
             ids = front.prompt_ids(request.prompt)
             params = sampling.from_proto(request.sampling)
-            deltas = front.submit(ids, params, rid, cache_salt=request.cache_salt)
+            deltas = front.submit(ids, params, rid, cache_salt=request.cache_salt, resumed=request.resume_ids)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except Overloaded as e:

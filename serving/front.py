@@ -20,7 +20,7 @@ import itertools
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 from common import blocks
@@ -101,10 +101,18 @@ class NodeFront:
         return convert.prompt_ids(prompt, self.tokenizer)
 
     def submit(
-        self, prompt_ids: list[int], params: SamplingParams, rid: str, extra: dict | None = None, cache_salt: str = ""
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        rid: str,
+        extra: dict | None = None,
+        cache_salt: str = "",
+        resumed: Sequence[int] = (),
     ) -> AsyncIterator[Delta]:
         """Start a request; iterate its deltas (the last has finish_reason). Raises ValueError on bad
-        input, Overloaded when the node holds max_pending_requests already."""
+        input, Overloaded when the node holds max_pending_requests already. `resumed`: a migrated
+        request's outputs so far (an earlier attempt streamed them): computed after the prompt, counted
+        as outputs, and not sent again (the text goes on from where theirs ended)."""
         limit = self.ranks.config.max_pending_requests
         problem = rid_problem(rid)
         if problem:
@@ -113,15 +121,20 @@ class NodeFront:
             raise ValueError(problem)
         if cache_salt:
             extra = {**(extra or {}), "cache_salt": cache_salt}
+        if resumed:
+            extra = {**(extra or {}), "resumed": len(resumed)}
         if rid in self._streams:
             raise ValueError(f"duplicate request id {shown(rid)}")
         if len(self._streams) >= limit:
             raise Overloaded(f"the node holds {len(self._streams)} requests, its limit (--max-pending-requests)")
-        self.ranks.add_request(prompt_ids, params, rid, extra)  # ValueError: nothing was registered yet
+        self.ranks.add_request([*prompt_ids, *resumed], params, rid, extra)  # ValueError: nothing was registered yet
         events: asyncio.Queue = asyncio.Queue()
         self._streams[rid] = events
         self._timing[rid] = [time.perf_counter(), None]
-        return self._deltas(rid, events, TextStream(self.tokenizer, params.stop, params.min_tokens), len(prompt_ids))
+        text = TextStream(self.tokenizer, params.stop, params.min_tokens)
+        for token in resumed:  # the text the client has: what follows starts where it ends
+            text.push(token)
+        return self._deltas(rid, events, text, len(prompt_ids))
 
     async def _deltas(self, rid: str, events: asyncio.Queue, text: TextStream, prompt_tokens: int):
         """The request's deltas. Closed before its last one (the client went away: its call's

@@ -16,18 +16,20 @@ class PrefillRoute(_message.Message):
     def __init__(self, room: _Optional[int] = ..., prefill_addr: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("rid", "prompt", "sampling", "prefill", "cache_salt")
+    __slots__ = ("rid", "prompt", "sampling", "prefill", "cache_salt", "resume_ids")
     RID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    RESUME_IDS_FIELD_NUMBER: _ClassVar[int]
     rid: str
     prompt: _common_pb2.Prompt
     sampling: _common_pb2.SamplingParams
     prefill: PrefillRoute
     cache_salt: str
-    def __init__(self, rid: _Optional[str] = ..., prompt: _Optional[_Union[_common_pb2.Prompt, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prefill: _Optional[_Union[PrefillRoute, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    resume_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, rid: _Optional[str] = ..., prompt: _Optional[_Union[_common_pb2.Prompt, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prefill: _Optional[_Union[PrefillRoute, _Mapping]] = ..., cache_salt: _Optional[str] = ..., resume_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("rid", "token_ids", "text", "finish_reason", "usage", "transfer")

@@ -45,7 +45,8 @@ class Rooms:
 
 class FakeGeneration(generation_pb2_grpc.GenerationServicer):
     """Streams `tokens` tokens (ids 100, 101, ..., text "t0 t1 ..."), one per message, then a last
-    message with finish_reason and usage, as a colocated or decode node does."""
+    message with finish_reason and usage, as a colocated or decode node does; a request with
+    resume_ids (a migration) goes on after them (token i is 100 + i whoever streams it)."""
 
     def __init__(self, node: FakeNode):
         self.node = node
@@ -76,7 +77,7 @@ class FakeGeneration(generation_pb2_grpc.GenerationServicer):
             if node.rooms.prefilled.get(room) != request.prefill.prefill_addr:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"room {room} never arrived")
         n = request.sampling.max_new_tokens or node.tokens
-        for i in range(n):
+        for i in range(len(request.resume_ids), n):
             if not context.is_active():
                 return
             if node.fail is not None and i == node.fail_after:

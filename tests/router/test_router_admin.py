@@ -385,6 +385,7 @@ def test_status_and_config_describe_the_router_and_its_fleet(nodes, make_router)
         "discover_interval_s": 10.0,
         "request_timeout_s": 30.0,
         "max_attempts": 3,
+        "max_migrations": 3,
         "retry_backoff_s": 0.05,
         "first_token_timeout_s": 300.0,
         "idle_stream_timeout_s": 30.0,

@@ -120,18 +120,101 @@ def test_a_node_timeout_is_retried_but_the_requests_own_deadline_is_not(fleet):
     assert wait_until(lambda: idle(slow))
 
 
-def test_a_failure_after_the_first_token_ends_the_stream_and_is_not_retried(fleet):
+def migrations(router) -> dict[str, float]:
+    samples = router.dispatcher.metrics.migrations.collect()[0].samples
+    return {s.labels["reason"]: s.value for s in samples if s.name.endswith("_total") and s.value}
+
+
+def read(call) -> tuple[list[int], str, grpc.RpcError | None]:
+    """A call's token ids and text, and its error (None: it completed)."""
+    got, text = [], ""
+    try:
+        for resp in call:
+            got += resp.token_ids
+            text += resp.text
+    except grpc.RpcError as e:
+        return got, text, e
+    return got, text, None
+
+
+def test_a_failure_after_the_first_token_moves_the_stream_to_another_node(fleet):
     router, nodes = fleet(colocated=2)
     for node in nodes["colocated"]:
         node.fail, node.fail_after = UNAVAILABLE, 2
-    call = router_stub(router).Generate(make_request(), timeout=30)
-    got = []
-    with pytest.raises(grpc.RpcError) as err:
-        for resp in call:
-            got += resp.token_ids
-    assert got == [100, 101]  # no token twice, none missing before the error
-    assert err.value.code() == UNAVAILABLE and "after 2 tokens" in err.value.details()
-    assert sum(len(n.requests) for n in nodes["colocated"]) == 1 and retries(router) == {}
+    nodes["colocated"][1].fail = None  # (whichever gets it first, the other completes it)
+    got, text, error = read(router_stub(router).Generate(make_request(), timeout=30))
+    assert (got, text, error) == ([100, 101, 102, 103], "t0 t1 t2 t3 ", None)  # nothing twice, nothing missing
+    first, second = sorted(nodes["colocated"], key=lambda n: n.arrived[0] if n.arrived else 1e18)
+    assert [list(r.resume_ids) for r in first.requests + second.requests] == [[], [100, 101]]
+    assert second.requests[0].rid == first.requests[0].rid + ":retry1"
+    assert migrations(router) == {"unavailable": 1} and retries(router) == {}
+
+
+def test_a_stream_that_cannot_move_ends_with_the_status_and_why(fleet):
+    router, nodes = fleet(colocated=2)
+    for node in nodes["colocated"]:
+        node.fail, node.fail_after = UNAVAILABLE, 2
+    got, _, error = read(router_stub(router).Generate(make_request(), timeout=30))
+    assert got == [100, 101] and error.code() == UNAVAILABLE
+    assert error.details().endswith("after 2 tokens, not migrated: no other healthy node pair can take it over")
+    assert [len(n.requests) for n in nodes["colocated"]] == [1, 1]  # moved once; the second failed at once too
+    assert migrations(router) == {"unavailable": 1}
+
+
+def test_migrations_are_bounded(fleet):
+    router, nodes = fleet(colocated=3, router={"max_migrations": 1})
+    for node in nodes["colocated"]:
+        node.fail, node.fail_after = UNAVAILABLE, 1  # at token 1: the node it moves to fails at once
+    got, _, error = read(router_stub(router).Generate(make_request(), timeout=30))
+    assert got == [100] and error.code() == UNAVAILABLE
+    why = "after 1 tokens, not migrated: it was migrated 1 times already (--max-migrations 1)"
+    assert error.details().endswith(why)
+    assert sorted(len(n.requests) for n in nodes["colocated"]) == [0, 1, 1]
+
+
+def test_max_migrations_0_ends_the_stream_at_the_failure(fleet):
+    router, nodes = fleet(colocated=2, router={"max_migrations": 0})
+    nodes["colocated"][0].fail = nodes["colocated"][1].fail = UNAVAILABLE
+    nodes["colocated"][0].fail_after = nodes["colocated"][1].fail_after = 2
+    got, _, error = read(router_stub(router).Generate(make_request(), timeout=30))
+    assert got == [100, 101] and "not migrated: it was migrated 0 times already" in error.details()
+    assert sum(len(n.requests) for n in nodes["colocated"]) == 1 and migrations(router) == {}
+
+
+@pytest.mark.parametrize(
+    "code", [grpc.StatusCode.CANCELLED, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION]
+)
+def test_an_abort_or_a_failure_another_node_would_repeat_is_not_migrated(fleet, code):
+    router, nodes = fleet(colocated=2)
+    for node in nodes["colocated"]:
+        node.fail, node.fail_after = code, 2
+    got, _, error = read(router_stub(router).Generate(make_request(), timeout=30))
+    assert got == [100, 101] and error.code() == code and "not migrated" not in error.details()
+    assert sum(len(n.requests) for n in nodes["colocated"]) == 1 and migrations(router) == {}
+
+
+def test_a_disaggregated_stream_moves_to_another_decode_node_and_prefills_its_tokens_again(fleet):
+    router, nodes = fleet(prefill=1, decode=2, router={"routing": "round_robin"})
+    d1, d2 = nodes["decode"]
+    d1.fail, d1.fail_after = UNAVAILABLE, 3
+    assert read(router_stub(router).Generate(make_request(max_new_tokens=6), timeout=30))[::2] == (
+        [100, 101, 102, 103, 104, 105],
+        None,
+    )
+    [p] = nodes["prefill"]
+    assert [list(r.resume_ids) for r in p.requests] == [[], [100, 101, 102]]  # the new P computes them
+    assert [list(r.resume_ids) for r in d2.requests] == [[100, 101, 102]]
+    assert [r.prefill.room for r in d2.requests] == [p.requests[1].room] and p.requests[1].room != p.requests[0].room
+
+
+def test_an_unseeded_sampled_request_gets_a_seed_of_its_own_so_that_it_can_move(fleet):
+    router, nodes = fleet(colocated=1)
+    [node] = nodes["colocated"]
+    generate(router, temperature=0.7)
+    generate(router, temperature=0.7, seed=5)
+    generate(router)  # greedy: no seed needed
+    seeds = [r.sampling.seed if r.sampling.HasField("seed") else None for r in node.requests]
+    assert seeds[0] is not None and seeds[1:] == [5, None]
 
 
 def test_a_full_decode_node_is_left_out_and_the_prefill_node_paired_again(fleet):
@@ -209,23 +292,23 @@ def test_no_first_token_blames_the_decode_node_once_the_prefill_returned(fleet):
     assert timeouts(router) == {"first_token": 1}
 
 
-def test_a_stream_quiet_for_too_long_after_its_first_token_is_deadline_exceeded(fleet):
-    router, nodes = fleet(colocated=2, router={"idle_stream_timeout_s": 0.3})
+def test_a_stream_quiet_for_too_long_after_its_first_token_moves_then_is_deadline_exceeded(fleet):
+    router, nodes = fleet(colocated=2, router={"idle_stream_timeout_s": 0.3, "first_token_timeout_s": 0.4})
     for node in nodes["colocated"]:
-        node.stall_after = 2
-    call = router_stub(router).Generate(make_request(), timeout=30)
-    got = []
+        node.stall_after = 2  # each node stalls at its token 2: the one it moves to at once
     t0 = time.monotonic()
-    with pytest.raises(grpc.RpcError) as err:
-        for resp in call:
-            got += resp.token_ids
-    node = next(n for n in nodes["colocated"] if n.requests)
+    got, _, error = read(router_stub(router).Generate(make_request(), timeout=30))
+    last = max(nodes["colocated"], key=lambda n: n.arrived[0])
     assert got == [100, 101]
-    assert (err.value.code(), err.value.details()) == (DEADLINE, f"no token for 0.3 s (from colocated/{node.address})")
-    assert 0.3 <= time.monotonic() - t0 < 0.3 + 1.0
-    assert wait_until(lambda: node.requests[0].rid in node.cancelled)
-    assert sum(len(n.requests) for n in nodes["colocated"]) == 1  # tokens went out: not retried
-    assert timeouts(router) == {"idle_stream": 1} and retries(router) == {}
+    assert (error.code(), error.details()) == (
+        DEADLINE,
+        f"no first token within 0.4 s (from colocated/{last.address}); after 2 tokens, not migrated: no other "
+        "healthy node pair can take it over",
+    )
+    assert 0.7 <= time.monotonic() - t0 < 0.7 + 1.0
+    assert all(wait_until(lambda n=n: n.requests[0].rid in n.cancelled) for n in nodes["colocated"])
+    assert timeouts(router) == {"idle_stream": 1, "first_token": 1}
+    assert migrations(router) == {"idle_stream": 1} and retries(router) == {}
 
 
 def test_timeouts_off_leave_a_slow_stream_alone(fleet):
@@ -251,6 +334,7 @@ def test_timeouts_longer_than_the_gaps_leave_a_slow_stream_alone(fleet):
     ("flag", "value", "message"),
     [
         ("max_attempts", "0", "--max-attempts must be >= 1, got 0"),
+        ("max_migrations", "-1", "--max-migrations must be >= 0, got -1"),
         ("retry_backoff_s", "-1", "--retry-backoff-s must be >= 0 and finite, got -1.0"),
         ("first_token_timeout_s", "nan", "--first-token-timeout-s must be >= 0 and finite, got nan"),
         ("idle_stream_timeout_s", "inf", "--idle-stream-timeout-s must be >= 0 and finite, got inf"),
@@ -269,3 +353,4 @@ def test_bad_reliability_flags_name_the_flag_and_value(flag, value, message):
 def test_reliability_defaults():
     c = RouterConfig()
     assert (c.max_attempts, c.retry_backoff_s, c.first_token_timeout_s, c.idle_stream_timeout_s) == (3, 0.05, 300, 30)
+    assert c.max_migrations == 3
