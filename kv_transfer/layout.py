@@ -4,6 +4,7 @@ a rank's endpoint, a node's KV layout, and the geometry of a page."""
 from __future__ import annotations
 
 import functools
+import os
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,9 +31,17 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 @functools.cache
 def local_host_id() -> str:
-    """Equal on two processes that can share /dev/shm and CUDA IPC: hostname and boot id."""
+    """Equal on two processes of one host, which may share /dev/shm and CUDA IPC: the host name, the
+    boot id (one kernel) and the network namespace (the inode of /proc/self/ns/net). A host is a
+    network stack: pods on one Kubernetes node share a kernel (one boot id), but each has its own
+    network namespace and its own /dev/shm, so between them `auto` must pick an engine that crosses
+    hosts, never shm; two network namespaces of one machine are two hosts the same way."""
     boot = Path("/proc/sys/kernel/random/boot_id")
-    return f"{socket.gethostname()}/{boot.read_text().strip() if boot.exists() else ''}"
+    try:
+        net = os.stat("/proc/self/ns/net").st_ino
+    except OSError:  # no procfs namespaces (not Linux): one stack per host name and boot
+        net = 0
+    return f"{socket.gethostname()}/{boot.read_text().strip() if boot.exists() else ''}/{net}"
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,6 @@ receives block. Byte payloads are length-prefixed.
 
 from __future__ import annotations
 
-import socket
 from collections import deque
 from dataclasses import dataclass
 from datetime import timedelta
@@ -14,7 +13,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from common.net import gloo_options, is_loopback, listening_store
+from common.net import gloo_backend, listening_store, local_address
 
 
 @dataclass(frozen=True)
@@ -37,12 +36,12 @@ def init(rank: int, world: int, init_addr: str, timeout_s: float, key: str = "")
         store = dist.TCPStore(host.strip("[]"), int(port), world, is_master=False, timeout=timeout)
     if key:
         store = dist.PrefixStore(f"kvbridge/{key}/", store)
-    # every group's pairs listen on loopback too when the ranks meet there; across hosts each rank
-    # listens on the address of its own host name (init_addr is rank 0's)
-    opts = gloo_options("127.0.0.1" if is_loopback(host) else socket.gethostname(), timeout)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout, pg_options=opts)
-    data = dist.new_group(backend="gloo", pg_options=opts)
-    ring, nudge = (dist.new_group(backend="gloo", pg_options=opts) for _ in range(2))
+    # every group's transport listens on loopback when the ranks meet there; across hosts each rank
+    # listens on its own address that reaches rank 0's host (init_addr's), where its peers reach it too
+    backend = gloo_backend(local_address(host))
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    data = dist.new_group(backend=backend)
+    ring, nudge = (dist.new_group(backend=backend) for _ in range(2))
     return data, ControlGroups(ring, nudge)
 
 
@@ -93,7 +92,7 @@ class Link:
         return buf.numpy().tobytes()
 
     def send_tensor(self, tensor: torch.Tensor, dst: int) -> None:
-        self._isend(tensor.contiguous(), dst)
+        self._isend(tensor.detach().cpu().contiguous(), dst)  # (gloo moves host memory only)
 
     def recv_tensor(self, shape: tuple[int, ...], dtype: torch.dtype, src: int) -> torch.Tensor:
         out = torch.empty(shape, dtype=dtype)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import secrets
-import socket
 import struct
 import threading
 import time
@@ -29,7 +28,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from common.net import gloo_options, is_loopback, listening_store
+from common.net import gloo_options, listening_store, local_address
 from kv_transfer.blocks import gather, scatter
 from kv_transfer.layers import LayerRange, plan_chunks
 from kv_transfer.layout import NodeLayout, RankInfo
@@ -109,9 +108,8 @@ class PairClient:
             raise ConnectionError(f"torch pair with {addr} refused: {answer[6:]}")
         self.backend = answer  # "gloo" | "nccl"
         self.device = device
-        # a decode rank on loopback is reached from loopback; elsewhere the host name's address
-        local = "127.0.0.1" if is_loopback(host) else socket.gethostname()
-        self._ctrl, self._data = _groups(self._store, self.n, 1, answer, timeout, device, local)
+        # this side listens where the decode rank reaches it: the local address that routes to it
+        self._ctrl, self._data = _groups(self._store, self.n, 1, answer, timeout, device, local_address(host))
         self._in_flight: list[torch.Tensor] = []  # NCCL sources kept alive until sync()
 
     def send(
