@@ -7,7 +7,7 @@ from decode_node.role import DecodeRole
 from engine.llm import resolve_device
 from kv_transfer import KVReceiverEndpoint, ReceiverConfig, remove_stale_segments
 from kv_transfer import adapters as kv_wire
-from kv_transfer.factory import CPU_BACKENDS
+from kv_transfer.factory import drivable
 from kv_transfer.layout import dtype_name, node_layout
 from pipeline import dist as pp_dist
 from pipeline.group import RankContext, RankGroup, RankSetup
@@ -75,7 +75,7 @@ class DecodeNode:
         self.front = NodeFront(self.ranks)
         self.device = resolve_device(config.engine.device)
         ranks = tuple(kv_wire.rank_from_dict(self.ranks.endpoints[r]) for r in range(pp.pp_size))
-        backends = tuple(b for b in CPU_BACKENDS if b != "torch" or role_args["torch_store"])
+        backends = tuple(b for b in drivable(self.device) if b != "torch" or role_args["torch_store"])
         self.layout = node_layout(config.engine, self.ranks.model, ranks, backends)
 
     def fail(self, rid: str, code: str, error: str) -> None:

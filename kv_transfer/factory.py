@@ -24,6 +24,12 @@ SENDERS: dict[str, type[Sender]] = {
 BACKENDS = tuple(SENDERS)  # what a node lists in KVLayout.backends
 CHOICES = ("auto", *BACKENDS)  # what --transfer-backend accepts
 CPU_BACKENDS = ("shm", "torch", "grpc")  # what a node whose pools are in host memory can drive
+CUDA_BACKENDS = ("cuda_ipc", "torch", "grpc")  # ... and one whose pools are on a GPU
+
+
+def drivable(device: str | torch.device) -> tuple[str, ...]:
+    """The backends a node whose KV pools live on `device` can drive."""
+    return CUDA_BACKENDS if torch.device(device).type == "cuda" else CPU_BACKENDS
 
 
 def make_sender(

@@ -37,10 +37,11 @@ def _colocated() -> tuple:
 
 
 def _prefill() -> tuple:
-    from prefill_node.node import BACKENDS, PrefillNode
+    from kv_transfer.factory import CHOICES
+    from prefill_node.node import PrefillNode
     from prefill_node.service import PrefillServer
 
-    return PrefillServer, PrefillNode, ("auto", *BACKENDS)
+    return PrefillServer, PrefillNode, CHOICES  # (PrefillNode refuses one its pools' device cannot drive)
 
 
 def _decode() -> tuple:

@@ -44,9 +44,8 @@ class StageLoop:
                 if self.reused:
                     self._check_reuse(b)
                 meta = AttentionMetadata.build(b, self.pool.page_size, self.stage.device)
-                hidden = self.link.recv_tensor(
-                    (b.num_tokens, self.stage.config.hidden_size), self.stage.dtype, self.prev
-                )
+                shape = (b.num_tokens, self.stage.config.hidden_size)
+                hidden = self.link.recv_tensor(shape, self.stage.dtype, self.prev).to(self.stage.device)
                 out = self.stage.forward(meta, hidden, self.pool)
                 faults.current().after_step()
                 self.agent.after_forward(b)

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from engine.llm import resolve_device
 from engine.model import stage_ranges
-from kv_transfer.factory import CPU_BACKENDS
+from kv_transfer.factory import drivable
 from kv_transfer.layout import RankInfo, node_layout
 from pipeline import dist as pp_dist
 from pipeline.group import RankContext, RankGroup, RankSetup
@@ -13,8 +14,6 @@ from prefill_node.agent import PrefillAgent
 from prefill_node.role import PrefillRole
 from serving.config import NodeConfig
 from serving.front import NodeFront
-
-BACKENDS = CPU_BACKENDS  # the backends a prefill rank can drive here (cuda_ipc needs GPUs)
 
 
 def prefill_rank(ctx: RankContext) -> RankSetup:
@@ -46,13 +45,14 @@ class PrefillNode:
 
     def __init__(self, config: NodeConfig, progress: bool = False):
         backend, pp = config.transfer_backend, config.pp
-        if backend != "auto" and backend not in BACKENDS:
-            raise ValueError(f"transfer backend must be auto or one of {', '.join(BACKENDS)}, got {backend!r}")
+        drives = drivable(resolve_device(config.engine.device))  # (cuda_ipc needs pools on a GPU, shm in memory)
+        if backend != "auto" and backend not in drives:
+            raise ValueError(f"transfer backend must be auto or one of {', '.join(drives)}, got {backend!r}")
         self.ranks = RankGroup(config.engine, pp, progress=progress, build=prefill_rank)
         self.front = NodeFront(self.ranks)
         ranges = stage_ranges(self.ranks.model.config.num_hidden_layers, pp.pp_size)
         ranks = tuple(RankInfo(i, lo, hi) for i, (lo, hi) in enumerate(ranges))
-        offered = BACKENDS if backend == "auto" else (backend,)
+        offered = drives if backend == "auto" else (backend,)
         self.layout = node_layout(config.engine, self.ranks.model, ranks, offered)
 
     def shutdown(self):

@@ -14,6 +14,7 @@ from kv_transfer.backends.cuda_ipc import CudaIpcSender
 from kv_transfer.backends.grpc_stream import GrpcSender
 from kv_transfer.backends.shm import ShmSender
 from kv_transfer.backends.torch_p2p import TorchSender
+from kv_transfer.factory import drivable
 
 GEOMETRY = PageGeometry(page_size=4, num_kv_heads=2, head_dim=8, dtype="float32")
 
@@ -93,3 +94,8 @@ def test_layout_survives_the_proto_round_trip(ipc):
 
 def test_sources_of_lists_every_prefill_rank():
     assert [(s.rank, s.layer_start, s.layer_end) for s in sources_of(make_layout())] == [(0, 0, 3), (1, 3, 6)]
+
+
+def test_a_node_offers_the_backends_its_pools_device_can_drive():
+    assert drivable("cpu") == ("shm", "torch", "grpc")  # shm: pools in host memory
+    assert drivable("cuda:0") == drivable(torch.device("cuda", 1)) == ("cuda_ipc", "torch", "grpc")

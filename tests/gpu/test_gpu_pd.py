@@ -1,0 +1,93 @@
+"""Disaggregated serving on one GPU: a prefill node and a decode node of two pipeline ranks each,
+every rank on the same GPU (bf16), give a colocated node's greedy tokens on that GPU, and the KV
+moves by cuda_ipc (on CPU: tiny-random in fp32, by shm). Requests go one at a time: a bf16 matmul
+may round differently at another batch size, and batching invariance is not what is checked here."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import grpc
+import pytest
+
+from common import rpc
+from engine.config import EngineConfig, PPConfig
+from engine.weights import load_model
+from kvbridge.nodes import start_node
+from kvbridge.v1 import common_pb2, generation_pb2, generation_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from serving.config import NodeConfig
+from tests.conftest import make_prompts
+from tests.engine.test_hf_parity import CHAT_PROMPTS
+from tests.pd import TINY, pd_generate, start_nodes, stop_nodes, token_prompt, wait_idle
+
+HARD_TIMEOUT_S = 180  # (a hang dumps every thread's stack before scripts/gpu_check.sh's stage timeout)
+MAX_NEW = 16
+TIMEOUTS = {"bootstrap_timeout_s": 45.0, "prealloc_timeout_s": 45.0, "transfer_timeout_s": 45.0}  # fail, not hang
+CONFIGS = {  # device -> every node's engine
+    "cuda": EngineConfig(device="cuda", page_size=16, kv_cache_tokens=8192, chunked_prefill_size=32, **TIMEOUTS),
+    "cpu": dataclasses.replace(TINY, device="cpu"),
+}
+EXPECTED = {"cuda": ("cuda_ipc", "bfloat16"), "cpu": ("shm", "float32")}  # backend, KV dtype
+PAIRS = [(2, 2), (1, 1)]  # (prefill pp, decode pp); on a GPU pp 1 tells a pipeline fault from a hand-off fault
+PAIRS_ON = {"cuda": PAIRS, "cpu": PAIRS[:1]}  # (tests/nodes/test_pd.py has pp 1 -> 1 on CPU)
+
+
+def prompts_for(device: str) -> list[list[int]]:
+    config = CONFIGS[device]
+    model = load_model(config.model, progress=False)
+    if device == "cpu":
+        return make_prompts(3, model.config.vocab_size, seed=7, min_len=5, max_len=60)
+    tok = model.tokenizer
+    return [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}])) for q in CHAT_PROMPTS[:4]]
+
+
+@pytest.fixture(scope="module")
+def fleet(device, hard_timeout):
+    """A colocated node (pp 1), and the prefill and decode nodes (auto backend) of the device's pairs."""
+    config = CONFIGS[device]
+    colocated = start_node("colocated", NodeConfig(config, PPConfig()))
+    try:
+        specs = {f"p{p}": ("prefill", p, config) for p, _ in PAIRS_ON[device]}
+        specs |= {f"d{d}": ("decode", d, "auto", config) for _, d in PAIRS_ON[device]}
+        nodes = start_nodes(specs, config) | {"colocated": colocated}
+    except BaseException:
+        colocated.stop()
+        raise
+    yield nodes
+    stop_nodes(nodes)
+
+
+@pytest.fixture(scope="module")
+def reference(device, fleet):
+    """The prompts and the colocated node's greedy tokens for each, one request at a time."""
+    stub = generation_pb2_grpc.GenerationStub(rpc.make_channel(fleet["colocated"].address))
+    sampling = common_pb2.SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)
+    prompts, outputs = prompts_for(device), []
+    for ids in prompts:
+        req = generation_pb2.GenerateRequest(prompt=token_prompt(ids), sampling=sampling)
+        outputs.append([t for r in stub.Generate(req, timeout=60) for t in r.token_ids])
+    return prompts, outputs
+
+
+@pytest.mark.parametrize(("p_pp", "d_pp"), PAIRS, ids=[f"p{p}-d{d}" for p, d in PAIRS])
+def test_disaggregated_on_one_device_equals_colocated(device, fleet, reference, p_pp, d_pp):
+    if (p_pp, d_pp) not in PAIRS_ON[device]:
+        pytest.skip(f"pp {p_pp} -> {d_pp} on {device} is tests/nodes/test_pd.py's")
+    prefill, decode = fleet[f"p{p_pp}"], fleet[f"d{d_pp}"]
+    backend, dtype = EXPECTED[device]
+    for prompt, want in zip(*reference):
+        assert len(want) == MAX_NEW
+        ids = token_prompt(prompt)
+        tokens, responses, prefill_result = pd_generate(prefill.address, decode.address, ids, MAX_NEW, timeout=60)
+        assert not isinstance(prefill_result, grpc.RpcError), prefill_result
+        assert tokens == want
+        assert responses[0].transfer.backend == backend and responses[0].transfer.kv_bytes > 0
+        assert prefill_result.first_token == want[0] and prefill_result.prompt_tokens == len(prompt)
+    layout = prefill_pb2_grpc.BootstrapStub(rpc.make_channel(prefill.address)).GetLayout(
+        prefill_pb2.GetLayoutRequest(), timeout=10
+    )
+    assert layout.dtype == dtype
+    for node in (prefill, decode):
+        st = wait_idle(node.address)
+        assert [r.kv_pages_used for r in st.ranks] == [0] * len(st.ranks)
+        assert not any(st.queues.values()), dict(st.queues)
