@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import logging
 import os
 import random
 import threading
@@ -115,3 +116,25 @@ def node_invariants():
             time.sleep(0.05)
         assert held == 0, f"{server.role} node {server.address} still holds {held} requests after the test"
         assert server.check_invariants() == [], f"{server.role} node {server.address}"
+
+
+@pytest.fixture
+def router_phases():
+    """(time.monotonic(), fields) of every `event=phase` line a router in this process logs during
+    the test (routed, retry, migrate, finished, ...)."""
+    import logging
+
+    logger, lines = logging.getLogger("kvbridge.router"), []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            fields = getattr(record, "fields", {})
+            if fields.get("event") == "phase":
+                lines.append((time.monotonic(), dict(fields)))
+
+    handler, level = Keep(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    yield lines
+    logger.removeHandler(handler)
+    logger.setLevel(level)

@@ -12,7 +12,6 @@ prefix cache is emptied, so that the disturbed run starts from the same state.""
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import signal
 import threading
@@ -85,25 +84,6 @@ class Stream:
 
 def run_all(port: int, tag: str) -> list[Stream]:
     return [Stream(port, i, f"{tag}-{i}") for i in range(len(PROMPTS))]
-
-
-@pytest.fixture
-def router_lines():
-    """(time.monotonic(), fields) of every `phase=migrate|retry|not_migrated` line the router logs."""
-    logger, lines = logging.getLogger("kvbridge.router"), []
-
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            fields = getattr(record, "fields", {})
-            if fields.get("phase") in ("migrate", "retry", "not_migrated"):
-                lines.append((time.monotonic(), dict(fields)))
-
-    handler, level = Keep(), logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    yield lines
-    logger.removeHandler(handler)
-    logger.setLevel(level)
 
 
 @contextlib.contextmanager
@@ -185,29 +165,29 @@ def drain(node: NodeProcess) -> None:
 
 
 @pytest.mark.parametrize("how", [kill_node, kill_rank, drain], ids=["kill-9", "rank-killed", "drained"])
-def test_every_stream_of_a_lost_decode_node_completes_equal_to_the_undisturbed_run(fleet, router_lines, how):
-    check_failover(*fleet, router_lines, how)
+def test_every_stream_of_a_lost_decode_node_completes_equal_to_the_undisturbed_run(fleet, router_phases, how):
+    check_failover(*fleet, router_phases, how)
 
 
 @pytest.mark.slow
-def test_the_default_model_streams_of_a_killed_decode_node_complete_equal_to_the_undisturbed_run(router_lines):
+def test_the_default_model_streams_of_a_killed_decode_node_complete_equal_to_the_undisturbed_run(router_phases):
     """The same kill -9 with SmolLM2-135M-Instruct serving the 300-token streams."""
     with make_fleet("--model", "smollm2-135m-instruct") as (router, nodes):
-        check_failover(router, nodes, router_lines, kill_node)
+        check_failover(router, nodes, router_phases, kill_node)
 
 
-def check_failover(router, nodes, router_lines, how) -> None:
+def check_failover(router, nodes, router_phases, how) -> None:
     before, after, on_victim, survivors = disturb(router, nodes, how)
 
     assert [s.outcome() for s in after] == [s.outcome() for s in before]
-    migrated = {f["rid"] for _, f in router_lines if f["phase"] == "migrate"}
-    retried = {f["rid"] for _, f in router_lines if f["phase"] == "retry"}
-    assert [f for _, f in router_lines if f["phase"] == "not_migrated"] == []
+    migrated = {f["rid"] for _, f in router_phases if f["phase"] == "migrate"}
+    retried = {f["rid"] for _, f in router_phases if f["phase"] == "retry"}
+    assert [f for _, f in router_phases if f["phase"] == "not_migrated"] == []
     # every stream on the node had tokens out when it went: each is migrated, none retried
     assert len(on_victim) == 4 and all(on_victim.values()), on_victim
     assert (migrated, retried) == (set(on_victim), set())
     assert migrations(router) == {"unavailable": len(migrated)}
-    assert all(f["tokens"] > 0 and f["migration"] == 1 for _, f in router_lines if f["phase"] == "migrate")
+    assert all(f["tokens"] > 0 and f["migration"] == 1 for _, f in router_phases if f["phase"] == "migrate")
     # the prefill node found the prompt's full pages in its cache when it computed prompt + tokens sent
     cached = {s.rid: s.usage.cached_tokens for s in after if s.rid in migrated}
     assert cached == {rid: len(PROMPTS[int(rid[4:])]) // 4 * 4 for rid in migrated}
@@ -225,7 +205,7 @@ def check_failover(router, nodes, router_lines, how) -> None:
 
 
 @pytest.mark.slow
-def test_two_hundred_streams_survive_a_decode_node_kill_token_for_token(router_lines):
+def test_two_hundred_streams_survive_a_decode_node_kill_token_for_token(router_phases):
     """Load: 200 concurrent streams (128 tokens each, greedy and seeded) through router + P + 2 D;
     once 100 stream, the busier decode node is killed. All 200 complete as in the undisturbed run."""
     big = ("--kv-cache-tokens", "32768", "--max-pending-requests", "1000")  # (one decode node holds them all)
@@ -278,7 +258,7 @@ def test_two_hundred_streams_survive_a_decode_node_kill_token_for_token(router_l
         admin(f"127.0.0.1:{router.port}").ClearPrefixCache(admin_pb2.ClearPrefixCacheRequest(), timeout=10)
         after = run("hit")
         assert after == before
-        migrated = {f["rid"] for _, f in router_lines if f["phase"] == "migrate"}
+        migrated = {f["rid"] for _, f in router_phases if f["phase"] == "migrate"}
         print(f"200 streams: {len(migrated)} migrated, {migrations(router)}")
         assert len(migrated) > 20 and migrations(router) == {"unavailable": len(migrated)}
         survivors = [n for n in nodes.values() if n.proc.poll() is None]

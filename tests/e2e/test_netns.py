@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import sys
 import time
 from pathlib import Path
@@ -28,6 +27,7 @@ import pytest
 
 from tests.e2e.test_load import process_tree
 from tests.netns import SUBNET, Network, ip
+from tests.nodes.test_listeners import listening_sockets
 
 KVBRIDGE = str(Path(sys.executable).with_name("kvbridge"))
 HARD_TIMEOUT_S = 300  # the whole module (the hard_timeout fixture, tests/conftest.py)
@@ -154,37 +154,11 @@ def test_a_prefill_pipeline_split_over_two_hosts_gives_the_colocated_tokens(net,
 # ---------------------------------------------------------------------- listeners
 
 
-def listeners(pid: int) -> list[tuple[str, int]]:
-    """(address, port) of every TCP socket in LISTEN state that process `pid` holds, read from its
-    own network namespace's tables (/proc/PID/net/tcp{,6})."""
-    inodes = set()
-    for fd in Path(f"/proc/{pid}/fd").iterdir():
-        try:
-            link = fd.readlink()
-        except OSError:  # closed meanwhile
-            continue
-        if str(link).startswith("socket:["):
-            inodes.add(str(link)[8:-1])
-    found = []
-    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
-        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
-            fields = line.split()
-            local, state, inode = fields[1], fields[3], fields[9]
-            if state != "0A" or inode not in inodes:  # 0A: LISTEN
-                continue
-            host, port = local.split(":")
-            raw = bytes.fromhex(host)  # the kernel's words, each little-endian
-            raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
-            address = socket.inet_ntop(family, raw).removeprefix("::ffff:")  # (IPv4 on an IPv6 socket)
-            found.append((address, int(port, 16)))
-    return sorted(found)
-
-
 def test_every_listener_is_on_its_hosts_address(net, fleet):
     for name in ("router-torch", "router-grpc", "router-auto", "router-pp"):  # every engine's pairs open
         assert [r["code"] for r in generate(net, fleet[name].address, REQUESTS[:1])] == ["OK"]
     tree = process_tree({p.name: p.pid for p in net.processes()})
-    found = {label: {a for a, _ in listeners(pid)} for label, pid in tree.items()}
+    found = {label: {a for _, a, _ in listening_sockets({label: pid})} for label, pid in tree.items()}
     found = {label: addresses for label, addresses in found.items() if addresses}
     own = {p.name: {host.address} for host in net.hosts.values() for p in host.procs}  # (the routers share one)
     lo = "127.0.0.1"  # a one-host pipeline's rendezvous (pipeline/group.py), reached by no other host

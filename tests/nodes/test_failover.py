@@ -12,7 +12,6 @@ caught in every phase."""
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import signal
 import subprocess
@@ -153,23 +152,9 @@ class Call:
         return self
 
 
-@pytest.fixture
-def retry_lines():
-    """(time.monotonic(), fields) of every `phase=retry|migrate` line the router logs during the test."""
-    logger, lines = logging.getLogger("kvbridge.router"), []
-
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            fields = getattr(record, "fields", {})
-            if fields.get("phase") in ("retry", "migrate"):
-                lines.append((time.monotonic(), dict(fields)))
-
-    handler, level = Keep(), logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    yield lines
-    logger.removeHandler(handler)
-    logger.setLevel(level)
+def moves(router_phases) -> list[tuple[float, dict]]:
+    """The router's `phase=retry|migrate` lines so far (tests/conftest.py router_phases)."""
+    return [(t, f) for t, f in router_phases if f["phase"] in ("retry", "migrate")]
 
 
 def make_router(prefill: list[str], decode: list[str]):
@@ -199,7 +184,7 @@ def router_peers(router) -> list[admin_pb2.RequestInfo]:
 # ---------------------------------------------------------------------- a prefill node dies
 
 
-def test_a_killed_prefill_node_has_its_requests_retried_and_the_decode_node_frees_their_pages(retry_lines):
+def test_a_killed_prefill_node_has_its_requests_retried_and_the_decode_node_frees_their_pages(router_phases):
     # P: 0.3 s a step (a prompt prefills in two: a wide window to catch some prefilling), and each
     # request held 1.5 s in `transferring`;
     # D: 0.05 s a step, so that requests stay in flight
@@ -237,6 +222,7 @@ def test_a_killed_prefill_node_has_its_requests_retried_and_the_decode_node_free
             else:  # only a request that had a token out may fail, and then at once
                 assert c.error.code() == grpc.StatusCode.UNAVAILABLE, (c.index, c.error)
                 assert c.ended - killed < LIVENESS_BOUND_S, (c.index, c.ended - killed)
+        retry_lines = moves(router_phases)
         retried = {fields["rid"] for _, fields in retry_lines}
         assert retried <= on_victim and retried, (retried, on_victim)
         assert max(t for t, _ in retry_lines) - killed < LIVENESS_BOUND_S
@@ -267,7 +253,7 @@ def test_a_killed_prefill_node_has_its_requests_retried_and_the_decode_node_free
 NODE_TIMEOUT_S = 3.0  # the prefill nodes' --bootstrap-timeout-s and --transfer-timeout-s
 
 
-def test_a_killed_decode_node_has_its_streams_migrated_or_retried_and_the_prefill_nodes_free_its_rooms(retry_lines):
+def test_a_killed_decode_node_has_its_streams_migrated_or_retried_and_the_prefill_nodes_free_its_rooms(router_phases):
     # P: 0.2 s a step, so that prompts finish prefilling one after another; D: 0.1 s a step
     p_flags = ("--fault-inject", "step_delay_ms=200", "--bootstrap-timeout-s", str(NODE_TIMEOUT_S),
                "--transfer-timeout-s", str(NODE_TIMEOUT_S))  # fmt: skip
@@ -306,6 +292,7 @@ def test_a_killed_decode_node_has_its_streams_migrated_or_retried_and_the_prefil
         # to the other decode node (migrated), those without were retried
         results = [c.result() for c in calls]
         assert [(c.error, c.tokens) for c in results] == [(None, want) for want in expected]
+        retry_lines = moves(router_phases)
         migrated = {f["rid"]: t for t, f in retry_lines if f["phase"] == "migrate"}
         retried = {f["rid"] for _, f in retry_lines if f["phase"] == "retry"}
         assert migrated and retried, (listed, migrated, retried)

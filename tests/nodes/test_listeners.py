@@ -20,27 +20,29 @@ NODE = ("--model", "tiny-random", "--port", "0", "--pp-size", "2", "--metrics-po
 
 
 def listening_sockets(pids: dict[str, int]) -> list[tuple[str, str, int]]:
-    """(process label, local address, port) of every TCP socket in LISTEN state the processes hold."""
-    owner = {}
+    """(process label, local address, port) of every TCP socket in LISTEN state the processes hold,
+    each read from its own network namespace's tables (/proc/PID/net/tcp{,6})."""
+    found = []
     for label, pid in pids.items():
+        inodes = set()
         for fd in Path(f"/proc/{pid}/fd").iterdir():
             try:
                 link = os.readlink(fd)
             except OSError:  # closed meanwhile
                 continue
             if link.startswith("socket:["):
-                owner[link[8:-1]] = label
-    found = []
-    for table, family in (("/proc/net/tcp", socket.AF_INET), ("/proc/net/tcp6", socket.AF_INET6)):
-        for line in Path(table).read_text().splitlines()[1:]:
-            fields = line.split()
-            local, state, inode = fields[1], fields[3], fields[9]
-            if state != "0A" or inode not in owner:  # 0A: LISTEN
-                continue
-            host, port = local.split(":")
-            raw = bytes.fromhex(host)  # the kernel's words, each little-endian
-            raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
-            found.append((owner[inode], socket.inet_ntop(family, raw), int(port, 16)))
+                inodes.add(link[8:-1])
+        for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+            for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+                fields = line.split()
+                local, state, inode = fields[1], fields[3], fields[9]
+                if state != "0A" or inode not in inodes:  # 0A: LISTEN
+                    continue
+                host, port = local.split(":")
+                raw = bytes.fromhex(host)  # the kernel's words, each little-endian
+                raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+                address = socket.inet_ntop(family, raw).removeprefix("::ffff:")  # (IPv4 on an IPv6 socket)
+                found.append((label, address, int(port, 16)))
     return found
 
 
