@@ -52,6 +52,7 @@ import contextlib
 import logging
 import secrets
 import time
+from array import array
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
@@ -98,7 +99,8 @@ class Routed:
         self.prompt_tokens = len(request.prompt.token_ids.ids)  # 0 until known (text, chat: hashed, or the last usage)
         self.blocks: PromptBlocks | None = None  # the prompt's block hashes, for the policy (None: unknown)
         self._hashed = False  # blocks were looked for (once per request, before the first attempt)
-        self.output_ids: list[int] = []  # token ids handed to the client so far (a migration resumes after them)
+        # token ids handed to the client so far (a migration resumes after them): 4 bytes each
+        self.output_ids = array("I")
         self.sent = 0  # responses handed to the client so far
         self.migrations = 0  # times the stream moved to another pair
         self._attempt_sent = 0  # responses of the current attempt handed to the client
@@ -432,7 +434,7 @@ class Routed:
         else:
             self.dispatcher.metrics.token_gap(now - self._last_token_at)
         self._last_token_at = now
-        self.output_ids += resp.token_ids
+        self.output_ids.extend(resp.token_ids)
 
     def _log(self, phase: str, **fields) -> None:
         log_event(log, "phase", rid=self.rid, room=room_tag(self.room), phase=phase, **fields)
