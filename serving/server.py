@@ -196,7 +196,10 @@ class NodeServer:
                 self.dead = dead
                 self._update_health()
                 error = f"pipeline rank {dead[0]} of the {self.role} node died"
-                failed = self.node.front.fail_all(error)
+                try:
+                    failed = self.node.front.fail_all(error)
+                except TimeoutError:  # the front's loop did not answer (stopping): still end the node
+                    failed = "unknown"
                 log_event(log, "rank_died", logging.ERROR, role=self.role, ranks=dead, failed_requests=failed)
                 if self.on_death is not None:
                     self.on_death()
