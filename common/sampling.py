@@ -13,6 +13,10 @@ from kvbridge.v1 import common_pb2
 # logit overflows float32 (inf, then NaN probabilities). 0 is greedy.
 MIN_TEMPERATURE = 1e-5
 MAX_STOP_STRINGS = 16  # a stop string is searched for in every token's new text
+MAX_TOP_LOGPROBS = 20  # alternatives returned per position (OpenAI's limit)
+MAX_BAD_WORDS = 128
+MAX_LOGIT_BIAS = 1024  # entries (OpenAI allows 300)
+MAX_SCHEMA_CHARS = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -28,6 +32,22 @@ class SamplingParams:
     ignore_eos: bool = False
     # EOS and stop_token_ids cannot be sampled, and stop strings do not count, until this many tokens are out
     min_tokens: int = 0
+    # logits processing (engine/logits.py), in the order it applies
+    allowed_token_ids: tuple[int, ...] = ()  # non-empty: only these can be sampled
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), ids ascending
+    bad_words: tuple[str, ...] = ()  # as the client wrote them
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()  # their token sequences: filled by the node (with_bad_words_ids)
+    json_schema: str = ""  # structured output: the output is JSON valid under this schema (JSON text)
+    json_object: bool = False  # structured output: any JSON object
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    # what comes back besides the tokens
+    logprobs: int | None = None  # None: none; k: each sampled token's logprob and the k most likely
+    prompt_logprobs: int | None = None  # None: none; k: each prompt token's logprob and the k most likely
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         self.validate()
@@ -52,10 +72,56 @@ class SamplingParams:
         empty = [i for i, s in enumerate(self.stop) if not s]
         if empty:
             raise ValueError(f"stop[{empty[0]}] is empty (it would match at once)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0 < self.repetition_penalty <= 2:
+            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS}")
+        for token, bias in self.logit_bias:
+            if not -100 <= bias <= 100:  # (NaN too)
+                raise ValueError(f"logit_bias[{token}] must be in [-100, 100], got {bias}")
+        if len(self.bad_words) > MAX_BAD_WORDS:
+            raise ValueError(f"bad_words has {len(self.bad_words)} words; at most {MAX_BAD_WORDS}")
+        if any(not w.strip() for w in self.bad_words):
+            raise ValueError("bad_words holds an empty word")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_TOP_LOGPROBS}], got {k}")
+        if self.json_schema and self.json_object:
+            raise ValueError("json_schema and json_object are exclusive")
+        if self.structured and self.ignore_eos:
+            raise ValueError("ignore_eos cannot be combined with structured output (it ends with EOS)")
+        if len(self.json_schema) > MAX_SCHEMA_CHARS:
+            raise ValueError(f"json_schema is {len(self.json_schema)} characters; at most {MAX_SCHEMA_CHARS}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def structured(self) -> bool:
+        return bool(self.json_schema) or self.json_object
+
+    @property
+    def needs_history(self) -> bool:
+        """The sampling rank needs the request's tokens (prompt and outputs) to process its logits."""
+        penalized = self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
+        return bool(penalized or self.bad_words_ids or self.structured or self.prompt_logprobs is not None)
+
+    def with_bad_words_ids(self, encode) -> SamplingParams:
+        """bad_words as token sequences, as vLLM makes them: each word alone and after a space."""
+        seqs = []
+        for word in self.bad_words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = tuple(encode(text))
+                if ids and ids not in seqs:
+                    seqs.append(ids)
+        return replace(self, bad_words_ids=tuple(seqs))
 
     def resolved(self, prompt_tokens: int, max_context: int, max_default_tokens: int) -> SamplingParams:
         """With max_new_tokens unset (0): the rest of the context after the prompt, at most
@@ -81,6 +147,19 @@ def from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
             stop_token_ids=tuple(msg.stop_token_ids),
             ignore_eos=msg.ignore_eos,
             min_tokens=msg.min_tokens,
+            allowed_token_ids=tuple(sorted(set(msg.allowed_token_ids))),
+            logit_bias=tuple(sorted(msg.logit_bias.items())),
+            bad_words=tuple(msg.bad_words),
+            json_schema=msg.structured.json_schema,
+            json_object=msg.structured.json_object,
+            presence_penalty=msg.presence_penalty,
+            frequency_penalty=msg.frequency_penalty,
+            repetition_penalty=msg.repetition_penalty or 1.0,  # 0: unset
+            min_p=msg.min_p,
+            logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+            prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
+            skip_special_tokens=msg.skip_special_tokens if msg.HasField("skip_special_tokens") else True,
+            include_stop_str_in_output=msg.include_stop_str_in_output,
         )
     except ValueError as e:
         raise ValueError(f"sampling.{e}") from None
@@ -96,7 +175,24 @@ def to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
         stop_token_ids=list(p.stop_token_ids),
         ignore_eos=p.ignore_eos,
         min_tokens=p.min_tokens,
+        allowed_token_ids=list(p.allowed_token_ids),
+        logit_bias=dict(p.logit_bias),
+        bad_words=list(p.bad_words),
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty,
+        min_p=p.min_p,
+        skip_special_tokens=p.skip_special_tokens,
+        include_stop_str_in_output=p.include_stop_str_in_output,
     )
+    if p.json_schema:
+        msg.structured.json_schema = p.json_schema
+    elif p.json_object:
+        msg.structured.json_object = True
     if p.seed is not None:
         msg.seed = p.seed
+    if p.logprobs is not None:
+        msg.logprobs = p.logprobs
+    if p.prompt_logprobs is not None:
+        msg.prompt_logprobs = p.prompt_logprobs
     return msg

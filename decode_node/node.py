@@ -58,7 +58,7 @@ def decode_rank(ctx: RankContext) -> RankSetup:
             role=DecodeRole(chan, receiver, reserve_tokens=RESERVE_TOKENS), recorder=ctx.recorder,
         )  # fmt: skip
     else:
-        loop = StageLoop(ctx.rank, pp.pp_size, ctx.stage, receiver.pool, link, agent)
+        loop = StageLoop(ctx.rank, pp.pp_size, ctx.stage, receiver.pool, link, agent, ctx.model.tokenizer)
     endpoint = kv_wire.rank_to_dict(receiver.endpoint)
     return RankSetup(loop, endpoint=endpoint, close=close)
 

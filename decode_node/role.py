@@ -18,9 +18,10 @@ import time
 from consensus import Stream as S
 from consensus import Verdict
 from decode_node.queues import PreallocQueue, Quarantine, RetractedQueue, TransferQueue
+from engine.logits import logprob_from_proto
 from engine.request import Handoff, Phase, Request
 from pipeline.control import ControlChannel
-from pipeline.log import ABORT, FINISH, RESUME, RETRACT
+from pipeline.log import ABORT, APPEND, FINISH, RESUME, RETRACT
 from pipeline.messages import Add, Fail, PeerDown, Preallocated, Token
 from pipeline.rank0 import Rank0Loop
 from pipeline.roles import Deadlines, live_rulings
@@ -170,12 +171,24 @@ class DecodeRole:
             error = f"the prefill node sent first token {token}, outside the vocabulary [0, {vocab})"
             self.fail(req, error, "DATA_LOSS")
             return
+        logprob = None
+        if req.params.logprobs is not None:
+            try:
+                msg = self.receiver.first_logprob(req.handoff.room)
+                if msg is None:
+                    raise ValueError("none came")
+                logprob = logprob_from_proto(msg, vocab, req.params.logprobs)
+            except ValueError as e:
+                self.fail(req, f"the prefill node sent no usable logprobs with the first token: {e}", "DATA_LOSS")
+                return
         req.num_computed = len(req.prompt_ids)
         req.num_sampled = req.resumed + 1
         req.output_ids.append(token)
+        if req.params.needs_history and self.loop.sampler is None:  # the last rank samples: it needs the token
+            self.loop.decide(APPEND, req.rid, info={"ids": [token]})
         req.first_token_s = time.perf_counter()
         kv_seconds = req.first_token_s - (req.handoff.preallocated_s or req.first_token_s)
-        self.loop.outbox.put(Token(req.rid, token, req.resumed, kv_seconds, req.handoff.held_pages))
+        self.loop.outbox.put(Token(req.rid, token, req.resumed, kv_seconds, req.handoff.held_pages, logprob))
         scheduler = self.loop.scheduler
         scheduler.add_prebuilt(req)
         self.loop.move(req, Phase.DECODING, kv_seconds=round(kv_seconds, 6))

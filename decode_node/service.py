@@ -8,6 +8,7 @@ import asyncio
 import secrets
 import uuid
 from collections.abc import Callable
+from dataclasses import replace
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -18,7 +19,6 @@ from decode_node.node import DecodeNode
 from kv_transfer import NodeLayout, choose_backend, incompatibility
 from kv_transfer import adapters as kv_wire
 from kvbridge.v1 import (
-    common_pb2,
     generation_pb2,
     generation_pb2_grpc,
     prefill_pb2,
@@ -177,7 +177,7 @@ class DecodeGenerationService(generation_pb2_grpc.GenerationServicer):
         entry = (stub, route.room, backend, secret)  # until rank 0 preallocated the pages (see _register)
         try:
             ids = front.prompt_ids(request.prompt)
-            params = sampling.from_proto(request.sampling)
+            params = replace(sampling.from_proto(request.sampling), prompt_logprobs=None)  # (P computes the prompt)
             sources = [(s.rank, s.layer_start, s.layer_end) for s in kv_wire.sources_of(layout)]
             if self.pending.setdefault(rid, entry) is not entry:  # (the front would refuse it too, but later)
                 raise ValueError(f"duplicate request id {rpc.shown(rid)}")
@@ -206,7 +206,7 @@ class DecodeGenerationService(generation_pb2_grpc.GenerationServicer):
         async for d in deltas:
             if d.error:
                 await context.abort(getattr(grpc.StatusCode, d.code or "UNAVAILABLE"), d.error)
-            resp = generation_pb2.GenerateResponse(rid=rid, token_ids=d.token_ids, text=d.text)
+            resp = d.response(rid, cached_tokens=False)
             if first:
                 first = False
                 page_bytes = self.node.layout.geometry.layer_block_bytes * self.node.layout.num_layers
@@ -215,11 +215,6 @@ class DecodeGenerationService(generation_pb2_grpc.GenerationServicer):
                     backend=backend, kv_bytes=pages * page_bytes, seconds=d.kv_seconds, pages_skipped=d.pages_skipped
                 )
                 resp.transfer.CopyFrom(stats)
-            if d.finish_reason:
-                resp.finish_reason = d.finish_reason
-                resp.usage.CopyFrom(
-                    common_pb2.Usage(prompt_tokens=d.prompt_tokens, completion_tokens=d.completion_tokens)
-                )
             yield resp
 
     def on_preallocated(self, ev: Preallocated) -> None:

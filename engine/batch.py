@@ -20,6 +20,8 @@ class ForwardBatch:
     input_ids: tuple[int, ...]  # the new tokens, concatenated in request order (first stage only)
     sample: tuple[bool, ...]  # whether the request's last new token yields logits (last stage)
     all_logits: bool = False  # project every row, not only sampled ones (scoring a sequence)
+    # per request, or () for none: project every row of its chunk too (its prompt logprobs)
+    scored: tuple[bool, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -41,20 +43,17 @@ class AttentionMetadata:
     decode_pages: torch.Tensor | None  # [B, P] page ids (padded with 0) of the batched requests
     decode_mask: torch.Tensor | None  # [B, 1, 1, P * page_size] True where the key is in context
     prefill: list[tuple[int, int, torch.Tensor, torch.Tensor | None]]  # (first row, q_len, page ids, [q_len, ctx] mask)
-    sample_rows: torch.Tensor  # [S] rows whose hidden state is projected to logits
+    sample_rows: torch.Tensor  # [S] rows whose hidden state is projected to logits (`logit_rows`)
 
     @staticmethod
     def build(batch: ForwardBatch, page_size: int, device: torch.device) -> AttentionMetadata:
-        positions, pages, offsets, sample_rows = [], [], [], []
-        row = 0
-        for start, q_len, table, sample in zip(batch.starts, batch.q_lens, batch.page_tables, batch.sample):
+        positions, pages, offsets = [], [], []
+        for start, q_len, table in zip(batch.starts, batch.q_lens, batch.page_tables):
             for t in range(start, start + q_len):
                 positions.append(t)
                 pages.append(table[t // page_size])
                 offsets.append(t % page_size)
-            row += q_len
-            if sample:
-                sample_rows.append(row - 1)
+        row = len(positions)
 
         def as_tensor(x: list) -> torch.Tensor:
             return torch.tensor(x, dtype=torch.long, device=device)
@@ -97,5 +96,25 @@ class AttentionMetadata:
             decode_pages=decode_pages,
             decode_mask=decode_mask,
             prefill=prefill,
-            sample_rows=torch.arange(row, device=device) if batch.all_logits else as_tensor(sample_rows),
+            sample_rows=torch.arange(row, device=device) if batch.all_logits else as_tensor(logit_rows(batch)[0]),
         )
+
+
+def logit_rows(batch: ForwardBatch) -> tuple[list[int], list[int] | None, list[tuple[int, int, int]]]:
+    """The rows projected to logits: each sampled request's last row and every row of each scored
+    request (batch.scored), in batch order. Also where each sampled request's row is among them
+    (None when no request is scored: then they are exactly the sampled rows) and, for each scored
+    request, (its index in the batch, its first projected row, its row count)."""
+    rows, sampled_at, scored_at = [], [], []
+    scored = batch.scored or (False,) * len(batch.q_lens)
+    row = 0
+    for i, (q_len, sample) in enumerate(zip(batch.q_lens, batch.sample)):
+        if scored[i]:
+            scored_at.append((i, len(rows), q_len))
+            rows += range(row, row + q_len)
+        elif sample:
+            rows.append(row + q_len - 1)
+        if sample:
+            sampled_at.append(len(rows) - 1)
+        row += q_len
+    return rows, (sampled_at if scored_at else None), scored_at

@@ -16,9 +16,19 @@
   found when its last character arrives; `num_held()` is how much of the text could still
   become the start of a stop string.
 - `StopChecker`: both, for rank 0's scheduler (one per request with stop strings): where
-  the output text ends and that text, cut before the stop string.
+  the output text ends and that text, cut before the stop string (or right after it).
 - `TextStream`: the front's interface (serving.front.TextStream: `push(token)` the text
   safe to send now, `finish(final_text)` the rest) on top of a StopChecker.
+
+The request's detokenization options, as vLLM has them (common.sampling.SamplingParams):
+- skip_special_tokens (default): special tokens leave no text. Off, their text appears, and
+  stop strings are matched on that text.
+- include_stop_str_in_output: a stop string that ends the request stays in the text, which
+  ends right after it (text after it in the same token is still cut); nothing is held back
+  then, as the text before the end of a stop string goes out whether it completes or not.
+  Off (default), the text ends before it. Likewise the stop token that ends a request (an EOS
+  unless ignore_eos, or one of stop_token_ids) leaves no text unless it is on: its text is
+  neither in the output nor searched for stop strings (`stop_text_ids`).
 
 Special tokens are dropped before decoding when they are skipped (as `tokenizers` itself does
 with skip_special_tokens), so they never widen the window.
@@ -28,6 +38,7 @@ from __future__ import annotations
 
 import weakref
 
+from common.sampling import SamplingParams
 from engine.tokenizer import Tokenizer
 
 REPLACEMENT = "\ufffd"  # what an incomplete (or invalid) UTF-8 sequence decodes to
@@ -48,6 +59,16 @@ def special_ids(tokenizer: Tokenizer) -> frozenset[int]:
         added = tokenizer.backend.get_added_tokens_decoder()
         ids = _SPECIAL_IDS[tokenizer] = frozenset(i for i, tok in added.items() if tok.special)
     return ids
+
+
+def stop_text_ids(tokenizer: Tokenizer | None, params: SamplingParams, eos_token_ids=()) -> frozenset[int]:
+    """The stop tokens whose text must not go out before the request is known to go on: those that
+    end it when sampled (stop_token_ids; the EOS ids unless ignore_eos) and leave no text then
+    (include_stop_str_in_output off), less those that have no text anyway (special ones, skipped)."""
+    if params.include_stop_str_in_output or tokenizer is None:
+        return frozenset()
+    ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+    return frozenset(ids - special_ids(tokenizer) if params.skip_special_tokens else ids)
 
 
 class IncrementalDetokenizer:
@@ -109,17 +130,19 @@ class IncrementalDetokenizer:
 class StopMatcher:
     """Finds stop strings in a growing text, looking only at its newest characters."""
 
-    def __init__(self, stops: tuple[str, ...]):
+    def __init__(self, stops: tuple[str, ...], include: bool = False):
         assert all(stops), "empty stop strings are refused by SamplingParams"
         self.stops = tuple(stops)
+        self.include = include  # the text ends right after the stop string, not before it
         self.max_len = max(map(len, self.stops), default=0)
         self._tail = ""  # the last max_len - 1 characters seen
         self.num_chars = 0  # characters seen so far
 
     def push(self, new: str, match: bool = True) -> int | None:
-        """Take the next piece of text. Returns where, in the whole text, the earliest stop string
-        that ends inside `new` starts (the text ends there); None if none does. match=False only
-        remembers the piece (before min_tokens no stop string may end the request)."""
+        """Take the next piece of text. Returns where, in the whole text, the text ends by a stop
+        string that ends inside `new`: where the earliest starting one starts, or with `include`
+        where the earliest ending one ends; None if none does. match=False only remembers the
+        piece (before min_tokens no stop string may end the request)."""
         window = self._tail + new
         base = self.num_chars - len(self._tail)  # offset of window[0] in the whole text
         self.num_chars += len(new)
@@ -131,11 +154,14 @@ class StopMatcher:
             # a match must end in `new`: it starts in the last len(new) + len(s) - 1 characters
             i = window.find(s, max(0, len(window) - len(new) - len(s) + 1))
             if i >= 0:
-                hits.append(i)
+                hits.append(i + len(s) if self.include else i)
         return base + min(hits) if hits else None
 
     def num_held(self) -> int:
-        """Characters at the end of the text that are the start of a stop string (not sendable yet)."""
+        """Characters at the end of the text that are the start of a stop string (not sendable yet;
+        with `include` none: that text is in the output whether the stop string completes or not)."""
+        if self.include:
+            return 0
         held = 0
         for s in self.stops:
             for k in range(min(len(self._tail), len(s) - 1), held, -1):
@@ -149,11 +175,21 @@ class StopChecker:
     """One request's text and the stop string that ends it (rank 0 keeps one per request with
     stop strings). The text is kept in pieces and joined once, at the end."""
 
-    def __init__(self, tokenizer: Tokenizer, stops: tuple[str, ...]):
-        self.detok = IncrementalDetokenizer(tokenizer)
-        self.matcher = StopMatcher(stops)
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        stops: tuple[str, ...],
+        skip_special_tokens: bool = True,
+        include_stop_str: bool = False,
+    ):
+        self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens)
+        self.matcher = StopMatcher(stops, include_stop_str)
         self.pieces: list[str] = []
-        self.cut: int | None = None  # where the output text ends (stop string excluded), once found
+        self.cut: int | None = None  # where the output text ends (before the stop string, or after it), once found
+
+    @classmethod
+    def for_params(cls, tokenizer: Tokenizer, params: SamplingParams) -> StopChecker:
+        return cls(tokenizer, params.stop, params.skip_special_tokens, params.include_stop_str_in_output)
 
     def push(self, token: int, match: bool = True) -> str:
         """The token's new text; sets `cut` when a stop string ends in it (and `match`)."""
@@ -166,23 +202,59 @@ class StopChecker:
         return new
 
     def text(self) -> str:
-        """The output text: cut before the stop string when one was found (O(length), once)."""
+        """The output text: cut at the stop string when one was found (O(length), once)."""
         return "".join(self.pieces)[: self.cut]
 
 
 class TextStream:
     """Incremental detokenization of one request's output for streaming: serving.front's
     TextStream interface, O(1) per token. Text that could still become a stop string is held
-    back; once a stop string is found (after min_tokens tokens), nothing from it on is sent."""
+    back; once a stop string is found (after min_tokens tokens), nothing past the output's end is
+    sent. A token of `stop_ids` (stop_text_ids: it may end the request and then leave no text)
+    is pushed only when the next token shows the request went on."""
 
-    def __init__(self, tokenizer: Tokenizer | None, stop: tuple[str, ...] = (), min_tokens: int = 0):
-        self.checker = StopChecker(tokenizer, stop) if tokenizer is not None else None
+    def __init__(
+        self,
+        tokenizer: Tokenizer | None,
+        stop: tuple[str, ...] = (),
+        min_tokens: int = 0,
+        *,
+        skip_special_tokens: bool = True,
+        include_stop_str: bool = False,
+        stop_ids: frozenset[int] = frozenset(),
+    ):
+        self.checker = (
+            StopChecker(tokenizer, stop, skip_special_tokens, include_stop_str) if tokenizer is not None else None
+        )
         self.min_tokens = min_tokens  # the request's: stop strings count only once this many tokens are out
+        self.stop_ids = stop_ids
+        self._deferred: int | None = None  # a token of stop_ids not pushed yet
         self._unsent = ""  # final text not handed out yet (what might become a stop string)
         self._sent: list[str] = []  # text handed out, in pieces
 
+    @classmethod
+    def for_params(cls, tokenizer: Tokenizer | None, params: SamplingParams, eos_token_ids=()) -> TextStream:
+        """The stream of a request with these params, on a model with these EOS ids."""
+        return cls(
+            tokenizer,
+            params.stop,
+            params.min_tokens,
+            skip_special_tokens=params.skip_special_tokens,
+            include_stop_str=params.include_stop_str_in_output,
+            stop_ids=stop_text_ids(tokenizer, params, eos_token_ids),
+        )
+
     def push(self, token: int) -> str:
         """The text that is safe to send now (possibly "")."""
+        out = ""
+        if self._deferred is not None:  # the request went on past it: not its last token
+            out, self._deferred = self._push(self._deferred), None
+        if token in self.stop_ids:
+            self._deferred = token
+            return out
+        return out + self._push(token)
+
+    def _push(self, token: int) -> str:
         c = self.checker
         if c is None or c.cut is not None:
             return ""
@@ -196,8 +268,8 @@ class TextStream:
         return out
 
     def finish(self, final_text: str) -> str:
-        """The rest of the final text (stop strings already cut off by the engine)."""
+        """The rest of the final text (stop strings and the stop token already cut off by the engine)."""
         sent = "".join(self._sent)
         rest = final_text[len(sent) :] if final_text.startswith(sent) else ""
-        self._sent, self._unsent = [final_text], ""
+        self._sent, self._unsent, self._deferred = [final_text], "", None
         return rest

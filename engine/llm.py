@@ -9,18 +9,19 @@
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from common.sampling import SamplingParams
 from engine.batch import AttentionMetadata, ForwardBatch
 from engine.config import EngineConfig
+from engine.logits import prompt_logprobs, prompt_spans, split_logits
 from engine.model import ModelStage, stage_ranges
 from engine.pages import PageAllocator, PageTable
 from engine.prefix_cache import PrefixCache
 from engine.request import Request
-from engine.sampler import sample
+from engine.sampler import Sampler
 from engine.scheduler import ChunkPolicy, Scheduler
 from engine.weights import LoadedModel, load_model
 
@@ -51,6 +52,8 @@ class Completion:
     finish_reason: str
     ttft_s: float  # arrival to first token
     e2e_s: float  # arrival to last token
+    logprobs: list = field(default_factory=list)  # params.logprobs set: an engine.logits.Logprob per output
+    prompt_logprobs: list = field(default_factory=list)  # params.prompt_logprobs set: prompt tokens 1, 2, ...
 
     @property
     def tokens_per_s(self) -> float:
@@ -85,6 +88,7 @@ class LLM:
         self.scheduler = Scheduler(
             config, self.allocator, self.max_context, self.model.tokenizer, mc.eos_token_ids, chunk_policy
         )
+        self.sampler = Sampler(mc.eos_token_ids, self.model.tokenizer, mc.vocab_size)
         self._ids = itertools.count()
         self.requests: dict[str, Request] = {}
 
@@ -112,6 +116,7 @@ class LLM:
         if rid in self.requests:
             raise ValueError(f"duplicate request id {rid!r}")
         req = Request(rid, list(prompt_ids), params, PageTable(self.config.page_size), cache_salt=cache_salt)
+        self.sampler.prepare(req)
         self.requests[rid] = req
         self.scheduler.add(req)
         return req
@@ -126,7 +131,16 @@ class LLM:
         step = self.scheduler.schedule()
         if step is None:
             return []
-        tokens = sample(self._forward(step.batch), step.sampled, self.model.config.eos_token_ids)
+        logits, scored = split_logits(step.batch, self._forward(step.batch))
+        tokens, logprobs = self.sampler(logits, step.sampled)
+        for req, lp in zip(step.sampled, logprobs):
+            if lp is not None:
+                req.logprobs.append(lp)
+        if scored:  # (a preempted request computes its prompt again: those it has are kept)
+            rows = prompt_logprobs(step.batch, scored, step.requests)
+            for i, first, n in prompt_spans(step.batch, step.requests):
+                req, mine, rows = step.requests[i], rows[:n], rows[n:]
+                req.prompt_logprobs += mine[len(req.prompt_logprobs) + 1 - first :]
         finished = self.scheduler.postprocess(step, tokens)
         for req in finished:
             del self.requests[req.rid]
@@ -192,4 +206,6 @@ def completion(req: Request) -> Completion:
         finish_reason=req.finish_reason or "",
         ttft_s=(req.first_token_s or req.arrival_s) - req.arrival_s,
         e2e_s=(req.finish_s or req.arrival_s) - req.arrival_s,
+        logprobs=list(req.logprobs),
+        prompt_logprobs=list(req.prompt_logprobs),
     )

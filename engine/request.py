@@ -14,6 +14,7 @@ from engine.pages import PageTable
 
 if TYPE_CHECKING:
     from engine.detok import StopChecker
+    from engine.grammar import Matcher
 
 
 class Phase(str, Enum):
@@ -80,6 +81,10 @@ class Request:
     # a migrated request's continuation: the last `resumed` prompt ids are output tokens an earlier
     # attempt streamed to the client; they are computed as prompt and count as outputs (num_outputs)
     resumed: int = 0
+    grammar: Matcher | None = None  # structured output: at the sampling rank, the grammar's state
+    logprobs: list = field(default_factory=list)  # engine/llm.py: its outputs' engine.logits.Logprob
+    prompt_logprobs: list = field(default_factory=list)  # engine/llm.py: its prompt tokens' (from the second)
+    prompt_logprobs_next: int = 1  # rank 0: the prompt token whose logprobs go out next (a recompute repeats some)
 
     def __post_init__(self) -> None:
         self.seed = self.params.seed if self.params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1

@@ -118,8 +118,8 @@ class Scheduler:
         of full blocks, leaving at least one token to compute unless `full_hit` (a decode node,
         which computes none of the prompt)."""
         cache = self.allocator.cache
-        if cache is None:
-            return []
+        if cache is None or (req.params.prompt_logprobs is not None and not full_hit):
+            return []  # (prompt logprobs need every prompt position computed)
         ps = self.config.page_size
         hashes = blocks.extend(req.block_hashes, req.all_ids, ps, req.cache_salt)
         limit = req.num_tokens // ps if full_hit else (req.num_tokens - 1) // ps
@@ -176,8 +176,10 @@ class Scheduler:
         return True
 
     def _build(self, decodes: list[Request], chunks: list[tuple[Request, int]]) -> ScheduledStep:
-        requests, starts, q_lens, input_ids, sample = [], [], [], [], []
+        requests, starts, q_lens, input_ids, sample, scored = [], [], [], [], [], []
         for req, n in [(r, 1) for r in decodes] + chunks:
+            # prompt logprobs: every row of a chunk holding a prompt position that predicts a prompt token
+            scored.append(req.params.prompt_logprobs is not None and req.num_computed + 1 < req.num_prompt_tokens)
             requests.append(req)
             starts.append(req.num_computed)
             q_lens.append(n)
@@ -193,6 +195,7 @@ class Scheduler:
             page_tables=tuple(tuple(r.page_table.pages) for r in requests),
             input_ids=tuple(input_ids),
             sample=tuple(sample),
+            scored=tuple(scored) if any(scored) else (),
         )
         return ScheduledStep(batch, requests, [r for r, s in zip(requests, sample) if s])
 
@@ -216,30 +219,37 @@ class Scheduler:
     def stop_reason(self, req: Request, tok: int) -> str | None:
         """Why `req` ends with its newest token `tok`, or None. Stop strings are looked for in the
         token's new text only (engine/detok.py: O(1) per token), once min_tokens are out; EOS and
-        stop_token_ids cannot be sampled before then (sampler.py)."""
+        stop_token_ids cannot be sampled before then (sampler.py). A stop token's text is searched
+        only with include_stop_str_in_output (as vLLM: else the token leaves no text)."""
         p = req.params
-        if p.stop and self.tokenizer is not None:
+        by_token = tok in p.stop_token_ids or (tok in self.eos and not p.ignore_eos)
+        if p.stop and self.tokenizer is not None and (p.include_stop_str_in_output or not by_token):
             if req.stop_checker is None:
-                req.stop_checker = StopChecker(self.tokenizer, p.stop)
+                req.stop_checker = StopChecker.for_params(self.tokenizer, p)
                 for t in req.resumed_ids:  # (no stop string ended among them: the earlier attempt went on)
                     req.stop_checker.push(t, match=False)
             req.stop_checker.push(tok, match=req.num_outputs >= p.min_tokens)
             if req.stop_checker.cut is not None:
                 return "stop"
-        if tok in p.stop_token_ids or (tok in self.eos and not p.ignore_eos):
+        if by_token:
             return "stop"
         if req.num_outputs >= p.max_new_tokens or req.num_tokens >= self.max_context:
             return "length"
         return None
 
     def conclude(self, req: Request, reason: str, now: float) -> None:
-        """End `req` after its newest token: its text is set once (cut before the stop string that
-        ended it, else the whole output decoded) and its pages go (or are held)."""
+        """End `req` after its newest token: its text is set once (cut at the stop string that
+        ended it, else the whole output decoded, less the stop token that ended it unless
+        include_stop_str_in_output) and its pages go (or are held)."""
         req.finish_s = now
+        p = req.params
         if req.stop_checker is not None and req.stop_checker.cut is not None:
             req.text = req.stop_checker.text()
         elif self.tokenizer is not None:
-            req.text = self.tokenizer.decode(req.resumed_ids + req.output_ids)
+            ids = req.resumed_ids + req.output_ids
+            if reason == "stop" and not p.include_stop_str_in_output:
+                ids = ids[:-1]  # ended by a stop token (EOS or stop_token_ids), not a stop string
+            req.text = self.tokenizer.decode(ids, skip_special_tokens=p.skip_special_tokens)
         req.stop_checker = None
         self.finish(req, reason)
 

@@ -62,23 +62,53 @@ class Tokenizer:
     def token_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """The text's ids, after BOS when the model adds one (and the text does not start with it);
+        add_special_tokens=False: never a BOS added."""
         ids = self.backend.encode(text, add_special_tokens=False).ids
-        bos = self.token_id(self.bos_token) if self.add_bos else None
+        bos = self.token_id(self.bos_token) if self.add_bos and add_special_tokens else None
         return ([bos] if bos is not None and ids[:1] != [bos] else []) + ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        template_kwargs: dict | None = None,
+    ) -> str:
+        """The chat as the model's template renders it, as transformers' apply_chat_template does.
+        continue_final_message: the text ends right after the last message's content (its end of
+        turn cut off), so the output continues that message; add_generation_prompt must be False.
+        template_kwargs: more variables for the template (never over TEMPLATE_VARIABLES).
+        ValueError for a chat the template refuses or cannot render."""
         if self._template is None:
             raise ValueError("this model has no chat template; pass a plain prompt instead")
-        return self._template.render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "",
-            eos_token=self.eos_token or "",
-        )
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message needs add_generation_prompt False")
+        if continue_final_message and not messages:
+            raise ValueError("continue_final_message needs a final message to continue")
+        if taken := sorted(set(template_kwargs or ()) & set(TEMPLATE_VARIABLES)):
+            raise ValueError(f"template variable {taken[0]!r} is the tokenizer's own; it cannot be set")
+        if continue_final_message:  # tag the content's end, then cut there (transformers' way)
+            messages = [*messages[:-1], {**messages[-1], "content": messages[-1]["content"] + _CONTINUE_TAG}]
+        own = {"messages": messages, "add_generation_prompt": add_generation_prompt}
+        own |= {"bos_token": self.bos_token or "", "eos_token": self.eos_token or ""}
+        try:
+            text = self._template.render({**(template_kwargs or {}), **own})
+        except ValueError:
+            raise
+        except Exception as e:  # the template's own error on this chat (jinja2's, or a TypeError...)
+            raise ValueError(f"chat template: {type(e).__name__}: {e}") from None
+        if not continue_final_message:
+            return text
+        at = text.rfind(_CONTINUE_TAG.strip())
+        if at < 0:
+            raise ValueError("continue_final_message: the chat template does not render the final message's content")
+        # a template that strips the content strips the tag's space too: then strip what precedes it
+        return text[:at] if text.startswith(_CONTINUE_TAG, at) else text[:at].rstrip()
 
     def to_json(self) -> str:
         return json.dumps(
@@ -158,6 +188,10 @@ class Tokenizer:
         backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
         return Tokenizer(backend, CHATML_TEMPLATE, None, "<|im_end|>")
 
+
+# The variables the tokenizer itself hands the template: template_kwargs cannot set them.
+TEMPLATE_VARIABLES = ("messages", "add_generation_prompt", "bos_token", "eos_token", "raise_exception")
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # transformers' marker of the final message's end
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"

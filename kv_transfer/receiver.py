@@ -147,6 +147,10 @@ class KVReceiverEndpoint:
         """(token, prompt_tokens) from the prefill node's last rank; rank 0 only."""
         return self.rooms.first_token(room)
 
+    def first_logprob(self, room: int):
+        """The first token's kvbridge.v1.TokenLogprob (None when the request asked for none); rank 0 only."""
+        return self.rooms.first_logprob(room)
+
     def pop_changes(self) -> list[StatusChange]:
         return self.board.pop_changes()
 

@@ -62,6 +62,7 @@ class Notice:
     bytes: int  # page bytes it wrote here
     error: str = ""  # non-empty: it failed
     first_token: int | None = None  # the last prefill rank to decode rank 0: the sampled first token
+    first_logprob: object = None  # and its kvbridge.v1.TokenLogprob, when the request asked for logprobs
 
 
 @dataclass
@@ -84,6 +85,7 @@ class Room:
     secret: bytes  # its write key (16 bytes, minted by the decode node, known to its prefill node)
     held_pages: int = 0  # the prompt's first pages, held here already (the prefix cache): nobody writes them
     first_token: tuple[int, int] | None = None  # (token, prompt_tokens), rank 0 only
+    first_logprob: object = None  # its kvbridge.v1.TokenLogprob (as received: the decode role checks it)
     writers: int = 0  # copies into its pages in flight; forget() waits for none
 
 
@@ -183,6 +185,10 @@ class RoomTable:
         with self._cv:
             return self._get(room).first_token
 
+    def first_logprob(self, room: int):
+        with self._cv:
+            return self._get(room).first_logprob
+
     def authentic(self, room: int, secret: bytes) -> bool:
         """`secret` is the write key of `room`, a room expected here."""
         with self._cv:
@@ -235,30 +241,30 @@ class RoomTable:
                 self.board.fail(room, problem)
                 raise BadTransfer(problem)
             if n.first_token is not None:
-                self._take_first_token(r, n.first_token, n.num_tokens)
+                self._take_first_token(r, n.first_token, n.num_tokens, n.first_logprob)
             s.notice = n
             self._try_complete(r)
             if self.board.poll(room) == KVPoll.FAILED:  # the accounting failed: tell the sender why
                 raise BadTransfer(self.board.reason(room))
 
-    def set_first_token(self, room: int, secret: bytes, token: int, prompt_tokens: int) -> None:
+    def set_first_token(self, room: int, secret: bytes, token: int, prompt_tokens: int, logprob=None) -> None:
         with self._locked():
             if not self.awaits_first_token:
                 raise RoomClosed(f"decode rank {self.rank} takes no first tokens (rank 0 does)")
             r = self._open_room(room, secret)
-            self._take_first_token(r, token, prompt_tokens)
+            self._take_first_token(r, token, prompt_tokens, logprob)
             self._try_complete(r)
             if self.board.poll(room) == KVPoll.FAILED:
                 raise BadTransfer(self.board.reason(room))
 
-    def _take_first_token(self, r: Room, token: int, prompt_tokens: int) -> None:
+    def _take_first_token(self, r: Room, token: int, prompt_tokens: int, logprob=None) -> None:
         if not self.awaits_first_token:
             raise RoomClosed(f"decode rank {self.rank} takes no first tokens (rank 0 does)")
         if r.first_token not in (None, (token, prompt_tokens)):
             problem = f"second first token {(token, prompt_tokens)} after {r.first_token} for room {r.room}"
             self.board.fail(r.room, problem)
             raise BadTransfer(problem)
-        r.first_token = (token, prompt_tokens)
+        r.first_token, r.first_logprob = (token, prompt_tokens), logprob
 
     # ---- checks (called under the lock) ----
 

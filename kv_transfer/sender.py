@@ -62,6 +62,7 @@ class SenderRoom:
     secret: bytes  # the room's write key, minted by the decode node: every write and notice carries it
     bytes_sent: dict[int, int] = field(default_factory=dict)  # decode rank -> page bytes written so far
     first_token: int | None = None  # held for the TransferNotice to decode rank 0 (when it is a target)
+    first_logprob: object = None  # and its kvbridge.v1.TokenLogprob (the request asked for logprobs)
 
 
 @dataclass
@@ -138,11 +139,12 @@ class Sender:
         decode rank; SUCCESS when every one acknowledged."""
         self._jobs.put(("finish", self._room(room), num_tokens))
 
-    def send_first_token(self, room: int, token: int, prompt_tokens: int) -> None:
+    def send_first_token(self, room: int, token: int, prompt_tokens: int, logprob=None) -> None:
         """Last prefill rank only, before finish(): the sampled first token, to decode rank 0. When
         this rank writes layers of decode rank 0 the token rides that rank's TransferNotice (one
-        message on the critical path); otherwise it goes at once in a FirstToken call."""
-        self._jobs.put(("first_token", self._room(room), token, prompt_tokens))
+        message on the critical path); otherwise it goes at once in a FirstToken call. `logprob`: its
+        kvbridge.v1.TokenLogprob, when the request asked for logprobs."""
+        self._jobs.put(("first_token", self._room(room), token, prompt_tokens, logprob))
 
     def abort(self, room: int, reason: str) -> None:
         """Fail the room here now, and tell its decode ranks (TransferDone with the error)."""
@@ -293,11 +295,13 @@ class Sender:
         else:
             self._advance(r.room, KVPoll.SUCCESS)
 
-    def _do_first_token(self, r: SenderRoom, token: int, prompt_tokens: int) -> None:
+    def _do_first_token(self, r: SenderRoom, token: int, prompt_tokens: int, logprob=None) -> None:
         if any(t.info == r.first_rank for t in r.targets):
-            r.first_token = token  # its prompt_tokens are the notice's num_tokens
+            r.first_token, r.first_logprob = token, logprob  # its prompt_tokens are the notice's num_tokens
             return
-        msg = kv_transfer_pb2.FirstTokenNotice(room=r.room, token=token, prompt_tokens=prompt_tokens, secret=r.secret)
+        msg = kv_transfer_pb2.FirstTokenNotice(
+            room=r.room, token=token, prompt_tokens=prompt_tokens, secret=r.secret, logprob=logprob
+        )
         self._stub(r.first_rank.receiver_addr).FirstToken(msg, timeout=self.config.deadline_s)
 
     def _notify(self, r: SenderRoom, num_tokens: int, error: str) -> list[str]:
@@ -313,6 +317,7 @@ class Sender:
                 bytes=r.bytes_sent.get(t.info.rank, 0),
                 error=error,
                 first_token=r.first_token if t.info == r.first_rank and not error else None,
+                first_logprob=r.first_logprob if t.info == r.first_rank and not error else None,
                 secret=r.secret,
             )
             try:

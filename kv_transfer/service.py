@@ -28,7 +28,8 @@ class KVReceiverServicer(kv_transfer_pb2_grpc.KVReceiverServicer):
     def TransferDone(self, request, context):
         n = request
         first = n.first_token if n.HasField("first_token") else None
-        notice = Notice(n.src_rank, n.layer_start, n.layer_end, n.num_tokens, n.bytes, n.error, first)
+        logprob = n.first_logprob if n.HasField("first_logprob") else None
+        notice = Notice(n.src_rank, n.layer_start, n.layer_end, n.num_tokens, n.bytes, n.error, first, logprob)
         try:
             self._receiver.rooms.done(notice, n.room, n.secret)
         except TransferError as e:
@@ -37,7 +38,9 @@ class KVReceiverServicer(kv_transfer_pb2_grpc.KVReceiverServicer):
 
     def FirstToken(self, request, context):
         try:
-            self._receiver.rooms.set_first_token(request.room, request.secret, request.token, request.prompt_tokens)
+            r = request
+            logprob = r.logprob if r.HasField("logprob") else None
+            self._receiver.rooms.set_first_token(r.room, r.secret, r.token, r.prompt_tokens, logprob)
         except TransferError as e:
             context.abort(grpc.StatusCode[e.code], str(e))
         return kv_transfer_pb2.TransferAck()

@@ -17,5 +17,6 @@ class KVAgent:
     def after_forward(self, batch: ForwardBatch) -> None:
         """This rank just computed `batch` for its layers: their new K/V are in its pool."""
 
-    def on_sampled(self, batch: ForwardBatch, tokens: list[int]) -> None:
-        """The last rank sampled `tokens`, one per sampled request of `batch`, in order."""
+    def on_sampled(self, batch: ForwardBatch, tokens: list[int], logprobs: list) -> None:
+        """The last rank sampled `tokens`, one per sampled request of `batch`, in order, with their
+        engine.logits.Logprob (None where a request asked for none)."""

@@ -336,7 +336,7 @@ def colocated_rank(ctx: RankContext) -> RankSetup:
             ctx.stage, pool, scheduler, link, pp.pp_size, pp.pp_loop_size, ctx.inbox, ctx.outbox, recorder=ctx.recorder
         )
         return RankSetup(loop)
-    return RankSetup(StageLoop(ctx.rank, ctx.pp.pp_size, ctx.stage, pool, link))
+    return RankSetup(StageLoop(ctx.rank, ctx.pp.pp_size, ctx.stage, pool, link, tokenizer=ctx.model.tokenizer))
 
 
 def rank_main(

@@ -18,7 +18,10 @@ from engine.batch import ForwardBatch
 ADMIT, ROUTE, FINISH, ABORT = "admit", "route", "finish", "abort"
 RETRACT, RESUME = "retract", "resume"  # decode: a request's KV to host memory and back (info: its pages)
 REUSE = "reuse"  # the request starts from these pages of the prefix cache (info: {"pages": [...]}), not computed
-KINDS = (ADMIT, ROUTE, FINISH, ABORT, RETRACT, RESUME, REUSE)
+# the request's next tokens, for the last rank's sampling state (info: {"ids": [...]}): a decode
+# node's first token (the prefill node sampled it), when the params need the request's tokens
+APPEND = "append"
+KINDS = (ADMIT, ROUTE, FINISH, ABORT, RETRACT, RESUME, REUSE, APPEND)
 ENDS = (FINISH, ABORT)  # the request is gone after these
 STEP, CONTROL, SHUTDOWN = "step", "control", "shutdown"
 
@@ -76,7 +79,14 @@ class Message:
                 ],
                 "batch": None
                 if b is None
-                else [list(b.rids), list(b.starts), list(b.q_lens), [list(t) for t in b.page_tables], list(b.sample)],
+                else [
+                    list(b.rids),
+                    list(b.starts),
+                    list(b.q_lens),
+                    [list(t) for t in b.page_tables],
+                    list(b.sample),
+                    list(b.scored),
+                ],
             },
             separators=(",", ":"),
         ).encode()
@@ -97,7 +107,7 @@ class Message:
                 raise ValueError("unknown message or decision kind")
             batch = None
             if raw["batch"] is not None:
-                rids, starts, q_lens, tables, sample = raw["batch"]
+                rids, starts, q_lens, tables, sample, scored = raw["batch"]
                 batch = ForwardBatch(
                     rids=tuple(rids),
                     starts=tuple(starts),
@@ -105,6 +115,7 @@ class Message:
                     page_tables=tuple(tuple(t) for t in tables),
                     input_ids=(),
                     sample=tuple(bool(x) for x in sample),
+                    scored=tuple(bool(x) for x in scored),
                 )
             return Message(raw["kind"], decisions, batch)
         # (json.loads raises RecursionError on deep nesting; int() OverflowError on Infinity)
@@ -115,5 +126,13 @@ class Message:
 def _params(raw: dict | None) -> SamplingParams | None:
     if raw is None:
         return None
-    raw = dict(raw, stop=tuple(raw["stop"]), stop_token_ids=tuple(raw["stop_token_ids"]))
+    raw = dict(
+        raw,
+        stop=tuple(raw["stop"]),
+        stop_token_ids=tuple(raw["stop_token_ids"]),
+        allowed_token_ids=tuple(raw["allowed_token_ids"]),
+        logit_bias=tuple((int(t), float(b)) for t, b in raw["logit_bias"]),
+        bad_words=tuple(raw["bad_words"]),
+        bad_words_ids=tuple(tuple(w) for w in raw["bad_words_ids"]),
+    )
     return SamplingParams(**raw)

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from common.sampling import SamplingParams
+from engine.logits import Logprob
 
 # ---------------------------------------------------------------- front -> rank 0
 
@@ -95,6 +96,16 @@ class Token:
     index: int  # its position in the output
     kv_seconds: float = 0.0  # decode node, first token: from registration to the KV landing on every rank
     pages_skipped: int = 0  # decode node, first token: prompt pages its prefix cache held (not moved)
+    logprob: Logprob | None = None  # the request asked for logprobs (params.logprobs)
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """The logprobs of prompt tokens first, first + 1, ... (params.prompt_logprobs); before the first Token."""
+
+    rid: str
+    first: int
+    logprobs: tuple[Logprob, ...]
 
 
 @dataclass(frozen=True)
@@ -134,4 +145,4 @@ class CacheEvents:
 
 
 ToRank0 = Add | Abort | Ask | Shutdown | Register | Fail | PeerDown | Wake
-ToFront = Token | Finish | Answer | Preallocated | CacheEvents
+ToFront = Token | PromptLogprobs | Finish | Answer | Preallocated | CacheEvents

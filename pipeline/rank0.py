@@ -28,15 +28,28 @@ from common.sampling import SamplingParams
 from engine import faults
 from engine.batch import AttentionMetadata
 from engine.kv_pool import KVPool
+from engine.logits import logprob_width, prompt_logprobs, prompt_spans, split_logits, unpack_logprobs
 from engine.model import ModelStage
 from engine.pages import PageTable
 from engine.request import Phase, Request
-from engine.sampler import sample
+from engine.sampler import Sampler
 from engine.scheduler import ScheduledStep, Scheduler
 from pipeline.agent import KVAgent
 from pipeline.dist import Link
 from pipeline.log import ABORT, ADMIT, CONTROL, FINISH, REUSE, SHUTDOWN, STEP, LogEntry, Message, PipelineLog
-from pipeline.messages import Abort, Add, Answer, Ask, CacheEvents, Finish, Register, Shutdown, Token, Wake
+from pipeline.messages import (
+    Abort,
+    Add,
+    Answer,
+    Ask,
+    CacheEvents,
+    Finish,
+    PromptLogprobs,
+    Register,
+    Shutdown,
+    Token,
+    Wake,
+)
 from pipeline.metrics import RankRecorder
 from pipeline.roles import ColocatedRole, Role
 
@@ -74,8 +87,10 @@ class Rank0Loop:
         self.role = role or ColocatedRole()
         self.role.bind(self)
         # the pipeline's shape, bound once: a pipeline of one rank samples here instead of on rank P-1
+        mc = stage.config
+        self.sampler = Sampler(mc.eos_token_ids, scheduler.tokenizer, mc.vocab_size) if pp_size == 1 else None
         if pp_size == 1:
-            self._sampled: deque[list[int]] = deque()
+            self._sampled: deque[tuple[list[int], list]] = deque()
             self._send, self._send_hidden, self._recv_tokens = _drop, self._sample_here, self._take_sampled
         else:
             self._send = self._send_down
@@ -141,13 +156,15 @@ class Rank0Loop:
 
     def _complete_oldest(self) -> None:
         step = self.inflight.popleft()
-        out = self._recv_tokens(step)
+        out, logprobs, prompt = self._recv_tokens(step)
         assert out[0] == len(step.sampled), f"last rank sampled {out[0]} rows, expected {len(step.sampled)}"
+        if prompt:
+            self._send_prompt_logprobs(step, prompt)
         live = [not req.finished for req in step.sampled]  # aborted ones drop their token
         finished = self.scheduler.postprocess(step, out[1:])
-        for req, tok, was_live in zip(step.sampled, out[1:], live):
+        for req, tok, lp, was_live in zip(step.sampled, out[1:], logprobs, live):
             if was_live:
-                self.outbox.put(Token(req.rid, tok, req.num_outputs - 1))
+                self.outbox.put(Token(req.rid, tok, req.num_outputs - 1, logprob=lp))
         for req in finished:
             if not self.role.finished(req):  # (a prefill node keeps it: its KV is still to move)
                 self.retire(req, FINISH)
@@ -160,17 +177,46 @@ class Rank0Loop:
     def _send_hidden_down(self, step: ScheduledStep, hidden: torch.Tensor) -> None:
         self.link.send_tensor(hidden, 1)
 
-    def _recv_from_last(self, step: ScheduledStep) -> list[int]:
-        # [count, token...]: a header, so that a step that samples nothing still answers
-        return self.link.recv_tensor((len(step.sampled) + 1,), torch.int64, self.last_rank).tolist()
+    def _recv_from_last(self, step: ScheduledStep) -> tuple[list[int], list, list]:
+        # [count, token...]: a header, so that a step that samples nothing still answers; then the
+        # logprobs when a sampled request asked for them, and the prompt logprobs of scored chunks
+        # (both ends know which: the params and the batch)
+        out = self.link.recv_tensor((len(step.sampled) + 1,), torch.int64, self.last_rank).tolist()
+        ks = [req.params.logprobs for req in step.sampled]
+        logprobs = [None] * len(step.sampled)
+        if width := logprob_width(ks):
+            rows = self.link.recv_tensor((len(step.sampled), width), torch.float64, self.last_rank)
+            logprobs = unpack_logprobs(rows, out[1:], ks)
+        prompt = []
+        if spans := (prompt_spans(step.batch, step.requests) if step.batch.scored else []):
+            targets, ks = [], []
+            for i, first, n in spans:
+                req = step.requests[i]
+                targets += req.prompt_ids[first : first + n]
+                ks += [req.params.prompt_logprobs] * n
+            rows = self.link.recv_tensor((len(targets), logprob_width(ks)), torch.float64, self.last_rank)
+            prompt = unpack_logprobs(rows, targets, ks)
+        return out, logprobs, prompt
 
     def _sample_here(self, step: ScheduledStep, logits: torch.Tensor) -> None:
-        tokens = sample(logits, step.sampled, self.stage.config.eos_token_ids)
-        self.agent.on_sampled(step.batch, tokens)
-        self._sampled.append([len(step.sampled), *tokens])
+        logits, scored = split_logits(step.batch, logits)
+        tokens, logprobs = self.sampler(logits, step.sampled)
+        self.agent.on_sampled(step.batch, tokens, logprobs)
+        prompt = prompt_logprobs(step.batch, scored, step.requests) if scored else []
+        self._sampled.append(([len(step.sampled), *tokens], logprobs, prompt))
 
-    def _take_sampled(self, step: ScheduledStep) -> list[int]:
+    def _take_sampled(self, step: ScheduledStep) -> tuple[list[int], list, list]:
         return self._sampled.popleft()
+
+    def _send_prompt_logprobs(self, step: ScheduledStep, prompt: list) -> None:
+        """Each scored request's prompt logprobs to the front, those it has not had yet (a preempted
+        request computes its prompt again), before its first token."""
+        for i, first, n in prompt_spans(step.batch, step.requests):
+            req, rows, prompt = step.requests[i], prompt[:n], prompt[n:]
+            fresh = [lp for j, lp in enumerate(rows) if first + j >= req.prompt_logprobs_next]
+            if fresh and not req.finished:
+                self.outbox.put(PromptLogprobs(req.rid, first + n - len(fresh), tuple(fresh)))
+                req.prompt_logprobs_next = first + n
 
     # ------------------------------------------------------------------ inputs
 
@@ -261,6 +307,10 @@ class Rank0Loop:
             req.announced = True
             if req.num_sampled:  # (a migrated request's continuation)
                 info = {"first_sample_index": req.num_sampled, **(info or {})}
+            if self.sampler is not None:
+                self.sampler.prepare(req)
+            elif req.params.needs_history:  # the last rank samples: it needs the prompt (and resumed outputs)
+                info = {"prompt": req.prompt_ids, "resumed": req.resumed, **(info or {})}
             self.decide(ADMIT, req.rid, replace(req.params, seed=req.seed), info)
 
     def end(self, req: Request, error: str, code: str, reason: str = "error", release: bool = True, **event) -> None:

@@ -13,17 +13,25 @@ import torch
 from engine import faults
 from engine.batch import AttentionMetadata, ForwardBatch
 from engine.kv_pool import KVPool
+from engine.logits import logprob_width, pack_logprobs, prompt_logprobs, prompt_spans, split_logits
 from engine.model import ModelStage
 from engine.request import Request
-from engine.sampler import sample
+from engine.sampler import Sampler
 from pipeline.agent import KVAgent
 from pipeline.dist import Link
-from pipeline.log import ADMIT, ENDS, REUSE, SHUTDOWN, STEP, LogEntry, Message, PipelineLog
+from pipeline.log import ADMIT, APPEND, ENDS, REUSE, SHUTDOWN, STEP, LogEntry, Message, PipelineLog
 
 
 class StageLoop:
     def __init__(
-        self, rank: int, pp_size: int, stage: ModelStage, pool: KVPool, link: Link, agent: KVAgent | None = None
+        self,
+        rank: int,
+        pp_size: int,
+        stage: ModelStage,
+        pool: KVPool,
+        link: Link,
+        agent: KVAgent | None = None,
+        tokenizer=None,
     ):
         self.rank, self.stage, self.pool, self.link = rank, stage, pool, link
         self.agent = agent or KVAgent()
@@ -31,6 +39,9 @@ class StageLoop:
         self.is_last = rank == pp_size - 1
         self.emit = self._return_tokens if self.is_last else self._forward
         self.live: dict[str, Request] = {}  # admitted requests: the last rank's sampler state
+        self.sampler = None
+        if self.is_last and stage is not None:
+            self.sampler = Sampler(stage.config.eos_token_ids, tokenizer, stage.config.vocab_size)
         self.reused: dict[str, list[int]] = {}  # rid -> the cached pages its next chunk must start from (REUSE)
         self.log = PipelineLog()
 
@@ -60,8 +71,15 @@ class StageLoop:
         for d in decisions:
             self.log.append(d)  # raises on a gap or a repeat
             if d.kind == ADMIT:
-                self.live[d.rid] = req = Request(d.rid, [], d.params, None)
-                req.num_sampled = (d.info or {}).get("first_sample_index", 0)
+                info = d.info or {}
+                # (the prompt comes when the params need the request's tokens: penalties, grammars)
+                self.live[d.rid] = req = Request(d.rid, list(info.get("prompt", ())), d.params, None)
+                req.resumed = info.get("resumed", 0)
+                req.num_sampled = info.get("first_sample_index", 0)
+                if self.sampler is not None:
+                    self.sampler.prepare(req)
+            elif d.kind == APPEND:
+                self.live[d.rid].output_ids.extend(d.info["ids"])
             elif d.kind == REUSE:
                 self.reused[d.rid] = list(d.info["pages"])
             elif d.kind in ENDS:
@@ -82,7 +100,20 @@ class StageLoop:
         self.link.send_tensor(hidden, self.rank + 1)
 
     def _return_tokens(self, raw: bytes, msg: Message, meta: AttentionMetadata, logits: torch.Tensor) -> None:
-        sampled = [self.live[rid] for rid, s in zip(msg.batch.rids, msg.batch.sample) if s]
-        tokens = sample(logits, sampled, self.stage.config.eos_token_ids)
-        self.agent.on_sampled(msg.batch, tokens)
+        """To rank 0: the tokens; their logprobs when asked for; the prompt logprobs of scored chunks."""
+        b = msg.batch
+        sampled = [self.live[rid] for rid, s in zip(b.rids, b.sample) if s]
+        logits, scored = split_logits(b, logits)
+        tokens, logprobs = self.sampler(logits, sampled)
+        for req, token in zip(sampled, tokens):
+            if req.params.needs_history:
+                req.output_ids.append(token)
+        self.agent.on_sampled(b, tokens, logprobs)
         self.link.send_tensor(torch.tensor([len(tokens), *tokens], dtype=torch.int64), 0)
+        if width := logprob_width([req.params.logprobs for req in sampled]):
+            self.link.send_tensor(pack_logprobs(logprobs, width), 0)
+        if scored:
+            requests = [self.live.get(rid) for rid in b.rids]
+            if rows := prompt_logprobs(b, scored, requests):
+                width = logprob_width([requests[i].params.prompt_logprobs for i, _, _ in prompt_spans(b, requests)])
+                self.link.send_tensor(pack_logprobs(rows, width), 0)

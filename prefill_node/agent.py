@@ -26,6 +26,7 @@ from engine import faults
 from engine.batch import ForwardBatch
 from engine.faults import INJECTED
 from engine.kv_pool import KVPool
+from engine.logits import logprob_to_proto
 from kv_transfer import KVPoll, StatusChange, make_sender
 from kv_transfer.adapters import layout_from_dict
 from pipeline.agent import KVAgent
@@ -58,6 +59,7 @@ class Unrouted:
     end: int  # prompt tokens in those pages
     done: bool = False  # the prompt is computed (the first token sampled, on the last rank)
     first_token: int | None = None  # the last rank: sampled, sent with the first pushes
+    first_logprob: object = None  # and its kvbridge.v1.TokenLogprob (the request asked for logprobs)
 
 
 class PrefillAgent(KVAgent):
@@ -92,7 +94,8 @@ class PrefillAgent(KVAgent):
             done = self.unrouted.pop(d.rid, None)
             if done is not None and self._push(route, done.table, 0, done.end, done.done) and done.done:
                 if self.is_last:
-                    self._sender(route.backend).send_first_token(route.room, done.first_token, done.end)
+                    sender = self._sender(route.backend)
+                    sender.send_first_token(route.room, done.first_token, done.end, done.first_logprob)
                 self._finish(route, done.end)
         elif d.kind == REUSE:
             self.reused.add(d.rid)
@@ -145,15 +148,16 @@ class PrefillAgent(KVAgent):
         self.recorder.pushed(self.rank, (last - first) * self.page_bytes)
         return True
 
-    def on_sampled(self, batch: ForwardBatch, tokens: list[int]) -> None:
+    def on_sampled(self, batch: ForwardBatch, tokens: list[int], logprobs: list) -> None:
         sampled = [(rid, s + q) for rid, s, q, smp in zip(batch.rids, batch.starts, batch.q_lens, batch.sample) if smp]
-        for (rid, num_tokens), token in zip(sampled, tokens):
+        for (rid, num_tokens), token, lp in zip(sampled, tokens, logprobs):
+            lp = None if lp is None else logprob_to_proto(lp)
             route = self.routes.get(rid)
             if route is not None:
-                self._sender(route.backend).send_first_token(route.room, token, num_tokens)
+                self._sender(route.backend).send_first_token(route.room, token, num_tokens, lp)
                 self._finish(route, num_tokens)
             elif rid in self.unrouted:
-                self.unrouted[rid].first_token = token
+                self.unrouted[rid].first_token, self.unrouted[rid].first_logprob = token, lp
 
     def _finish(self, route: Route, num_tokens: int) -> None:
         route.finishing = True

@@ -37,9 +37,10 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except Overloaded as e:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-        first = []
+        first, prompt_logprobs = [], []
         async for d in deltas:
             first += d.token_ids
+            prompt_logprobs += d.prompt_logprobs
             if d.finish_reason:
                 if d.error:
                     await context.abort(getattr(grpc.StatusCode, d.code or "UNAVAILABLE"), d.error)
@@ -49,6 +50,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
                     first_token=first[0],
                     kv_bytes=d.kv_bytes,
                     cached_tokens=d.cached_tokens,
+                    prompt_logprobs=prompt_logprobs,
                 )
         await context.abort(grpc.StatusCode.UNAVAILABLE, "the prefill node stopped")
 

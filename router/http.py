@@ -4,6 +4,7 @@ HTTP/1.1 keep-alive; streams are server-sent events in chunked transfer encoding
 
     POST /v1/completions, /v1/chat/completions   JSON, or server-sent events with "stream": true
     GET  /v1/models, /v1/models/{id}, /health
+    POST /tokenize, /detokenize; GET /version   as vLLM serves them (router/tokenize.py)
 
 Every answer other than a success is JSON in the OpenAI error format (openai_api.error_body), also
 those the server makes itself: a malformed request (400, or h11's hint: 431 headers too large, 501
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import re
@@ -45,7 +47,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
-from starlette.types import Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import STATUS_PHRASES, H11Protocol
 
 from common import __version__, rpc
@@ -56,10 +58,12 @@ from router.dispatch import Dispatcher
 from router.failures import RouteError
 from router.openai_api import BadRequest, Reply, error_body, parse_request
 from router.routed import DRAINING, Routed
+from router.tokenize import Refused, detokenize, echo_text, tokenize, version
 
 MAX_HEADER_BYTES = 64 << 10  # request line and headers (h11's limit on an incomplete event)
 RETRY_AFTER_S = 1  # what a 503 for the concurrency limit tells the client to wait
 STOP_WAIT_S = 5.0  # past the grace period, requests in flight get this long to end before uvicorn cancels them
+_KEYED = ("/v1/", "/tokenize", "/detokenize")  # paths that need the API key when there is one
 _REQUEST_ID = re.compile(rb"[!-~]{1,128}")  # an X-Request-Id that is echoed
 _HEADERS_TOO_LARGE = error_body(grpc.StatusCode.INVALID_ARGUMENT, f"request headers over {MAX_HEADER_BYTES} bytes")[1]
 SERVER = f"kvbridge-router/{__version__}".encode()
@@ -80,6 +84,9 @@ class HTTPFront:
                 Route("/v1/models", self._models, methods=["GET"]),
                 Route("/v1/models/{model:path}", self._model, methods=["GET"]),
                 Route("/health", self._health, methods=["GET"]),
+                Route("/tokenize", functools.partial(self._tokens, answer=tokenize), methods=["POST"]),
+                Route("/detokenize", functools.partial(self._tokens, answer=detokenize), methods=["POST"]),
+                Route("/version", self._version, methods=["GET"]),
             ],
             exception_handlers={HTTPException: _route_error, Exception: _internal_error},
         )
@@ -149,7 +156,7 @@ class HTTPFront:
         if _header_bytes(scope) > MAX_HEADER_BYTES:  # (h11 counts only headers that arrive in pieces)
             await _json(431, _HEADERS_TOO_LARGE, {"Connection": "close"})(scope, receive, out)
             return
-        if self.api_key and scope["path"].startswith("/v1/") and (refused := self._refusal(scope)):
+        if self.api_key and scope["path"].startswith(_KEYED) and (refused := self._refusal(scope)):
             await refused(scope, receive, out)
             return
         if self.requests_in_flight >= self.config.max_concurrent_requests:
@@ -202,14 +209,21 @@ class HTTPFront:
             return _error(grpc.StatusCode.UNAVAILABLE, "no healthy node can serve requests")
         return _json(200, {"status": "ok"})
 
+    async def _tokens(self, request: Request, answer) -> Response | ASGIApp:
+        """/tokenize, /detokenize: `answer` (router/tokenize.py) to the body."""
+        raw = await self._read_body(request)
+        if not isinstance(raw, bytes):
+            return raw
+        return _json(*await answer(raw, self.dispatcher.pool, self.dispatcher.prompts))
+
+    async def _version(self, request: Request) -> Response:
+        return _json(200, version())
+
     # ------------------------------------------------------------------ generation
 
     async def _generate(self, request: Request, chat: bool) -> Response | _Answer:
-        try:
-            raw = await self._read_body(request)
-        except ClientDisconnect:
-            return _gone
-        if isinstance(raw, Response):
+        raw = await self._read_body(request)
+        if not isinstance(raw, bytes):
             return raw
         try:
             req = parse_request(raw, chat=chat)
@@ -218,11 +232,16 @@ class HTTPFront:
         served = [m.model for m in self.dispatcher.pool.models()]
         if req.model and served and req.model not in served:
             return _error(grpc.StatusCode.NOT_FOUND, f"model {req.model!r} is not served here", "model")
-        routed = self.dispatcher.route(req.request)
-        return _Answer(routed, Reply(req, routed.rid, req.model or (served[0] if served else "")), req.stream)
+        try:
+            echo = await echo_text(req, self.dispatcher.pool, self.dispatcher.prompts)  # (completions' echo)
+        except Refused as e:
+            return _error(e.code, str(e), e.param)
+        routed, model = self.dispatcher.route(req.request), req.model or (served[0] if served else "")
+        return _Answer(routed, Reply(req, routed.rid, model, echo=echo), req.stream)
 
-    async def _read_body(self, request: Request) -> bytes | Response:
-        """The request body, or the error answer: 413 over the limit, 408 too slow."""
+    async def _read_body(self, request: Request) -> bytes | Response | ASGIApp:
+        """The request body, or the answer instead: 413 over the limit, 408 too slow, none to a
+        client that left."""
         limit = self.config.max_body_bytes
         too_large = _body_too_large(limit)
         length = request.headers.get("content-length")  # (h11 checked that it is a number)
@@ -236,6 +255,8 @@ class HTTPFront:
                     if size > limit:
                         return _json(413, too_large, {"Connection": "close"})
                     parts.append(part)
+        except ClientDisconnect:
+            return _gone
         except TimeoutError:
             message = f"the request body did not arrive within {self.config.http_body_timeout_s:g} s"
             return _json(408, error_body(grpc.StatusCode.DEADLINE_EXCEEDED, message)[1], {"Connection": "close"})

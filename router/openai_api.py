@@ -5,7 +5,11 @@ Fields read: model, prompt (string, token-id list, or a list holding one of thos
 max_tokens / max_completion_tokens, temperature, top_p, seed, stop (string or list), n (only 1),
 stream, stream_options.include_usage; extensions as in vLLM: top_k (-1 or 0 = off),
 stop_token_ids, ignore_eos, min_tokens, cache_salt (a non-empty string: requests share cached KV
-only with equal salts). Usage carries prompt_tokens_details.cached_tokens (prompt tokens the node
+only with equal salts); and (router/openai_fields.py) logprobs / top_logprobs, prompt_logprobs,
+presence_penalty, frequency_penalty, repetition_penalty, min_p, logit_bias, bad_words,
+allowed_token_ids, skip_special_tokens, include_stop_str_in_output (no_stop_trim),
+response_format (text, json_object, json_schema) and, on chat, add_generation_prompt,
+continue_final_message, chat_template_kwargs. Usage carries prompt_tokens_details.cached_tokens (prompt tokens the node
 found in its prefix cache). Defaults as OpenAI documents them: temperature 1.0 (our
 models carry no generation config that could set another); max_tokens omitted = the rest of the
 context (sent as max_new_tokens 0: only the node knows the prompt length; it caps that at its
@@ -13,7 +17,7 @@ context (sent as max_new_tokens 0: only the node knows the prompt length; it cap
 
 Every field of vLLM's chat and completion protocol that would change the output but is not
 implemented is refused with a 400 naming it when it has a non-default value (`_unsupported`:
-logprobs, penalties, logit_bias, beam search, guided decoding, tools, chat template overrides...);
+echo, best_of, beam search, vLLM's guided_* fields, tools, a chat_template of the client's...);
 fields that do not change the output (user, metadata, store, service_tier, parallel_tool_calls,
 priority...) and unknown fields are ignored.
 """
@@ -30,6 +34,18 @@ import grpc
 from common.sampling import MAX_STOP_STRINGS
 from kvbridge.v1 import common_pb2, generation_pb2
 from router.checks import check_cache_salt, check_generate
+from router.openai_fields import (
+    BadRequest,
+    chat_logprobs,
+    chat_options,
+    completion_logprobs,
+    flag,
+    sampling_controls,
+    show,
+)
+
+__all__ = ["BadRequest", "OpenAIRequest", "Reply", "error_body", "parse_request"]
+_show = show  # (router/tokenize.py's name for it)
 
 UINT32_MAX = (1 << 32) - 1
 UINT64_MAX = (1 << 64) - 1
@@ -53,14 +69,6 @@ HTTP_OF_CODE = {
 }
 
 
-class BadRequest(ValueError):
-    """A bad request body: HTTP 400 naming the field (`param`) and the value."""
-
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
-
-
 def error_body(code: grpc.StatusCode, message: str, param: str | None = None) -> tuple[int, dict]:
     """(HTTP status, OpenAI error object) for a gRPC status."""
     status, kind = HTTP_OF_CODE.get(code, (500, "server_error"))
@@ -74,11 +82,7 @@ class OpenAIRequest:
     stream: bool  # answer as server-sent events
     include_usage: bool  # stream_options.include_usage: a last chunk with usage
     request: generation_pb2.GenerateRequest  # checked; rid unset (the router sets it)
-
-
-def _show(value) -> str:
-    text = json.dumps(value) if not isinstance(value, float) else repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
+    echo: bool = False  # completions: the answer starts with the prompt (and its logprobs, when asked for)
 
 
 def _text(v: str, name: str, param: str | None = None) -> str:
@@ -96,7 +100,7 @@ def _int(body: dict, name: str, low: int, high: int) -> int | None:
     if v is None:
         return None
     if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= high:
-        raise BadRequest(f"{name} must be an integer in [{low}, {high}], got {_show(v)}", name)
+        raise BadRequest(f"{name} must be an integer in [{low}, {high}], got {show(v)}", name)
     return v
 
 
@@ -107,7 +111,7 @@ def _number(body: dict, name: str, low: float, high: float, low_open: bool = Fal
     ok = isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
     if not (ok and (low < v if low_open else low <= v) and v <= high):
         interval = f"{'(' if low_open else '['}{low:g}, {high:g}]"
-        raise BadRequest(f"{name} must be a number in {interval}, got {_show(v)}", name)
+        raise BadRequest(f"{name} must be a number in {interval}, got {show(v)}", name)
     return float(v)
 
 
@@ -130,7 +134,7 @@ def _prompt(body: dict) -> common_pb2.Prompt:
         return common_pb2.Prompt(text=_text(v, "prompt"))
     ids = _token_ids(v, "prompt")
     if ids is None:
-        raise BadRequest(f"prompt must be a non-empty string or token-id list (one prompt), got {_show(v)}", "prompt")
+        raise BadRequest(f"prompt must be a non-empty string or token-id list (one prompt), got {show(v)}", "prompt")
     return common_pb2.Prompt(token_ids=common_pb2.TokenIds(ids=ids))
 
 
@@ -144,21 +148,21 @@ def _content(m: dict, i: int) -> str:
         texts = [p.get("text") for p in c]
         if all(isinstance(t, str) for t in texts):
             return _text("".join(texts), f"messages[{i}].content", "messages")
-    raise BadRequest(f"messages[{i}].content must be a string or a list of text parts, got {_show(c)}", "messages")
+    raise BadRequest(f"messages[{i}].content must be a string or a list of text parts, got {show(c)}", "messages")
 
 
 def _messages(body: dict) -> common_pb2.Prompt:
     v = body.get("messages")
     if not isinstance(v, list) or not v:
-        raise BadRequest(f"messages must be a non-empty list, got {_show(v)}", "messages")
+        raise BadRequest(f"messages must be a non-empty list, got {show(v)}", "messages")
     out = []
     for i, m in enumerate(v):
         if not isinstance(m, dict):
-            raise BadRequest(f"messages[{i}] must be an object, got {_show(m)}", "messages")
+            raise BadRequest(f"messages[{i}] must be an object, got {show(m)}", "messages")
         role = m.get("role")
         if not isinstance(role, str) or role not in CHAT_ROLES:
             raise BadRequest(
-                f"messages[{i}].role must be system, developer, user or assistant, got {_show(role)}", "messages"
+                f"messages[{i}].role must be system, developer, user or assistant, got {show(role)}", "messages"
             )
         out.append(common_pb2.ChatMessage(role=CHAT_ROLES[role], content=_content(m, i)))
     return common_pb2.Prompt(chat=common_pb2.ChatMessages(messages=out))
@@ -170,7 +174,7 @@ def _stop(body: dict) -> list[str]:
         return []
     stops = [v] if isinstance(v, str) else v
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-        raise BadRequest(f"stop must be a non-empty string or a list of them, got {_show(v)}", "stop")
+        raise BadRequest(f"stop must be a non-empty string or a list of them, got {show(v)}", "stop")
     if len(stops) > MAX_STOP_STRINGS:
         raise BadRequest(f"stop has {len(stops)} strings; at most {MAX_STOP_STRINGS}", "stop")
     return [_text(s, "stop") for s in stops]
@@ -193,24 +197,12 @@ def _empty(v) -> bool:
 # Fields of vLLM's protocol (vllm/entrypoints/openai/protocol.py; and a few of SGLang's) that change
 # the output, and when they are off. Both endpoints unless _CHAT_ONLY / _COMPLETION_ONLY.
 _OUTPUT_CHANGING = {
-    "echo": _default(False),
     "best_of": _default(1),
-    "logprobs": _default(False),  # chat: a bool; completions: an int (even 0 returns logprobs)
-    "top_logprobs": _default(0),
-    "prompt_logprobs": _default(),
-    "presence_penalty": _default(0),
-    "frequency_penalty": _default(0),
-    "repetition_penalty": _default(1),
     "length_penalty": _default(1),
     "use_beam_search": _default(False),
-    "logit_bias": _empty,
-    "min_p": _default(0),
     "top_a": _default(0),
     "typical_p": _default(1),
-    "bad_words": _empty,
-    "allowed_token_ids": _default(),
     "logits_processors": _empty,
-    "response_format": lambda v: v is None or v == {"type": "text"},
     "guided_json": _empty,
     "guided_regex": _empty,
     "guided_choice": _empty,
@@ -226,10 +218,7 @@ _OUTPUT_CHANGING = {
     "functions": _empty,
     "function_call": _default("none", "auto"),
     "suffix": _empty,
-    "skip_special_tokens": _default(True),
     "spaces_between_special_tokens": _default(True),
-    "include_stop_str_in_output": _default(False),
-    "no_stop_trim": _default(False),  # SGLang's include_stop_str_in_output
     "truncate_prompt_tokens": _default(),
     "prompt_embeds": _empty,
     "reasoning_effort": _default(),
@@ -239,11 +228,9 @@ _OUTPUT_CHANGING = {
     "web_search_options": _default(),
 }
 _CHAT_ONLY = {
-    "add_generation_prompt": _default(True),
-    "continue_final_message": _default(False),
+    "echo": _default(False),  # (vLLM's chat echo repeats the last message: not implemented)
     "add_special_tokens": _default(False),  # vLLM's chat default: the template carries BOS
     "chat_template": _empty,
-    "chat_template_kwargs": _empty,
     "documents": _empty,
 }
 _COMPLETION_ONLY = {
@@ -255,33 +242,43 @@ def _unsupported(body: dict, chat: bool) -> None:
     """400 for the first output-changing field we do not implement that is set to a non-default value."""
     for name, is_off in (_OUTPUT_CHANGING | (_CHAT_ONLY if chat else _COMPLETION_ONLY)).items():
         if not is_off(body.get(name)):
-            raise BadRequest(f"{name} is not supported, got {_show(body[name])}", name)
+            raise BadRequest(f"{name} is not supported, got {show(body[name])}", name)
 
 
-def parse_request(raw: bytes, chat: bool) -> OpenAIRequest:
-    """Validate an HTTP body and build the GenerateRequest; BadRequest names the bad field."""
+def json_body(raw: bytes) -> dict:
+    """An HTTP body that must be a JSON object; BadRequest when it is not."""
     try:
         body = json.loads(raw)
     except (ValueError, RecursionError) as e:
         raise BadRequest(f"the body is not valid JSON: {str(e)[:200]}") from None
     if not isinstance(body, dict):
-        raise BadRequest(f"the body must be a JSON object, got {_show(body)}")
+        raise BadRequest(f"the body must be a JSON object, got {show(body)}")
+    return body
+
+
+def parse_request(raw: bytes, chat: bool) -> OpenAIRequest:
+    """Validate an HTTP body and build the GenerateRequest; BadRequest names the bad field."""
+    body = json_body(raw)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
-        raise BadRequest(f"model must be a string, got {_show(model)}", "model")
+        raise BadRequest(f"model must be a string, got {show(model)}", "model")
     n = body.get("n")
     if n is not None and (n != 1 or isinstance(n, bool)):
-        raise BadRequest(f"n must be 1 (one choice per request), got {_show(n)}", "n")
+        raise BadRequest(f"n must be 1 (one choice per request), got {show(n)}", "n")
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
-        raise BadRequest(f"stream must be a boolean, got {_show(stream)}", "stream")
+        raise BadRequest(f"stream must be a boolean, got {show(stream)}", "stream")
     options = body.get("stream_options")
     usage = options.get("include_usage") if isinstance(options, dict) else None
     if options is not None and not (isinstance(options, dict) and isinstance(usage, bool | None)):
-        raise BadRequest(f'stream_options must be {{"include_usage": bool}}, got {_show(options)}', "stream_options")
+        raise BadRequest(f'stream_options must be {{"include_usage": bool}}, got {show(options)}', "stream_options")
     _unsupported(body, chat)
 
     sampling = common_pb2.SamplingParams(stop=_stop(body))
+    sampling_controls(body, chat, sampling)
+    echo = not chat and bool(flag(body, "echo"))
+    if echo and sampling.HasField("logprobs") and not sampling.HasField("prompt_logprobs"):
+        sampling.prompt_logprobs = sampling.logprobs
     max_tokens = _int(body, "max_completion_tokens", 1, UINT32_MAX)
     max_tokens = max_tokens if max_tokens is not None else _int(body, "max_tokens", 1, UINT32_MAX)
     if max_tokens is not None:
@@ -298,7 +295,7 @@ def parse_request(raw: bytes, chat: bool) -> OpenAIRequest:
         ids = _token_ids(body["stop_token_ids"], "stop_token_ids")
         if ids is None:
             raise BadRequest(
-                f"stop_token_ids must be a list of token ids, got {_show(body['stop_token_ids'])}", "stop_token_ids"
+                f"stop_token_ids must be a list of token ids, got {show(body['stop_token_ids'])}", "stop_token_ids"
             )
         sampling.stop_token_ids.extend(ids)
     if (m := _int(body, "min_tokens", 0, UINT32_MAX)) is not None:
@@ -307,14 +304,16 @@ def parse_request(raw: bytes, chat: bool) -> OpenAIRequest:
         sampling.min_tokens = m
     ignore_eos = body.get("ignore_eos")
     if ignore_eos is not None and not isinstance(ignore_eos, bool):
-        raise BadRequest(f"ignore_eos must be a boolean, got {_show(ignore_eos)}", "ignore_eos")
+        raise BadRequest(f"ignore_eos must be a boolean, got {show(ignore_eos)}", "ignore_eos")
     sampling.ignore_eos = bool(ignore_eos)
 
     salt = body.get("cache_salt")
     if salt is not None and not (isinstance(salt, str) and salt):
-        raise BadRequest(f"cache_salt must be a non-empty string, got {_show(salt)}", "cache_salt")
+        raise BadRequest(f"cache_salt must be a non-empty string, got {show(salt)}", "cache_salt")
 
     prompt = _messages(body) if chat else _prompt(body)
+    if chat:
+        chat_options(body, prompt.chat)
     salt = _text(salt or "", "cache_salt")
     request = generation_pb2.GenerateRequest(prompt=prompt, sampling=sampling, cache_salt=salt)
     try:
@@ -331,6 +330,7 @@ def parse_request(raw: bytes, chat: bool) -> OpenAIRequest:
         stream=bool(stream),
         include_usage=bool(usage),
         request=request,
+        echo=echo,
     )
 
 
@@ -346,6 +346,20 @@ class Reply:
     finish_reason: str = ""
     usage: dict | None = None
     role_sent: bool = False  # chat streams announce the assistant role once
+    echo: str = ""  # completions with echo: the prompt's text, sent before the first text
+    logprobs: list = field(default_factory=list)  # kvbridge.v1.TokenLogprob of every token so far
+    logprob_chars: int = 0  # completions: the characters of the tokens so far (text_offset)
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.req.request.sampling.HasField("logprobs")
+
+    def _logprobs(self, logprobs, offset: int = 0) -> dict | None:
+        """The choice's logprobs object for these tokens (None when the request asked for none);
+        `offset`: the characters of the tokens before them (completions' text_offset)."""
+        if not self.wants_logprobs:
+            return None
+        return chat_logprobs(logprobs) if self.req.chat else completion_logprobs(logprobs, offset)
 
     def _head(self, obj: str) -> dict:
         prefix = "chatcmpl-" if self.req.chat else "cmpl-"
@@ -353,7 +367,15 @@ class Reply:
 
     def add(self, resp: generation_pb2.GenerateResponse) -> dict | None:
         """Record a response; returns the stream chunk it makes (None when it carries nothing)."""
-        self.text.append(resp.text)
+        text, logprobs = resp.text, list(resp.logprobs)
+        if self.req.echo and not self.role_sent:  # (role_sent: here, that the prompt went out)
+            self.role_sent = True
+            text = self.echo + text
+            if self.wants_logprobs:
+                logprobs = list(resp.prompt_logprobs) + logprobs
+        self.text.append(text)
+        self.logprobs.extend(logprobs)
+        offset, self.logprob_chars = self.logprob_chars, self.logprob_chars + sum(len(lp.token) for lp in logprobs)
         if resp.finish_reason:
             self.finish_reason = resp.finish_reason
         if resp.HasField("usage"):
@@ -364,17 +386,17 @@ class Reply:
                 "total_tokens": u.prompt_tokens + u.completion_tokens,
                 "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
             }
-        if not (resp.text or resp.finish_reason or (self.req.chat and not self.role_sent)):
+        if not (text or logprobs or resp.finish_reason or (self.req.chat and not self.role_sent)):
             return None
         finish = resp.finish_reason or None
         if self.req.chat:
-            delta = {"content": resp.text} if resp.text or not self.role_sent else {}
+            delta = {"content": text} if text or not self.role_sent else {}
             if not self.role_sent:
                 delta, self.role_sent = {"role": "assistant", **delta}, True
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "delta": delta, "logprobs": self._logprobs(logprobs, offset), "finish_reason": finish}
             chunk = {**self._head("chat.completion.chunk"), "choices": [choice]}
         else:
-            choice = {"index": 0, "text": resp.text, "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "text": text, "logprobs": self._logprobs(logprobs, offset), "finish_reason": finish}
             chunk = {**self._head("text_completion"), "choices": [choice]}
         if self.req.include_usage:
             chunk["usage"] = None
@@ -393,7 +415,8 @@ class Reply:
         finish = self.finish_reason or None
         if self.req.chat:
             message = {"role": "assistant", "content": text}
-            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
+            logprobs = self._logprobs(self.logprobs)
+            choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}
             return {**self._head("chat.completion"), "choices": [choice], "usage": self.usage}
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        choice = {"index": 0, "text": text, "logprobs": self._logprobs(self.logprobs), "finish_reason": finish}
         return {**self._head("text_completion"), "choices": [choice], "usage": self.usage}

@@ -82,6 +82,14 @@ class Prompts:
         except TimeoutError:
             return None
 
+    async def tokenizer_of(self, model: generation_pb2.ModelInfo) -> Tokenizer | None:
+        """The tokenizer of `model` (by its fingerprint): kept, or fetched now (as tokenizer());
+        None while none is at hand."""
+        if (tokenizer := self.tokenizers.get(model.fingerprint)) is None:
+            await self.tokenizer()
+            tokenizer = self.tokenizers.get(model.fingerprint)
+        return tokenizer
+
     def _known(self) -> Tokenizer | None:
         model = self.pool.agreed_model()
         if model is not None:

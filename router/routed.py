@@ -196,6 +196,8 @@ class Routed:
         if self.attempts > 1:  # the nodes of an earlier attempt may still hold the rid for a moment
             request.rid = f"{self.rid}:retry{self.attempts - 1}"
         request.resume_ids.extend(self.output_ids)  # (a migration: the new node goes on after them)
+        if self.output_ids:  # (the client has the prompt's logprobs: they came with the first token)
+            request.sampling.ClearField("prompt_logprobs")
         self._attempt_sent = 0
         if node.role == "colocated":
             self.peer, self.phase = node.address, "colocated"
@@ -339,6 +341,12 @@ class Routed:
             settling = True
             try:
                 while (resp := await self._next(stream)) is not None:
+                    if not answered and preq.sampling.HasField("prompt_logprobs"):  # P computed them
+                        if prefilled is None:
+                            await asyncio.wait([task], timeout=max(self.deadline - time.monotonic(), 0))
+                        if prefilled is None:
+                            raise RouteError(grpc.StatusCode.UNAVAILABLE, "the prefill node sent no prompt logprobs")
+                        resp.prompt_logprobs.extend(prefilled.prompt_logprobs)
                     answered = True
                     if resp.HasField("usage"):  # the last response: it tells what P found cached
                         if prefilled is None:

@@ -13,7 +13,7 @@ import uuid
 import grpc
 
 from common import sampling
-from kvbridge.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from kvbridge.v1 import generation_pb2, generation_pb2_grpc
 from pipeline.group import RankGroup
 from serving.config import NodeConfig
 from serving.front import NodeFront, Overloaded
@@ -41,17 +41,7 @@ class ColocatedGeneration(generation_pb2_grpc.GenerationServicer):
         async for d in deltas:
             if d.error:
                 await context.abort(getattr(grpc.StatusCode, d.code or "UNAVAILABLE"), d.error)
-            resp = generation_pb2.GenerateResponse(rid=rid, token_ids=d.token_ids, text=d.text)
-            if d.finish_reason:
-                resp.finish_reason = d.finish_reason
-                resp.usage.CopyFrom(
-                    common_pb2.Usage(
-                        prompt_tokens=d.prompt_tokens,
-                        completion_tokens=d.completion_tokens,
-                        cached_tokens=d.cached_tokens,
-                    )
-                )
-            yield resp
+            yield d.response(rid)
 
     async def GetModelInfo(self, request, context):
         if self.server.node is None:

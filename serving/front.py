@@ -16,12 +16,13 @@ Callers on the loop use `submit`, `abort`, `astatus`, `arequests`, `acheck`; oth
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from common import blocks
 from common.limits import PROMPT_BYTES_PER_TOKEN, rid_problem
@@ -29,9 +30,10 @@ from common.metrics import outcome_of
 from common.rpc import EventLoop, shown
 from common.sampling import SamplingParams
 from engine.detok import TextStream
-from kvbridge.v1 import common_pb2
+from engine.logits import Logprob, logprob_to_proto
+from kvbridge.v1 import common_pb2, generation_pb2
 from pipeline.group import RankGroup
-from pipeline.messages import Answer, Ask, CacheEvents, Finish, Register, Token
+from pipeline.messages import Answer, Ask, CacheEvents, Finish, PromptLogprobs, Register, Token
 from serving import convert
 from serving.kv_events import KVEventHub
 from serving.metrics import NodeRecorder
@@ -56,6 +58,23 @@ class Delta:
     kv_seconds: float = 0.0  # disaggregated, first delta: from registration to the KV landing on every rank
     pages_skipped: int = 0  # decode node, first delta: prompt pages its prefix cache held (not moved)
     cached_tokens: int = 0  # last delta: prompt tokens found in the prefix cache (not computed here)
+    logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)  # params.logprobs set: one a token
+    # params.prompt_logprobs set, first delta: one a prompt token (the first has no logprob)
+    prompt_logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
+
+    def response(self, rid: str, cached_tokens: bool = True) -> generation_pb2.GenerateResponse:
+        """As a GenerateResponse (finish_reason and usage on the last one); `cached_tokens`: whether
+        this node's prefix-cache count is the request's (a decode node's is not: it computed no prompt)."""
+        resp = generation_pb2.GenerateResponse(rid=rid, token_ids=self.token_ids, text=self.text)
+        resp.logprobs.extend(self.logprobs)
+        resp.prompt_logprobs.extend(self.prompt_logprobs)
+        if self.finish_reason:
+            resp.finish_reason = self.finish_reason
+            resp.usage.prompt_tokens = self.prompt_tokens
+            resp.usage.completion_tokens = self.completion_tokens
+            if cached_tokens:
+                resp.usage.cached_tokens = self.cached_tokens
+        return resp
 
 
 class NodeFront:
@@ -74,6 +93,10 @@ class NodeFront:
         # loop, so they must not block (start a task for anything that waits)
         self.handlers: dict[type, Callable] = {}
         self._thread = threading.Thread(target=self._dispatch, name="kvbridge-dispatch", daemon=True)
+        # a token's own text, as logprobs show it (special tokens too); bounded by the vocabulary
+        self._token_text = functools.lru_cache(maxsize=1 << 16)(
+            lambda t: self.tokenizer.decode([t], skip_special_tokens=False)
+        )
 
     def attach(self, loop: EventLoop) -> None:
         """Serve on `loop` from now on (the node server's); starts reading rank 0's events."""
@@ -123,6 +146,7 @@ class NodeFront:
             extra = {**(extra or {}), "cache_salt": cache_salt}
         if resumed:
             extra = {**(extra or {}), "resumed": len(resumed)}
+        params = self._checked(params)
         if rid in self._streams:
             raise ValueError(f"duplicate request id {shown(rid)}")
         if len(self._streams) >= limit:
@@ -131,41 +155,85 @@ class NodeFront:
         events: asyncio.Queue = asyncio.Queue()
         self._streams[rid] = events
         self._timing[rid] = [time.perf_counter(), None]
-        text = TextStream(self.tokenizer, params.stop, params.min_tokens)
+        text = TextStream.for_params(self.tokenizer, params, self.ranks.model.config.eos_token_ids)
         for token in resumed:  # the text the client has: what follows starts where it ends
             text.push(token)
-        return self._deltas(rid, events, text, len(prompt_ids))
+        first = prompt_ids[0] if params.prompt_logprobs is not None else None
+        return self._deltas(rid, events, text, len(prompt_ids), first)
 
-    async def _deltas(self, rid: str, events: asyncio.Queue, text: TextStream, prompt_tokens: int):
+    def _checked(self, params: SamplingParams) -> SamplingParams:
+        """The sampling controls this node alone can check (token ids against its vocabulary, the
+        schema against its grammar engine), and bad_words as its token sequences."""
+        vocab = self.ranks.model.config.vocab_size
+        biased = [t for t, _ in params.logit_bias]
+        for name, ids in (("allowed_token_ids", params.allowed_token_ids), ("logit_bias", biased)):
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"sampling.{name} holds token id {shown(bad[0])}, outside the vocabulary [0, {vocab})")
+        if (params.bad_words or params.structured) and self.tokenizer is None:
+            raise ValueError("bad_words and structured output need a tokenizer; this model has none")
+        if params.bad_words:
+            params = params.with_bad_words_ids(lambda text: self.tokenizer.encode(text, add_special_tokens=False))
+        if params.json_schema:
+            from engine.grammar import schema_problem
+
+            if problem := schema_problem(params.json_schema):
+                raise ValueError(f"sampling.structured.json_schema: {problem}")
+        return params
+
+    async def _deltas(self, rid: str, events: asyncio.Queue, text: TextStream, prompt_tokens: int, first=None):
         """The request's deltas. Closed before its last one (the client went away: its call's
         coroutine was cancelled, or the reader stopped), the request is aborted on every rank."""
         over = False
+        # prompt logprobs (asked for: `first` is the prompt's first token) go out with the first token
+        prompt = [] if first is None else [self._logprob(Logprob(first, 0.0), prompt=True)]
         try:
             while True:
                 ev = await events.get()
                 if ev is None:
                     over = True
                     raise RuntimeError("the node stopped")
+                if isinstance(ev, PromptLogprobs):
+                    prompt += [self._logprob(lp) for lp in ev.logprobs]
+                    continue
                 if isinstance(ev, Finish):
                     over = True
                     yield self._last_delta(ev, text, prompt_tokens)
                     return
                 # tokens that queued up while the reader was busy go out as one delta
                 ids, kv_seconds, skipped = [ev.token], ev.kv_seconds, ev.pages_skipped
+                logprobs = [ev.logprob] if ev.logprob is not None else []
                 last = None
                 while not events.empty() and last is None:
                     more = events.get_nowait()
                     if isinstance(more, Token):
                         ids.append(more.token)
+                        if more.logprob is not None:
+                            logprobs.append(more.logprob)
                     else:
                         last = more
-                yield Delta(ids, "".join(text.push(t) for t in ids), kv_seconds=kv_seconds, pages_skipped=skipped)
+                text_delta = "".join(text.push(t) for t in ids)
+                logprobs = [self._logprob(lp) for lp in logprobs]
+                extra = {"logprobs": logprobs, "prompt_logprobs": prompt}
+                yield Delta(ids, text_delta, kv_seconds=kv_seconds, pages_skipped=skipped, **extra)
+                prompt = []
                 if last is not None:
                     events.put_nowait(last)
         finally:
             if not over:
                 self.abort(rid)
             self._streams.pop(rid, None)
+
+    def _logprob(self, lp: Logprob, prompt: bool = False) -> common_pb2.TokenLogprob:
+        """As the wire has it, with the tokens' texts; `prompt`: the prompt's first token (no logprob)."""
+        msg = logprob_to_proto(lp)
+        if prompt:
+            msg.ClearField("logprob")
+            msg.rank = 0
+        if self.tokenizer is not None:
+            msg.token = self._token_text(lp.token)
+            msg.top_tokens.extend(self._token_text(t) for t, _ in lp.top)
+        return msg
 
     @staticmethod
     def _last_delta(ev: Finish, text: TextStream, prompt_tokens: int) -> Delta:
@@ -293,6 +361,8 @@ class NodeFront:
                 case CacheEvents():
                     self.kv_events.apply(ev)
                     continue
+                case PromptLogprobs():
+                    pass
                 case Finish(rid):
                     if ev.timeout:
                         self.recorder.timed_out(ev.timeout)

@@ -29,6 +29,20 @@ def default_model():
     return load_model("smollm2-135m-instruct", progress=False)
 
 
+@pytest.fixture(scope="session")
+def hf_default():
+    """The default model in transformers (fp32, from the same GGUF file): the independent reference."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from engine.weights import smollm2_path
+
+    path = smollm2_path()
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
+
+
 def make_llm(model, num_stages: int = 1, **overrides) -> LLM:
     config = EngineConfig(model=model.source, **{"page_size": 4, "kv_cache_tokens": 8192, **overrides})
     return LLM(config, model=model, num_stages=num_stages, progress=False)

@@ -24,18 +24,20 @@ class PrefillRequest(_message.Message):
     def __init__(self, rid: _Optional[str] = ..., room: _Optional[int] = ..., prompt: _Optional[_Union[_common_pb2.Prompt, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., resume_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("rid", "prompt_tokens", "first_token", "kv_bytes", "cached_tokens")
+    __slots__ = ("rid", "prompt_tokens", "first_token", "kv_bytes", "cached_tokens", "prompt_logprobs")
     RID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     rid: str
     prompt_tokens: int
     first_token: int
     kv_bytes: int
     cached_tokens: int
-    def __init__(self, rid: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., first_token: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+    def __init__(self, rid: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., first_token: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class GetLayoutRequest(_message.Message):
     __slots__ = ()

@@ -8,7 +8,15 @@ import random
 import pytest
 
 from common.sampling import SamplingParams
-from engine.detok import MAX_WORK_PER_TOKEN, IncrementalDetokenizer, StopChecker, StopMatcher, TextStream, special_ids
+from engine.detok import (
+    MAX_WORK_PER_TOKEN,
+    IncrementalDetokenizer,
+    StopChecker,
+    StopMatcher,
+    TextStream,
+    special_ids,
+    stop_text_ids,
+)
 from tests.conftest import make_llm, make_prompts
 
 TEXT = "Hello, wörld! Ça va? 世界你好 😀🎉 naïve café — “quotes” ½ ∑ ok.\n"
@@ -74,6 +82,15 @@ def test_random_ids_decode_exactly(tokenizer, seed):
     detok = IncrementalDetokenizer(tokenizer)
     pieces, work = push_all(detok, ids)
     assert "".join(pieces) + detok.flush() == tokenizer.decode(ids)
+    assert max(work) <= MAX_WORK_PER_TOKEN
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_special_tokens_shown_decode_exactly(tokenizer, seed):
+    ids = mixed_stream(tokenizer, 600, seed=100 + seed)
+    detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=False)
+    pieces, work = push_all(detok, ids)
+    assert "".join(pieces) + detok.flush() == tokenizer.decode(ids, skip_special_tokens=False)
     assert max(work) <= MAX_WORK_PER_TOKEN
 
 
@@ -171,18 +188,20 @@ def test_no_tokenizer_streams_no_text():
 # ---------------------------------------------------------------- the scheduler, as before
 
 
-def reference_stop(tok, free_run: list[int], stops: tuple[str, ...]) -> tuple[list[int], str, str]:
+def reference_stop(tok, free_run: list[int], stops: tuple[str, ...], include=False) -> tuple[list[int], str, str]:
     """The rule before engine/detok.py: after each token decode the whole output; the first time any
-    stop string is in it, the output ends there and the text is cut at the earliest one."""
+    stop string is in it, the output ends there and the text is cut at the earliest one (include:
+    right after the earliest ending one)."""
     for n in range(1, len(free_run) + 1):
         text = tok.decode(free_run[:n])
-        hits = [text.index(s) for s in stops if s in text]
+        hits = [text.index(s) + (len(s) if include else 0) for s in stops if s in text]
         if hits:
             return free_run[:n], text[: min(hits)], "stop"
     return free_run, tok.decode(free_run), "length"
 
 
-def test_scheduler_stop_strings_give_the_same_text_and_finish_as_a_full_decode(tiny_model):
+@pytest.mark.parametrize("include", [False, True])
+def test_scheduler_stop_strings_give_the_same_text_and_finish_as_a_full_decode(tiny_model, include):
     llm = make_llm(tiny_model)
     prompts = make_prompts(8, tiny_model.config.vocab_size, seed=7)
     free_runs = [c.output_ids for c in llm.generate(prompts, SamplingParams(max_new_tokens=40, ignore_eos=True))]
@@ -196,12 +215,15 @@ def test_scheduler_stop_strings_give_the_same_text_and_finish_as_a_full_decode(t
             i, j = rng.choice(starts), rng.choice(starts)
             cases.append((prompt, run, (text[i : i + rng.randint(1, 3)], text[j : j + 2])[: rng.randint(1, 2)]))
         cases.append((prompt, run, ("not in the output at all",)))
-    params = [SamplingParams(max_new_tokens=40, stop=stops, ignore_eos=True) for _, _, stops in cases]
+    params = [
+        SamplingParams(max_new_tokens=40, stop=stops, ignore_eos=True, include_stop_str_in_output=include)
+        for _, _, stops in cases
+    ]
     got = llm.generate([p for p, _, _ in cases], params)
-    for (_, run, stops), c in zip(cases, got):
-        assert (c.output_ids, c.text, c.finish_reason) == reference_stop(llm.tokenizer, run, stops), stops
+    for (_, run, stops), c, p in zip(cases, got, params):
+        assert (c.output_ids, c.text, c.finish_reason) == reference_stop(llm.tokenizer, run, stops, include), stops
         # the front's stream of the same tokens never sends what the engine cut off, and ends with its text
-        stream = TextStream(llm.tokenizer, stops)
+        stream = TextStream.for_params(llm.tokenizer, p, tiny_model.config.eos_token_ids)
         sent = "".join(stream.push(t) for t in c.output_ids)
         assert c.text.startswith(sent) and sent + stream.finish(c.text) == c.text
     assert {c.finish_reason for c in got} == {"stop", "length"}
@@ -225,3 +247,135 @@ def test_scheduler_keeps_no_detokenizer_without_stop_strings(tiny_model):
     llm.step()
     llm.step()
     assert req.output_ids and req.stop_checker is None
+
+
+# ---------------------------------------------------------------- skip_special_tokens, include_stop_str_in_output
+
+
+def pushed(stream: TextStream, ids: list[int]) -> list[str]:
+    return [stream.push(t) for t in ids]
+
+
+def checked(tok, ids: list[int], stops: tuple[str, ...], **options) -> tuple[str, int]:
+    """(rank 0's text, tokens taken until a stop string ended it)."""
+    checker = StopChecker(tok, stops, **options)
+    for n, t in enumerate(ids, 1):
+        checker.push(t)
+        if checker.cut is not None:
+            return checker.text(), n
+    return checker.text(), len(ids)
+
+
+def test_stop_string_across_tokens_is_excluded_or_included_up_to_its_end(default_model):
+    tok = default_model.tokenizer
+    ids = tok.encode("Hello world, this is done")  # Hello | " world" | "," | " this" | " is" | " done"
+    assert len(ids) == 6
+    # "ld, th" spans three tokens and ends inside " this": its "is" is cut either way
+    assert checked(tok, ids, ("ld, th",)) == ("Hello wor", 4)
+    assert checked(tok, ids, ("ld, th",), include_stop_str=True) == ("Hello world, th", 4)
+    excluded = TextStream(tok, ("ld, th",))
+    assert pushed(excluded, ids) == ["Hello", " wor", "", "", "", ""]  # "ld", "ld," held back, then cut
+    assert excluded.finish("Hello wor") == ""
+    included = TextStream(tok, ("ld, th",), include_stop_str=True)
+    assert pushed(included, ids) == ["Hello", " world", ",", " th", "", ""]  # nothing held back
+    assert included.finish("Hello world, th") == ""
+
+
+def test_included_stop_string_split_across_byte_tokens_streams_every_byte_at_once(tiny_model):
+    tok = tiny_model.tokenizer
+    ids = byte_ids(tok, "go STAR STOP after")
+    stream = TextStream(tok, ("STOP",), include_stop_str=True)
+    sent = pushed(stream, ids)
+    assert sent == list("go STAR STOP") + [""] * 6
+    assert checked(tok, ids, ("STOP",), include_stop_str=True) == ("go STAR STOP", 12)
+    assert stream.finish("go STAR STOP") == ""
+    assert StopMatcher(("STOP",), include=True).num_held() == 0
+
+
+def test_the_earliest_ending_stop_string_wins_when_included():
+    m = StopMatcher(("cd", "bcdef", "d"), include=True)
+    assert m.push("abc") is None
+    assert m.push("def") == 4  # "cd" and "d" end at 4, "bcdef" at 6: the text is "abcd"
+
+
+def test_special_tokens_show_mid_output_unless_skipped(default_model):
+    tok = default_model.tokenizer
+    im_start, im_end = tok.token_id("<|im_start|>"), tok.token_id("<|im_end|>")
+    ids = [*tok.encode("Hello"), im_start, *tok.encode(" world"), im_end, *tok.encode(" more")]
+    assert pushed(TextStream(tok), ids) == ["Hello", "", " world", "", " more"]
+    shown = pushed(TextStream(tok, skip_special_tokens=False), ids)
+    assert shown == ["Hello", "<|im_start|>", " world", "<|im_end|>", " more"]
+    assert "".join(shown) == tok.decode(ids, skip_special_tokens=False) == "Hello<|im_start|> world<|im_end|> more"
+    # stop strings are matched on the text as produced: "> w" is only there with the special tokens shown
+    assert checked(tok, ids, ("> w",)) == ("Hello world more", 5)
+    assert checked(tok, ids, ("> w",), skip_special_tokens=False) == ("Hello<|im_start|", 3)
+
+
+def test_the_ending_eos_leaves_no_text_unless_stop_strings_are_included(default_model):
+    tok = default_model.tokenizer
+    eos = default_model.config.eos_token_ids
+    im_start, im_end = tok.token_id("<|im_start|>"), tok.token_id("<|im_end|>")
+    assert eos == (im_end,)
+    ids = [*tok.encode("Hello"), im_start, *tok.encode(" world"), im_end]  # EOS ends the request
+    cases = [
+        (SamplingParams(), ["Hello", "", " world", ""], "Hello world"),
+        (SamplingParams(skip_special_tokens=False), ["Hello", "<|im_start|>", " world", ""], "Hello<|im_start|> world"),
+        (
+            SamplingParams(skip_special_tokens=False, include_stop_str_in_output=True),
+            ["Hello", "<|im_start|>", " world", "<|im_end|>"],
+            "Hello<|im_start|> world<|im_end|>",
+        ),
+    ]
+    for params, deltas, final in cases:
+        stream = TextStream.for_params(tok, params, eos)
+        assert pushed(stream, ids) == deltas
+        assert stream.finish(final) == "" and "".join(deltas) == final
+    # the held back EOS goes out once the next token shows it did not end the request (ignore_eos is
+    # not set, but a stream cannot know: the scheduler ends the request on it)
+    stream = TextStream.for_params(tok, SamplingParams(skip_special_tokens=False), eos)
+    assert pushed(stream, [im_end, *tok.encode("Hi")]) == ["", "<|im_end|>Hi"]
+    assert stop_text_ids(tok, SamplingParams(skip_special_tokens=False, ignore_eos=True), eos) == frozenset()
+    assert stop_text_ids(tok, SamplingParams(), eos) == frozenset()  # skipped: no text to hold back
+
+
+def eos_run(llm, eos: int) -> tuple[list[int], list[int], int]:
+    """(prompt, greedy output with ignore_eos, index of its first EOS), the EOS after some text."""
+    prompts = make_prompts(64, llm.model.config.vocab_size, seed=0, min_len=3, max_len=40)
+    runs = llm.generate(prompts, SamplingParams(max_new_tokens=24, ignore_eos=True))
+    for prompt, c in zip(prompts, runs):
+        if eos in c.output_ids[3:16]:
+            return prompt, c.output_ids, c.output_ids.index(eos)
+    raise AssertionError("no greedy output reaches EOS")
+
+
+def test_engine_text_under_both_options_matches_the_stream(tiny_model):
+    llm = make_llm(tiny_model)
+    tok = llm.tokenizer
+    [eos] = tiny_model.config.eos_token_ids
+    prompt, run, j = eos_run(llm, eos)
+    shown, hidden = tok.decode(run, skip_special_tokens=False), tok.decode(run)
+    assert "<|im_end|>" in shown and "<|im_end|>" not in hidden
+    head = tok.decode(run[:j], skip_special_tokens=False)  # the text before the EOS
+    stop_tok = run[1]  # (not EOS: a byte, whose text is not skipped)
+    assert stop_tok != eos and tok.decode([stop_tok])
+    cases = [  # params, (tokens, text) expected
+        (SamplingParams(max_new_tokens=24, ignore_eos=True), (run, hidden)),
+        (SamplingParams(max_new_tokens=24, ignore_eos=True, skip_special_tokens=False), (run, shown)),
+        (SamplingParams(max_new_tokens=24, skip_special_tokens=False), (run[: j + 1], head)),
+        (
+            SamplingParams(max_new_tokens=24, skip_special_tokens=False, include_stop_str_in_output=True),
+            (run[: j + 1], head + "<|im_end|>"),
+        ),
+        # a stop token that is no special token: its text is left out too, unless included (vLLM)
+        (SamplingParams(max_new_tokens=24, stop_token_ids=(stop_tok,)), (run[:2], tok.decode(run[:1]))),
+        (
+            SamplingParams(max_new_tokens=24, stop_token_ids=(stop_tok,), include_stop_str_in_output=True),
+            (run[:2], tok.decode(run[:2])),
+        ),
+    ]
+    got = llm.generate([prompt] * len(cases), [p for p, _ in cases])
+    for (params, want), c in zip(cases, got):
+        assert (c.output_ids, c.text, c.finish_reason) == (*want, "stop" if len(want[0]) < 24 else "length"), params
+        stream = TextStream.for_params(tok, params, tiny_model.config.eos_token_ids)
+        sent = "".join(pushed(stream, c.output_ids))
+        assert c.text.startswith(sent) and sent + stream.finish(c.text) == c.text, params

@@ -11,7 +11,7 @@ import torch
 from common.sampling import SamplingParams
 from engine.config import EngineConfig
 from engine.llm import LLM
-from engine.weights import load_model, smollm2_path
+from engine.weights import load_model
 from tests.conftest import make_prompts
 
 transformers = pytest.importorskip("transformers")
@@ -39,14 +39,6 @@ def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
 def hf_logits(model, ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
         return model(torch.tensor([ids])).logits[0].float()
-
-
-@pytest.fixture(scope="module")
-def hf_default():
-    path = smollm2_path()
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    ).eval()
 
 
 def test_default_model_greedy_equals_transformers_on_8_chat_prompts(default_model, hf_default):

@@ -244,7 +244,7 @@ def test_stop_token_ids_outside_the_vocabulary_are_not_masked():
 
     logits = torch.tensor([[0.0, 3.0, 1.0, 2.0]])
     req = Request("r", [1], SamplingParams(min_tokens=2, stop_token_ids=(1, 10**9)), None)
-    assert sample(logits, [req], eos_token_ids=(3,)) == [2]  # 1 and EOS 3 held back; 10**9 is no row
-    assert sample(logits, [req], eos_token_ids=(3,)) == [2]
-    assert sample(logits, [req], eos_token_ids=(3,)) == [1]  # min_tokens are out
+    assert sample(logits, [req], eos_token_ids=(3,))[0] == [2]  # 1 and EOS 3 held back; 10**9 is no row
+    assert sample(logits, [req], eos_token_ids=(3,))[0] == [2]
+    assert sample(logits, [req], eos_token_ids=(3,))[0] == [1]  # min_tokens are out
     assert logits[0, 1] == 3.0  # the caller's logits are left as they were

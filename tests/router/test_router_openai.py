@@ -70,27 +70,21 @@ def test_min_tokens_and_the_output_neutral_fields_are_accepted():
 
 
 BOTH = [
-    ("echo", True), ("best_of", 2), ("top_logprobs", 3), ("prompt_logprobs", 0), ("presence_penalty", 0.5),
-    ("frequency_penalty", -1), ("repetition_penalty", 1.1), ("length_penalty", 0.9), ("use_beam_search", True),
-    ("logit_bias", {"5": 100}), ("min_p", 0.1), ("top_a", 0.2), ("typical_p", 0.9), ("bad_words", ["x"]),
-    ("allowed_token_ids", [1, 2]), ("logits_processors", ["m.f"]), ("response_format", {"type": "json_object"}),
+    ("best_of", 2), ("length_penalty", 0.9), ("use_beam_search", True),
+    ("top_a", 0.2), ("typical_p", 0.9), ("logits_processors", ["m.f"]),
     ("guided_json", {"type": "object"}), ("guided_regex", "a+"), ("guided_choice", ["a", "b"]),
     ("guided_grammar", "root ::= x"), ("structural_tag", "{}"), ("structured_outputs", {"regex": "a"}),
     ("regex", "a"), ("json_schema", "{}"), ("ebnf", "x"), ("stop_regex", ["a"]),
     ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "required"),
     ("tool_choice", {"type": "function", "function": {"name": "f"}}), ("functions", [{"name": "f"}]),
-    ("function_call", {"name": "f"}), ("suffix", "end"), ("skip_special_tokens", False),
-    ("spaces_between_special_tokens", False), ("include_stop_str_in_output", True), ("no_stop_trim", True),
+    ("function_call", {"name": "f"}), ("suffix", "end"),
+    ("spaces_between_special_tokens", False),
     ("truncate_prompt_tokens", 5), ("prompt_embeds", "AAAA"), ("reasoning_effort", "high"), ("verbosity", "low"),
     ("audio", {"voice": "x"}), ("modalities", ["text", "audio"]), ("web_search_options", {}),
-    ("echo", 1), ("presence_penalty", True),  # the JSON type counts: 1 is not false, true is not 0
+    ("spaces_between_special_tokens", 1),  # the JSON type counts: 1 is not true
 ]  # fmt: skip
-CHAT_ONLY = [
-    ("logprobs", True), ("add_generation_prompt", False), ("continue_final_message", True),
-    ("add_special_tokens", True), ("chat_template", "{{ x }}"), ("chat_template_kwargs", {"enable_thinking": True}),
-    ("documents", [{"text": "d"}]),
-]  # fmt: skip
-COMPLETION_ONLY = [("logprobs", 0), ("logprobs", 5), ("add_special_tokens", False)]
+CHAT_ONLY = [("echo", True), ("add_special_tokens", True), ("chat_template", "{{ x }}"), ("documents", [{"text": "d"}])]
+COMPLETION_ONLY = [("add_special_tokens", False), ("top_logprobs", 3)]
 
 
 @pytest.mark.parametrize(
@@ -163,8 +157,8 @@ def test_chat_messages_and_content_parts():
         (False, {"prompt": "x", "stop": ["a"] * 17}, "stop", "17 strings"),
         (False, {"prompt": "x", "stream": "yes"}, "stream", 'got "yes"'),
         (False, {"prompt": "x", "stream_options": {"include_usage": 1}}, "stream_options", "include_usage"),
-        (False, {"prompt": "x", "echo": True}, "echo", "echo is not supported"),
-        (False, {"prompt": "x", "logprobs": 2}, "logprobs", "logprobs is not supported"),
+        (True, {"messages": [{"role": "user", "content": "x"}], "echo": True}, "echo", "echo is not supported"),
+        (False, {"prompt": "x", "echo": 1}, "echo", "echo must be a boolean, got 1"),
         (False, {"prompt": "x", "model": 5}, "model", "model must be a string, got 5"),
         (False, {"prompt": "x", "min_tokens": -1}, "min_tokens", "min_tokens must be an integer in [0, 4294967295]"),
         (False, {"prompt": "x", "min_tokens": "3"}, "min_tokens", 'got "3"'),
@@ -178,7 +172,97 @@ def test_chat_messages_and_content_parts():
         (True, {"messages": [{"role": "tool", "content": "x"}]}, "messages", "messages[0].role must be"),
         (True, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages", "text parts"),
         (True, {"messages": ["hi"]}, "messages", 'messages[0] must be an object, got "hi"'),
-        (True, {"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs", "not supported"),
+        (
+            True,
+            {"messages": [{"role": "user", "content": "x"}], "logprobs": 3},
+            "logprobs",
+            "logprobs must be a boolean, got 3",
+        ),
+        (
+            True,
+            {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+            "top_logprobs",
+            "top_logprobs needs logprobs: true",
+        ),
+        (
+            True,
+            {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
+            "top_logprobs",
+            "top_logprobs must be an integer in [0, 20], got 21",
+        ),
+        (False, {"prompt": "x", "logprobs": True}, "logprobs", "logprobs must be an integer in [0, 20], got true"),
+        (
+            False,
+            {"prompt": "x", "presence_penalty": 2.5},
+            "presence_penalty",
+            "presence_penalty must be a number in [-2, 2], got 2.5",
+        ),
+        (
+            False,
+            {"prompt": "x", "frequency_penalty": "1"},
+            "frequency_penalty",
+            'frequency_penalty must be a number in [-2, 2], got "1"',
+        ),
+        (
+            False,
+            {"prompt": "x", "repetition_penalty": 0},
+            "repetition_penalty",
+            "repetition_penalty must be a number in (0, 2], got 0",
+        ),
+        (False, {"prompt": "x", "min_p": 1.5}, "min_p", "min_p must be a number in [0, 1], got 1.5"),
+        (False, {"prompt": "x", "logit_bias": {"a": 1}}, "logit_bias", 'logit_bias keys must be token ids, got "a"'),
+        (
+            False,
+            {"prompt": "x", "logit_bias": {"5": 101}},
+            "logit_bias",
+            "logit_bias[5] must be a number in [-100, 100], got 101",
+        ),
+        (
+            False,
+            {"prompt": "x", "bad_words": ["ok", ""]},
+            "bad_words",
+            'bad_words must be a list of at most 128 non-empty strings, got ["ok", ""]',
+        ),
+        (
+            False,
+            {"prompt": "x", "allowed_token_ids": []},
+            "allowed_token_ids",
+            "allowed_token_ids must be a non-empty list of token ids, got []",
+        ),
+        (
+            False,
+            {"prompt": "x", "skip_special_tokens": 0},
+            "skip_special_tokens",
+            "skip_special_tokens must be a boolean, got 0",
+        ),
+        (
+            False,
+            {"prompt": "x", "response_format": {"type": "yaml"}},
+            "response_format",
+            "response_format.type must be text, json_object or json_schema",
+        ),
+        (
+            False,
+            {"prompt": "x", "response_format": {"type": "json_schema"}},
+            "response_format",
+            "response_format.json_schema.schema must be an object, got null",
+        ),
+        (
+            True,
+            {
+                "messages": [{"role": "user", "content": "x"}],
+                "continue_final_message": True,
+                "add_generation_prompt": True,
+            },
+            "continue_final_message",
+            "continue_final_message needs add_generation_prompt: false",
+        ),
+        (
+            True,
+            {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": [1]},
+            "chat_template_kwargs",
+            "chat_template_kwargs must be an object",
+        ),
     ],
 )
 def test_bad_bodies_are_rejected_naming_the_field(chat, body, param, message):
@@ -306,3 +390,111 @@ def test_status_codes_map_to_http(code, status):
     assert got == status
     assert body["error"]["message"] == "why" and body["error"]["code"] == code.name.lower()
     assert body["error"]["param"] == "p"
+
+
+def test_sampling_controls_map_to_the_wire():
+    s = parse(
+        prompt="x", logprobs=3, prompt_logprobs=2, presence_penalty=-0.5, frequency_penalty=1.25,
+        repetition_penalty=1.5, min_p=0.05, logit_bias={"5": -100, "17": 2.5}, bad_words=["foo bar", "baz"],
+        allowed_token_ids=[9, 4, 9], skip_special_tokens=False, include_stop_str_in_output=True,
+        response_format={"type": "json_object"},
+    ).request.sampling  # fmt: skip
+    assert (s.logprobs, s.prompt_logprobs, s.presence_penalty, s.frequency_penalty) == (3, 2, -0.5, 1.25)
+    assert (s.repetition_penalty, round(s.min_p, 6)) == (1.5, 0.05)
+    assert dict(s.logit_bias) == {5: -100.0, 17: 2.5}
+    assert list(s.bad_words) == ["foo bar", "baz"] and list(s.allowed_token_ids) == [9, 4, 9]
+    assert (s.skip_special_tokens, s.include_stop_str_in_output, s.structured.json_object) == (False, True, True)
+    plain = parse(prompt="x").request.sampling
+    assert not plain.HasField("logprobs") and not plain.HasField("skip_special_tokens")
+    assert parse(prompt="x", no_stop_trim=True).request.sampling.include_stop_str_in_output
+    assert parse(prompt="x", logprobs=0).request.sampling.logprobs == 0  # (0: the token's own, no alternatives)
+    assert parse(prompt="x", logprobs=0).request.sampling.HasField("logprobs")
+
+    chat = parse(chat=True, messages=[{"role": "user", "content": "q"}], logprobs=True, top_logprobs=4)
+    assert chat.request.sampling.logprobs == 4
+    assert not parse(chat=True, messages=[{"role": "user", "content": "q"}], logprobs=False).request.sampling.HasField(
+        "logprobs"
+    )
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": schema, "strict": True}}
+    assert json.loads(parse(prompt="x", response_format=fmt).request.sampling.structured.json_schema) == schema
+
+
+def test_chat_template_options_map_to_the_wire():
+    msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "The answer is"}]
+    c = parse(chat=True, messages=msgs, continue_final_message=True, add_generation_prompt=False,
+              chat_template_kwargs={"enable_thinking": False, "n": 3}).request.prompt.chat  # fmt: skip
+    assert (c.add_generation_prompt, c.continue_final_message) == (False, True)
+    assert json.loads(c.chat_template_kwargs) == {"enable_thinking": False, "n": 3}
+    plain = parse(chat=True, messages=msgs).request.prompt.chat
+    assert not plain.HasField("add_generation_prompt") and not plain.continue_final_message
+    assert not parse(chat=True, messages=msgs, add_generation_prompt=False).request.prompt.chat.add_generation_prompt
+
+
+def _lp(token_id, token, logprob, top):
+    return common_pb2.TokenLogprob(
+        token_id=token_id, token=token, logprob=logprob, top_ids=[t[0] for t in top],
+        top_tokens=[t[1] for t in top], top_logprobs=[t[2] for t in top],
+    )  # fmt: skip
+
+
+def test_logprobs_in_chat_and_completion_answers():
+    a = _lp(7, "Hé", -0.25, [(7, "Hé", -0.25), (8, "x", -2.0)])
+    b = _lp(9, "!", -1.5, [(3, "?", -0.5), (9, "!", -1.5)])
+    first = generation_pb2.GenerateResponse(token_ids=[7], text="Hé", logprobs=[a])
+    last = generation_pb2.GenerateResponse(token_ids=[9], text="!", logprobs=[b], finish_reason="length")
+
+    chat = Reply(parse(chat=True, messages=[{"role": "user", "content": "q"}], logprobs=True, top_logprobs=2),
+                 "r", "m", created=1)  # fmt: skip
+    c1, c2 = chat.add(first), chat.add(last)
+    entry_a = {
+        "token": "Hé",
+        "logprob": -0.25,
+        "bytes": [72, 195, 169],
+        "top_logprobs": [
+            {"token": "Hé", "logprob": -0.25, "bytes": [72, 195, 169]},
+            {"token": "x", "logprob": -2.0, "bytes": [120]},
+        ],
+    }
+    entry_b = {"token": "!", "logprob": -1.5, "bytes": [33], "top_logprobs": [
+        {"token": "?", "logprob": -0.5, "bytes": [63]}, {"token": "!", "logprob": -1.5, "bytes": [33]}]}  # fmt: skip
+    assert c1["choices"][0]["logprobs"] == {"content": [entry_a], "refusal": None}
+    assert c2["choices"][0]["logprobs"] == {"content": [entry_b], "refusal": None}
+    assert chat.final()["choices"][0]["logprobs"] == {"content": [entry_a, entry_b], "refusal": None}
+
+    stream = Reply(parse(prompt="q", logprobs=2), "r", "m", created=1)
+    s1, s2 = stream.add(first), stream.add(last)
+    assert s1["choices"][0]["logprobs"] == {
+        "tokens": ["Hé"], "token_logprobs": [-0.25], "top_logprobs": [{"Hé": -0.25, "x": -2.0}], "text_offset": [0]
+    }  # fmt: skip
+    assert s2["choices"][0]["logprobs"]["text_offset"] == [2]  # after "Hé"
+    whole = Reply(parse(prompt="q", logprobs=2), "r", "m", created=1)
+    whole.add(first), whole.add(last)
+    assert whole.final()["choices"][0]["logprobs"] == {
+        "tokens": ["Hé", "!"], "token_logprobs": [-0.25, -1.5],
+        "top_logprobs": [{"Hé": -0.25, "x": -2.0}, {"?": -0.5, "!": -1.5}], "text_offset": [0, 2],
+    }  # fmt: skip
+    plain = Reply(parse(prompt="q"), "r", "m", created=1)
+    assert plain.add(first)["choices"][0]["logprobs"] is None
+
+
+def test_echo_puts_the_prompt_and_its_logprobs_first():
+    head = common_pb2.TokenLogprob(token_id=1, token="Hi")  # the prompt's first token: no logprob
+    second = _lp(2, " you", -3.0, [(5, " there", -1.0)])
+    out = _lp(9, "!", -1.5, [(9, "!", -1.5)])
+    resp = generation_pb2.GenerateResponse(
+        token_ids=[9], text="!", logprobs=[out], prompt_logprobs=[head, second], finish_reason="length"
+    )
+    req = parse(prompt="Hi you", echo=True, logprobs=1, max_tokens=1)
+    assert (req.echo, req.request.sampling.prompt_logprobs, req.request.sampling.logprobs) == (True, 1, 1)
+    reply = Reply(req, "r", "m", created=1, echo="Hi you")
+    chunk = reply.add(resp)
+    assert chunk["choices"][0]["text"] == "Hi you!"
+    assert chunk["choices"][0]["logprobs"] == {
+        "tokens": ["Hi", " you", "!"], "token_logprobs": [None, -3.0, -1.5],
+        "top_logprobs": [None, {" there": -1.0}, {"!": -1.5}], "text_offset": [0, 2, 6],
+    }  # fmt: skip
+    assert reply.final()["choices"][0]["text"] == "Hi you!"
+    assert not parse(prompt="Hi", echo=True).request.sampling.HasField("prompt_logprobs")  # (text only)
+    plain = Reply(parse(prompt="Hi", echo=True), "r", "m", created=1, echo="Hi")
+    assert plain.add(generation_pb2.GenerateResponse(token_ids=[9], text="!"))["choices"][0]["text"] == "Hi!"

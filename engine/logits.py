@@ -1,0 +1,234 @@
+"""Logits processing at the sampling rank, and the logprobs that come back with a token.
+
+A request's logits go through its sampling controls, each only when set (masks commute; the
+penalties come after them, as in vLLM):
+
+1. structured output: the tokens the request's grammar does not allow next to -inf;
+2. allowed_token_ids: every other token to -inf;
+3. logit_bias: added;
+4. bad_words: for each banned sequence whose first tokens end the output so far, its last token
+   to -inf (a one-token word always); and min_tokens: EOS and stop tokens to -inf until
+   min_tokens are out (`held_back`). When these two leave no token at all (the grammar allows
+   only EOS, say), they are undone for that step: the grammar wins;
+5. penalties on the request's own tokens: repetition (prompt and outputs: a positive logit
+   divided by it, a negative one multiplied), frequency (times each token's count in the
+   outputs) and presence (once per token in the outputs), both subtracted.
+
+The sampler then takes the argmax (greedy) or applies temperature, min_p, top_k and top_p and
+draws. Logprobs are the model's own: the log-softmax of the logits before any of this, as
+vLLM returns by default and as a reference forward computes them.
+
+"The outputs" are an earlier attempt's (resumed) and this one's: req.resumed_ids + req.output_ids,
+the tokens before the one being sampled; "the prompt" is the client's. Rank 0 keeps these in the
+Request; a pipeline's last rank keeps its own copy (pipeline/stage.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from engine.batch import ForwardBatch, logit_rows
+from engine.request import Request
+from kvbridge.v1 import common_pb2
+
+
+@dataclass(frozen=True)
+class Logprob:
+    """A position's logprobs: of its token, and of the `k` most likely tokens there (most likely first)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+    rank: int = 1  # 1 + the number of tokens more likely than it
+
+
+def logprobs_of(logits: torch.Tensor, tokens: list[int], ks: list[int]) -> list[Logprob]:
+    """Logprobs of `tokens` under `logits` ([R, vocab], one row per token) with ks[i] alternatives."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lp.gather(1, torch.tensor(tokens, dtype=torch.long, device=lp.device)[:, None])
+    ranks = ((lp > chosen).sum(dim=-1) + 1).tolist()
+    chosen = chosen[:, 0].tolist()
+    kmax = max(ks, default=0)
+    top_v, top_i = lp.topk(kmax, dim=-1) if kmax else (None, None)
+    out = []
+    for r, (token, k) in enumerate(zip(tokens, ks)):
+        top = tuple(zip(top_i[r, :k].tolist(), top_v[r, :k].tolist())) if k else ()
+        out.append(Logprob(token, chosen[r], top, ranks[r]))
+    return out
+
+
+# ---------------------------------------------------------------- prompt logprobs
+
+
+def split_logits(batch: ForwardBatch, logits: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The sampled requests' rows of a step's logits, and each scored request's rows (batch.scored)."""
+    _, sampled_at, scored_at = logit_rows(batch)
+    sampled = logits if sampled_at is None else logits[sampled_at]
+    return sampled, [logits[first : first + n] for _, first, n in scored_at]
+
+
+def prompt_spans(batch: ForwardBatch, requests: list[Request]) -> list[tuple[int, int, int]]:
+    """(index in the batch, first prompt token scored, count) of each scored request of the step:
+    the rows of its chunk at positions p with p + 1 a prompt token (of the client's prompt)."""
+    spans = []
+    for i, _, _ in logit_rows(batch)[2]:
+        start, req = batch.starts[i], requests[i]
+        n = min(batch.q_lens[i], req.num_prompt_tokens - 1 - start)
+        if n > 0:
+            spans.append((i, start + 1, n))
+    return spans
+
+
+def prompt_logprobs(batch: ForwardBatch, scored: list[torch.Tensor], requests: list[Request]) -> list[Logprob]:
+    """The logprobs of the prompt tokens the step's scored rows predict, in prompt_spans order."""
+    out = []
+    for (i, first, n), rows in zip(prompt_spans(batch, requests), scored):
+        req = requests[i]
+        out += logprobs_of(rows[:n], req.prompt_ids[first : first + n], [req.params.prompt_logprobs] * n)
+    return out
+
+
+# ---------------------------------------------------------------- the last rank -> rank 0
+
+
+def logprob_width(ks: list[int | None]) -> int:
+    """Columns of the logprob rows a last rank returns (0: none asked): the token's logprob and
+    rank, then k alternative ids, then their logprobs, k the largest of `ks` (None: not asked)."""
+    asked = [k for k in ks if k is not None]
+    return 2 + 2 * max(asked) if asked else 0
+
+
+def pack_logprobs(logprobs: list[Logprob | None], width: int) -> torch.Tensor:
+    """[S, width] float64 (token ids are exact in it); rows of requests that asked for none are 0."""
+    rows = torch.zeros((len(logprobs), width), dtype=torch.float64)
+    k = (width - 2) // 2
+    for i, lp in enumerate(logprobs):
+        if lp is not None:
+            rows[i, 0], rows[i, 1] = lp.logprob, lp.rank
+            for j, (token, value) in enumerate(lp.top):
+                rows[i, 2 + j], rows[i, 2 + k + j] = token, value
+    return rows
+
+
+def unpack_logprobs(rows: torch.Tensor, tokens: list[int], ks: list[int | None]) -> list[Logprob | None]:
+    k_max = (rows.shape[1] - 2) // 2
+    out: list[Logprob | None] = []
+    for row, token, k in zip(rows.tolist(), tokens, ks):
+        if k is None:
+            out.append(None)
+            continue
+        top = tuple((int(row[2 + j]), row[2 + k_max + j]) for j in range(k))
+        out.append(Logprob(token, row[0], top, int(row[1])))
+    return out
+
+
+def logprob_to_proto(lp: Logprob) -> common_pb2.TokenLogprob:
+    return common_pb2.TokenLogprob(
+        token_id=lp.token,
+        logprob=lp.logprob,
+        top_ids=[t for t, _ in lp.top],
+        top_logprobs=[v for _, v in lp.top],
+        rank=lp.rank,
+    )
+
+
+def logprob_from_proto(msg: common_pb2.TokenLogprob, vocab_size: int, k: int | None) -> Logprob:
+    """A peer's TokenLogprob, checked: ValueError naming what is wrong (ids outside the vocabulary,
+    not the k alternatives the request asked for, a logprob that is not a number <= 0)."""
+    values = [msg.logprob, *msg.top_logprobs]
+    if not msg.HasField("logprob") or not all(-math.inf <= v <= 0 for v in values):
+        raise ValueError(f"logprobs must be numbers <= 0, got {values[:4]}")
+    if len(msg.top_ids) != len(msg.top_logprobs) or len(msg.top_ids) != (k or 0):
+        raise ValueError(f"{len(msg.top_ids)} alternatives with {len(msg.top_logprobs)} logprobs; {k} asked for")
+    bad = [t for t in (msg.token_id, *msg.top_ids) if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    return Logprob(msg.token_id, msg.logprob, tuple(zip(msg.top_ids, msg.top_logprobs)), msg.rank)
+
+
+def outputs_of(req: Request) -> list[int]:
+    return req.resumed_ids + req.output_ids if req.resumed else req.output_ids
+
+
+def process(logits: torch.Tensor, requests: list[Request], eos_token_ids: tuple[int, ...]) -> torch.Tensor:
+    """The logits to sample from: [S, vocab], a copy where any request's controls change a row."""
+    rows = [(i, req) for i, req in enumerate(requests) if _controlled(req)]
+    if not rows:
+        return logits
+    logits = logits.clone()  # (the model's output may be an inference-mode tensor: no in-place writes)
+    vocab = logits.shape[-1]
+    for i, req in rows:
+        p, row = req.params, logits[i]
+        if req.grammar is not None:
+            req.grammar.mask(row)
+        if p.allowed_token_ids:
+            keep = torch.tensor([t for t in p.allowed_token_ids if t < vocab], dtype=torch.long)
+            masked = torch.full_like(row, float("-inf"))
+            masked[keep] = row[keep]
+            row.copy_(masked)
+        if p.logit_bias:
+            ids = torch.tensor([t for t, _ in p.logit_bias], dtype=torch.long)
+            row.index_add_(0, ids, torch.tensor([b for _, b in p.logit_bias], dtype=row.dtype))
+        banned = _banned(p.bad_words_ids, outputs_of(req), vocab) if p.bad_words_ids else []
+        banned += held_back(req, eos_token_ids, vocab)
+        if banned:
+            kept = row[banned].clone()
+            row[banned] = float("-inf")
+            if not torch.isfinite(row).any():  # they leave nothing (e.g. the grammar allows only EOS): undone
+                row[banned] = kept
+        if p.repetition_penalty != 1 or p.frequency_penalty or p.presence_penalty:
+            _penalize(row, req)
+    return logits
+
+
+def _controlled(req: Request) -> bool:
+    p = req.params
+    return bool(
+        p.allowed_token_ids
+        or p.logit_bias
+        or p.bad_words_ids
+        or req.num_sampled < p.min_tokens
+        or req.grammar is not None
+        or p.repetition_penalty != 1
+        or p.frequency_penalty
+        or p.presence_penalty
+    )
+
+
+def held_back(req: Request, eos_token_ids: tuple[int, ...], vocab_size: int) -> list[int]:
+    """The ids `req` may not sample as its next token: its stop tokens, before min_tokens are out."""
+    p = req.params
+    if req.num_sampled >= p.min_tokens:
+        return []
+    ids = set(p.stop_token_ids) if p.ignore_eos else set(p.stop_token_ids).union(eos_token_ids)
+    ids = sorted(t for t in ids if 0 <= t < vocab_size)  # stop_token_ids come from clients, unchecked
+    return ids if len(ids) < vocab_size else []  # (all of them: nothing could be sampled; they stop it at once)
+
+
+def _banned(words: tuple[tuple[int, ...], ...], outputs: list[int], vocab: int) -> list[int]:
+    """The last token of every bad word whose other tokens are the end of the outputs."""
+    banned = set()
+    for word in words:
+        head = list(word[:-1])
+        if not head or outputs[len(outputs) - len(head) :] == head:
+            banned.add(word[-1])
+    return sorted(t for t in banned if t < vocab)
+
+
+def _penalize(row: torch.Tensor, req: Request) -> None:
+    p, vocab = req.params, row.shape[-1]
+    outputs = torch.tensor([t for t in outputs_of(req) if t < vocab], dtype=torch.long)
+    counts = torch.bincount(outputs, minlength=vocab)[:vocab].to(row.dtype)
+    if p.repetition_penalty != 1:
+        prompt = torch.tensor(req.prompt_ids[: req.num_prompt_tokens], dtype=torch.long)
+        seen = counts > 0
+        seen[prompt[prompt < vocab]] = True
+        scaled = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+        row.copy_(torch.where(seen, scaled, row))
+    if p.frequency_penalty:
+        row.sub_(p.frequency_penalty * counts)
+    if p.presence_penalty:
+        row.sub_(p.presence_penalty * (counts > 0).to(row.dtype))

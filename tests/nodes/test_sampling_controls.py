@@ -1,0 +1,152 @@
+"""Sampling controls and logprobs on real nodes: every penalty, mask and logprob a request asks for
+is the same colocated at pp 1 and pp 2 and disaggregated P pp x D pp, token for token (logprobs to
+1e-4), as the one-process engine computes them."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from common import rpc
+from common.sampling import SamplingParams, to_proto
+from engine.config import PPConfig
+from kvbridge.nodes import start_node
+from kvbridge.v1 import generation_pb2, generation_pb2_grpc
+from serving.config import NodeConfig
+from tests.conftest import make_llm, make_prompts
+from tests.pd import TINY, in_parallel, pd_generate, start_nodes, stop_nodes, token_prompt, wait_idle
+
+MAX_NEW = 10
+CASES = {
+    "greedy-logprobs": SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True, logprobs=5),
+    "seeded-min_p-logprobs": SamplingParams(
+        max_new_tokens=MAX_NEW, ignore_eos=True, temperature=0.9, seed=7, min_p=0.2, logprobs=0
+    ),
+    "presence-frequency": SamplingParams(
+        max_new_tokens=MAX_NEW, ignore_eos=True, presence_penalty=2.0, frequency_penalty=2.0
+    ),
+    "repetition-greedy": SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True, repetition_penalty=1.9, logprobs=2),
+    "repetition-seeded": SamplingParams(
+        max_new_tokens=MAX_NEW, ignore_eos=True, temperature=1.0, seed=3, repetition_penalty=0.6
+    ),
+    "logit_bias": SamplingParams(
+        max_new_tokens=MAX_NEW, ignore_eos=True, logit_bias=((5, 4.0), (6, 3.5), (7, -100.0)), logprobs=1
+    ),
+    "prompt-logprobs": SamplingParams(max_new_tokens=3, ignore_eos=True, prompt_logprobs=4, logprobs=2),
+    "allowed-seeded": SamplingParams(
+        max_new_tokens=MAX_NEW, ignore_eos=True, temperature=1.0, seed=11, allowed_token_ids=tuple(range(40, 52))
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def fleet(hard_timeout):
+    nodes = start_nodes(
+        {"p1": ("prefill", 1), "p2": ("prefill", 2), "d1": ("decode", 1, "shm"), "d2": ("decode", 2, "shm")}
+    )
+    nodes["c2"] = start_node("colocated", NodeConfig(TINY, PPConfig(pp_size=2)))
+    yield nodes
+    stop_nodes(nodes)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+    """Per case: the one-process engine's (outputs, logprobs) for each prompt."""
+    prompts = make_prompts(3, tiny_model.config.vocab_size, seed=5, min_len=3, max_len=40)
+    llm = make_llm(tiny_model, chunked_prefill_size=TINY.chunked_prefill_size)
+    return prompts, {name: llm.generate(prompts, params) for name, params in CASES.items()}
+
+
+def colocated(addr: str, prompt: list[int], params: SamplingParams) -> list[generation_pb2.GenerateResponse]:
+    stub = generation_pb2_grpc.GenerationStub(rpc.make_channel(addr))
+    req = generation_pb2.GenerateRequest(prompt=token_prompt(prompt), sampling=to_proto(params))
+    return list(stub.Generate(req, timeout=120))
+
+
+def same_logprobs(got, want: list, k: int) -> None:
+    assert [lp.token_id for lp in got] == [w.token for w in want]
+    for lp, w in zip(got, want):
+        assert lp.logprob == pytest.approx(w.logprob, abs=1e-4)
+        assert list(lp.top_ids) == [t for t, _ in w.top] and len(lp.top_ids) == k
+        assert list(lp.top_logprobs) == pytest.approx([v for _, v in w.top], abs=1e-4)
+        assert lp.rank == w.rank
+
+
+def check(responses, completion, params: SamplingParams, prompt: list[int], prompt_logprobs=None) -> None:
+    """`prompt_logprobs`: where they came from (disaggregated: the PrefillResponse), else the first response."""
+    tokens = [t for r in responses for t in r.token_ids]
+    assert tokens == completion.output_ids
+    got = [lp for r in responses for lp in r.logprobs]
+    if params.logprobs is None:
+        assert got == []
+    else:
+        same_logprobs(got, completion.logprobs, params.logprobs)
+    if prompt_logprobs is None:
+        prompt_logprobs = responses[0].prompt_logprobs
+        assert not any(r.prompt_logprobs for r in responses[1:])
+    if params.prompt_logprobs is None:
+        assert list(prompt_logprobs) == []
+        return
+    head, rest = prompt_logprobs[0], prompt_logprobs[1:]
+    assert head.token_id == prompt[0] and not head.HasField("logprob")
+    assert len(completion.prompt_logprobs) == len(prompt) - 1
+    same_logprobs(rest, completion.prompt_logprobs, params.prompt_logprobs)
+
+
+def test_the_one_process_engine_applies_each_control(reference, tiny_model):
+    """Each case changes the output from the plain run the way its rule says (the rules themselves
+    are checked against transformers' logits in tests/engine/test_logits_reference.py)."""
+    _prompts, runs = reference
+    vocab = tiny_model.config.vocab_size
+    for c in runs["allowed-seeded"]:
+        assert set(c.output_ids) <= set(range(40, 52))
+    for c in runs["logit_bias"]:
+        assert 7 not in c.output_ids
+    for name in ("presence-frequency", "repetition-greedy"):  # penalties break the tiny model's loops
+        assert [c.output_ids for c in runs[name]] != [c.output_ids for c in runs["greedy-logprobs"]], name
+    for c in runs["greedy-logprobs"]:
+        assert len(c.logprobs) == MAX_NEW and all(len(lp.top) == 5 for lp in c.logprobs)
+        assert all(lp.top[0][0] == lp.token for lp in c.logprobs)  # greedy: the token is the most likely
+        assert all(0 <= t < vocab for lp in c.logprobs for t, _ in lp.top)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_colocated_pp2_equals_the_engine(fleet, reference, case):
+    prompts, runs = reference
+    params = CASES[case]
+    results = in_parallel(lambda p: colocated(fleet["c2"].address, p, params), [(p,) for p in prompts])
+    for responses, completion, prompt in zip(results, runs[case], prompts):
+        check(responses, completion, params, prompt)
+
+
+@pytest.mark.parametrize(("p_pp", "d_pp"), [(1, 1), (2, 2), (1, 2), (2, 1)])
+@pytest.mark.parametrize("case", list(CASES))
+def test_disaggregated_equals_the_engine(fleet, reference, case, p_pp, d_pp):
+    """The first token (and its logprobs) comes from the prefill node, the rest from the decode
+    node, whose last rank learns the first token (APPEND) for the penalties."""
+    prompts, runs = reference
+    params = CASES[case]
+    prefill, decode = fleet[f"p{p_pp}"], fleet[f"d{d_pp}"]
+    results = in_parallel(
+        lambda p: pd_generate(prefill.address, decode.address, token_prompt(p), MAX_NEW, sampling=to_proto(params)),
+        [(p,) for p in prompts],
+    )
+    for (_tokens, responses, prefill_result), completion, prompt in zip(results, runs[case], prompts):
+        assert not isinstance(prefill_result, grpc.RpcError), prefill_result
+        assert not any(r.prompt_logprobs for r in responses)  # (the router adds the prefill node's)
+        check(responses, completion, params, prompt, prefill_result.prompt_logprobs)
+    for node in (prefill, decode):
+        assert [r.kv_pages_used for r in wait_idle(node.address).ranks] == [0] * len(wait_idle(node.address).ranks)
+
+
+def test_token_ids_outside_the_vocabulary_are_refused(fleet):
+    stub = generation_pb2_grpc.GenerationStub(rpc.make_channel(fleet["c2"].address))
+    for params, field in (
+        (SamplingParams(allowed_token_ids=(3, 10**6)), "allowed_token_ids"),
+        (SamplingParams(logit_bias=((10**6, 1.0),)), "logit_bias"),
+    ):
+        req = generation_pb2.GenerateRequest(prompt=token_prompt([5, 6, 7]), sampling=to_proto(params))
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(req, timeout=30))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert f"sampling.{field} holds token id 1000000, outside the vocabulary [0, 320)" in e.value.details()

@@ -1,0 +1,248 @@
+"""The router's /tokenize, /detokenize and /version against in-test nodes: the ids are those the
+nodes' own adapter (serving/convert.py prompt_ids) makes with the tokenizer they hand out (the
+fakes' byte-level one, and the default model's), text round-trips, and every refusal is an
+OpenAI error naming its field; 503 while no tokenizer could be fetched."""
+
+from __future__ import annotations
+
+import http.client
+import json
+
+import grpc
+import pytest
+
+import common
+import kvbridge
+from engine.tokenizer import CHATML_TEMPLATE, Tokenizer
+from kvbridge.v1 import common_pb2
+from serving.convert import prompt_ids
+from tests.router import fakes
+from tests.router.fakes import wait_until
+
+TEXTS = [
+    "Hello, world",
+    "Ünïcödé, emoji 🙂 and CJK 漢字",
+    "  spaces\tand\nnewlines\n\n",
+    "<|im_start|>user\nhi<|im_end|>",
+]
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 2?"}]
+
+
+def call(router, method: str, path: str, body=None, headers: dict | None = None) -> tuple[int, dict]:
+    """(status, parsed JSON body); `body` a dict (sent as JSON) or bytes."""
+    conn = http.client.HTTPConnection("127.0.0.1", router.http_port, timeout=30)
+    try:
+        raw = json.dumps(body).encode() if isinstance(body, dict) else body
+        conn.request(method, path, body=raw, headers={"Content-Type": "application/json", **(headers or {})})
+        resp = conn.getresponse()
+        return resp.status, json.loads(resp.read())
+    finally:
+        conn.close()
+
+
+def tokens(router, body: dict) -> list[int]:
+    status, answer = call(router, "POST", "/tokenize", body)
+    assert status == 200, answer
+    assert answer["count"] == len(answer["tokens"])
+    return answer["tokens"]
+
+
+def text_of(router, ids: list[int]) -> str:
+    status, answer = call(router, "POST", "/detokenize", {"tokens": ids})
+    assert status == 200, answer
+    return answer["prompt"]
+
+
+def chat_prompt(messages: list[dict], **options) -> common_pb2.Prompt:
+    msgs = [common_pb2.ChatMessage(**m) for m in messages]
+    return common_pb2.Prompt(chat=common_pb2.ChatMessages(messages=msgs, **options))
+
+
+def text_prompt(text: str) -> common_pb2.Prompt:
+    return common_pb2.Prompt(text=text)
+
+
+@pytest.fixture
+def handed_out(monkeypatch):
+    """use(tokenizer): the fakes' GetTokenizer hands out `tokenizer` from now on."""
+    return lambda tokenizer: monkeypatch.setattr(fakes, "TOKENIZER", tokenizer)
+
+
+# ---------------------------------------------------------------- the ids
+
+
+def test_text_and_chat_get_the_nodes_prompt_ids(fleet):
+    router, _ = fleet(colocated=1, kv_events=True)
+    tok = fakes.TOKENIZER
+    for text in TEXTS:
+        status, answer = call(router, "POST", "/tokenize", {"prompt": text})
+        ids = prompt_ids(text_prompt(text), tok)
+        assert (status, answer) == (200, {"count": len(ids), "max_model_len": 64, "tokens": ids, "token_strs": None})
+        assert text_of(router, ids) == text
+    assert tokens(router, {"model": "fake", "messages": CHAT}) == prompt_ids(chat_prompt(CHAT), tok)
+    status, answer = call(router, "POST", "/tokenize", {"prompt": "añ", "return_token_strs": True})
+    assert (status, answer["token_strs"]) == (200, [tok.backend.id_to_token(i) for i in answer["tokens"]])
+    assert answer["token_strs"] == ["a", "Ã", "±"]  # byte-level: ñ is two bytes
+
+
+def test_the_default_models_tokenizer_with_every_chat_option(fleet, handed_out, default_model):
+    tok = default_model.tokenizer
+    handed_out(tok)
+    router, _ = fleet(colocated=1, kv_events=True)
+    for text in TEXTS:
+        ids = tokens(router, {"prompt": text})
+        assert ids == prompt_ids(text_prompt(text), tok) == tok.encode(text)
+        assert text_of(router, ids) == text
+    assert tokens(router, {"messages": CHAT}) == prompt_ids(chat_prompt(CHAT), tok)
+    closed = tokens(router, {"messages": CHAT, "add_generation_prompt": False})
+    assert closed == prompt_ids(chat_prompt(CHAT, add_generation_prompt=False), tok)
+    assert tokens(router, {"messages": CHAT}) == closed + tok.encode("<|im_start|>assistant\n")
+    answer = [*CHAT, {"role": "assistant", "content": "It is"}]
+    continued = tokens(router, {"messages": answer, "continue_final_message": True, "add_generation_prompt": False})
+    assert continued == prompt_ids(chat_prompt(answer, continue_final_message=True), tok)
+    assert text_of(router, continued).endswith("<|im_start|>assistant\nIt is")
+    kwargs = {"messages": CHAT, "chat_template_kwargs": {"enable_thinking": False}, "add_special_tokens": False}
+    assert tokens(router, kwargs) == prompt_ids(
+        chat_prompt(CHAT, chat_template_kwargs='{"enable_thinking": false}'), tok
+    )
+
+
+def test_add_special_tokens_false_leaves_out_the_bos(fleet, handed_out):
+    byte_level = fakes.TOKENIZER
+    tok = Tokenizer(byte_level.backend, CHATML_TEMPLATE, "<|endoftext|>", "<|im_end|>", add_bos=True)
+    handed_out(tok)
+    router, _ = fleet(colocated=1, kv_events=True)
+    bos = tok.token_id("<|endoftext|>")
+    assert tokens(router, {"prompt": "hi"}) == [bos, *byte_level.encode("hi")] == prompt_ids(text_prompt("hi"), tok)
+    assert tokens(router, {"prompt": "hi", "add_special_tokens": True})[0] == bos
+    assert tokens(router, {"prompt": "hi", "add_special_tokens": False}) == byte_level.encode("hi")
+    assert text_of(router, [bos, *byte_level.encode("hi")]) == "<|endoftext|>hi"  # special tokens are kept
+
+
+def test_a_long_prompt_is_tokenized_whole(fleet):
+    router, _ = fleet(colocated=1, kv_events=True)
+    text = "the quick brown fox " * 20_000  # 400 KB (its ids as JSON: about 2 MB)
+    status, answer = call(router, "POST", "/tokenize", {"prompt": text})
+    assert (status, answer["count"], answer["max_model_len"]) == (200, len(text), 64)  # (one id per byte)
+    assert text_of(router, answer["tokens"]) == text
+
+
+# ---------------------------------------------------------------- refusals
+
+
+def error(message: str, param: str | None, kind: str = "invalid_request_error", code: str = "invalid_argument"):
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param", "says"),
+    [
+        ("/tokenize", b"{nope", None, "the body is not valid JSON"),
+        ("/tokenize", b"[1]", None, "the body must be a JSON object, got [1]"),
+        ("/tokenize", {}, "prompt", "prompt must be a string (or send messages), got null"),
+        ("/tokenize", {"prompt": [1, 2]}, "prompt", "prompt must be a string (or send messages), got [1, 2]"),
+        ("/tokenize", {"prompt": "a", "messages": CHAT}, "messages", "give prompt or messages, not both"),
+        ("/tokenize", {"messages": []}, "messages", "messages must be a non-empty list, got []"),
+        ("/tokenize", {"messages": [{"role": "robot", "content": "x"}]}, "messages", "messages[0].role must be"),
+        ("/tokenize", {"prompt": "a", "model": 3}, "model", "model must be a string, got 3"),
+        ("/tokenize", {"prompt": "a", "add_special_tokens": "yes"}, "add_special_tokens", "must be a boolean"),
+        ("/tokenize", {"prompt": "a", "return_token_strs": 1}, "return_token_strs", "must be a boolean, got 1"),
+        ("/tokenize", {"messages": CHAT, "add_special_tokens": True}, "add_special_tokens", "not supported"),
+        ("/tokenize", {"messages": CHAT, "chat_template": "{{ x }}"}, "chat_template", "not supported"),
+        ("/tokenize", {"messages": CHAT, "add_generation_prompt": "no"}, "add_generation_prompt", "a boolean"),
+        ("/tokenize", {"messages": CHAT, "continue_final_message": 1}, "continue_final_message", "a boolean"),
+        ("/tokenize", {"messages": CHAT, "chat_template_kwargs": [1]}, "chat_template_kwargs", "must be an object"),
+        (
+            "/tokenize",
+            {"messages": CHAT, "chat_template_kwargs": {"messages": []}},
+            "chat_template_kwargs",
+            "prompt.chat.chat_template_kwargs cannot set 'messages'",
+        ),
+        (
+            "/tokenize",
+            {"messages": CHAT, "chat_template_kwargs": {"x": "y" * 9000}},
+            "chat_template_kwargs",
+            "chat_template_kwargs has 9009 bytes; at most 8192",
+        ),
+        (
+            "/tokenize",
+            {"messages": CHAT, "continue_final_message": True},
+            "continue_final_message",
+            "needs the last message's role to be assistant, got 'user'",
+        ),
+        (
+            "/tokenize",
+            {
+                "messages": [*CHAT, {"role": "assistant", "content": "4"}],
+                "continue_final_message": True,
+                "add_generation_prompt": True,
+            },
+            "continue_final_message",
+            "continue_final_message needs add_generation_prompt: false",
+        ),
+        ("/detokenize", {}, "tokens", "tokens must be a list of token ids, got null"),
+        ("/detokenize", {"tokens": [1, "2"]}, "tokens", "tokens must be a list of token ids"),
+        ("/detokenize", {"tokens": [1, True]}, "tokens", "tokens must be a list of token ids"),
+        ("/detokenize", {"tokens": [5, 259]}, "tokens", "tokens[1] = 259 is not in the vocabulary (ids 0..258)"),
+        ("/detokenize", {"tokens": [-1]}, "tokens", "tokens[0] = -1 is not in the vocabulary (ids 0..258)"),
+        ("/detokenize", {"tokens": [1], "model": ["x"]}, "model", "model must be a string"),
+    ],
+)
+def test_bad_bodies_get_400_naming_the_field(fleet, path, body, param, says):
+    router, _ = fleet(colocated=1, kv_events=True)
+    status, answer = call(router, "POST", path, body)
+    assert (status, answer["error"]["param"], answer["error"]["code"]) == (400, param, "invalid_argument"), answer
+    assert says in answer["error"]["message"]
+
+
+def test_an_unknown_model_is_404_and_a_body_over_the_limit_413(fleet):
+    router, _ = fleet(colocated=1, kv_events=True, router={"max_body_bytes": 1000})
+    message = "model 'other' is not served here"
+    for path, body in (
+        ("/tokenize", {"prompt": "a", "model": "other"}),
+        ("/detokenize", {"tokens": [], "model": "other"}),
+    ):
+        assert call(router, "POST", path, body) == (404, error(message, "model", "not_found_error", "not_found"))
+    status, answer = call(router, "POST", "/tokenize", {"prompt": "x" * 1000})
+    assert (status, answer) == (413, error("body over 1000 bytes", None))
+    assert call(router, "POST", "/detokenize", {"tokens": []}) == (200, {"prompt": ""})
+
+
+def test_503_until_a_tokenizer_could_be_fetched(fleet):
+    router, nodes = fleet(colocated=1, kv_events=True)
+    fake = nodes["colocated"][0]
+    fake.tokenizer_fail = grpc.StatusCode.UNAVAILABLE
+    message = "no tokenizer of model 'fake' at the router yet (none could be fetched from its nodes); retry later"
+    unavailable = (503, error(message, None, "server_error", "unavailable"))
+    assert call(router, "POST", "/tokenize", {"prompt": "a"}) == unavailable
+    assert call(router, "POST", "/detokenize", {"tokens": [5]}) == unavailable
+    assert fake.tokenizer_calls >= 1
+    fake.tokenizer_fail = None  # the next fetch (health_retry_s later) gets it
+    assert wait_until(lambda: call(router, "POST", "/tokenize", {"prompt": "a"})[0] == 200)
+    assert call(router, "POST", "/detokenize", {"tokens": tokens(router, {"prompt": "ab"})}) == (200, {"prompt": "ab"})
+
+
+def test_503_while_no_node_hands_out_a_tokenizer(fleet):
+    router, _ = fleet(colocated=1)  # no KVEvents: nothing to fetch from
+    status, answer = call(router, "POST", "/tokenize", {"prompt": "a"})
+    assert (status, answer["error"]["code"]) == (503, "unavailable")
+    assert "no tokenizer of model 'fake'" in answer["error"]["message"]
+
+
+# ---------------------------------------------------------------- /version, methods, the API key
+
+
+def test_version_methods_and_the_api_key(fleet):
+    router, _ = fleet(colocated=1, kv_events=True)
+    assert call(router, "GET", "/version") == (200, {"version": kvbridge.__version__})
+    assert common.__version__ == kvbridge.__version__  # (the router's layer cannot import kvbridge)
+    status, answer = call(router, "GET", "/tokenize")
+    assert (status, answer["error"]["code"]) == (405, "method_not_allowed")
+    status, answer = call(router, "POST", "/version", {})
+    assert (status, answer["error"]["code"]) == (405, "method_not_allowed")
+    router.http.api_key = "sesame"  # (read per request)
+    for path, body in (("/tokenize", {"prompt": "a"}), ("/detokenize", {"tokens": [5]})):
+        status, answer = call(router, "POST", path, body)
+        assert (status, answer["error"]["code"]) == (401, "invalid_api_key")
+        assert call(router, "POST", path, body, {"Authorization": "Bearer sesame"})[0] == 200
+    assert call(router, "GET", "/version") == (200, {"version": kvbridge.__version__})
