@@ -219,11 +219,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
-BENCHES = ("engine", "consensus", "pp", "kv_transfer", "soak", "serve", "prefix")
+BENCHES = ("engine", "consensus", "pp", "kv_transfer", "soak", "serve", "prefix", "sampling")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from kvbridge.bench import consensus, engine, kv_transfer, pp, prefix, serve, soak  # deferred: they import torch
+    from kvbridge.bench import consensus, engine, kv_transfer, pp, prefix, sampling, serve, soak  # deferred: torch
 
     mains = {
         "engine": engine,
@@ -233,6 +233,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "soak": soak,
         "serve": serve,
         "prefix": prefix,
+        "sampling": sampling,
     }
     return mains[args.name].main(args.rest)
 

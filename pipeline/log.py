@@ -108,6 +108,9 @@ class Message:
             batch = None
             if raw["batch"] is not None:
                 rids, starts, q_lens, tables, sample, scored = raw["batch"]
+                lengths = {len(rids), len(starts), len(q_lens), len(tables), len(sample), len(scored) or len(rids)}
+                if len(lengths) > 1:
+                    raise ValueError("batch fields of different lengths")
                 batch = ForwardBatch(
                     rids=tuple(rids),
                     starts=tuple(starts),

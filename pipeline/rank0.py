@@ -256,6 +256,8 @@ class Rank0Loop:
                 ids, salt = list(msg.prompt_ids), msg.cache_salt
                 req = Request(msg.rid, ids, msg.params, table, cache_salt=salt, resumed=msg.resumed)
                 self.requests[msg.rid] = req
+                if self.sampler is not None:  # (it samples here: its grammar compiles while it waits)
+                    self.sampler.prepare(req)
                 self.role.admit(req, msg)
             case Abort(rid, reason) if rid in self.requests:
                 # an operator's abort ends with its reason; a client's has nobody left to tell
@@ -307,9 +309,7 @@ class Rank0Loop:
             req.announced = True
             if req.num_sampled:  # (a migrated request's continuation)
                 info = {"first_sample_index": req.num_sampled, **(info or {})}
-            if self.sampler is not None:
-                self.sampler.prepare(req)
-            elif req.params.needs_history:  # the last rank samples: it needs the prompt (and resumed outputs)
+            if self.sampler is None and req.params.needs_history:  # the last rank needs the prompt (and resumed)
                 info = {"prompt": req.prompt_ids, "resumed": req.resumed, **(info or {})}
             self.decide(ADMIT, req.rid, replace(req.params, seed=req.seed), info)
 

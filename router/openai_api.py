@@ -40,6 +40,7 @@ from router.openai_fields import (
     chat_options,
     completion_logprobs,
     flag,
+    prompt_logprobs,
     sampling_controls,
     show,
 )
@@ -83,6 +84,7 @@ class OpenAIRequest:
     include_usage: bool  # stream_options.include_usage: a last chunk with usage
     request: generation_pb2.GenerateRequest  # checked; rid unset (the router sets it)
     echo: bool = False  # completions: the answer starts with the prompt (and its logprobs, when asked for)
+    prompt_logprobs: bool = False  # vLLM's prompt_logprobs asked for: choices[].prompt_logprobs
 
 
 def _text(v: str, name: str, param: str | None = None) -> str:
@@ -207,6 +209,10 @@ _OUTPUT_CHANGING = {
     "guided_regex": _empty,
     "guided_choice": _empty,
     "guided_grammar": _empty,
+    "guided_whitespace_pattern": _empty,
+    "return_tokens_as_token_ids": _default(False),  # (logprobs' tokens as "token_id:N")
+    "return_token_ids": _default(False),  # (adds token id fields a client would then rely on)
+    "vllm_xargs": _empty,
     "structural_tag": _empty,
     "structured_outputs": _empty,
     "regex": _empty,  # SGLang
@@ -331,6 +337,7 @@ def parse_request(raw: bytes, chat: bool) -> OpenAIRequest:
         include_usage=bool(usage),
         request=request,
         echo=echo,
+        prompt_logprobs=body.get("prompt_logprobs") is not None,
     )
 
 
@@ -349,6 +356,7 @@ class Reply:
     echo: str = ""  # completions with echo: the prompt's text, sent before the first text
     logprobs: list = field(default_factory=list)  # kvbridge.v1.TokenLogprob of every token so far
     logprob_chars: int = 0  # completions: the characters of the tokens so far (text_offset)
+    prompt: list = field(default_factory=list)  # the prompt's kvbridge.v1.TokenLogprob (prompt_logprobs asked)
 
     @property
     def wants_logprobs(self) -> bool:
@@ -375,6 +383,7 @@ class Reply:
                 logprobs = list(resp.prompt_logprobs) + logprobs
         self.text.append(text)
         self.logprobs.extend(logprobs)
+        self.prompt.extend(resp.prompt_logprobs)
         offset, self.logprob_chars = self.logprob_chars, self.logprob_chars + sum(len(lp.token) for lp in logprobs)
         if resp.finish_reason:
             self.finish_reason = resp.finish_reason
@@ -386,7 +395,9 @@ class Reply:
                 "total_tokens": u.prompt_tokens + u.completion_tokens,
                 "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
             }
-        if not (text or logprobs or resp.finish_reason or (self.req.chat and not self.role_sent)):
+        if not (
+            text or logprobs or resp.prompt_logprobs or resp.finish_reason or (self.req.chat and not self.role_sent)
+        ):
             return None
         finish = resp.finish_reason or None
         if self.req.chat:
@@ -398,6 +409,8 @@ class Reply:
         else:
             choice = {"index": 0, "text": text, "logprobs": self._logprobs(logprobs, offset), "finish_reason": finish}
             chunk = {**self._head("text_completion"), "choices": [choice]}
+        if self.req.prompt_logprobs and resp.prompt_logprobs:  # (the first chunk)
+            choice["prompt_logprobs"] = prompt_logprobs(resp.prompt_logprobs)
         if self.req.include_usage:
             chunk["usage"] = None
         return chunk
@@ -417,6 +430,10 @@ class Reply:
             message = {"role": "assistant", "content": text}
             logprobs = self._logprobs(self.logprobs)
             choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}
-            return {**self._head("chat.completion"), "choices": [choice], "usage": self.usage}
-        choice = {"index": 0, "text": text, "logprobs": self._logprobs(self.logprobs), "finish_reason": finish}
-        return {**self._head("text_completion"), "choices": [choice], "usage": self.usage}
+            head = self._head("chat.completion")
+        else:
+            choice = {"index": 0, "text": text, "logprobs": self._logprobs(self.logprobs), "finish_reason": finish}
+            head = self._head("text_completion")
+        if self.req.prompt_logprobs:
+            choice["prompt_logprobs"] = prompt_logprobs(self.prompt)
+        return {**head, "choices": [choice], "usage": self.usage}

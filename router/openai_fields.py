@@ -12,9 +12,9 @@ import json
 
 from common.sampling import MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_SCHEMA_CHARS, MAX_TOP_LOGPROBS
 from kvbridge.v1 import common_pb2
+from serving.convert import MAX_TEMPLATE_KWARGS_BYTES as MAX_TEMPLATE_KWARGS_CHARS  # (sent as ASCII JSON)
 
 UINT32_MAX = (1 << 32) - 1
-MAX_TEMPLATE_KWARGS_CHARS = 16 * 1024
 
 
 class BadRequest(ValueError):
@@ -214,4 +214,19 @@ def completion_logprobs(logprobs, offset: int) -> dict:
         out["top_logprobs"].append(dict(zip(lp.top_tokens, lp.top_logprobs)) if lp.HasField("logprob") else None)
         out["text_offset"].append(offset)
         offset += len(lp.token)
+    return out
+
+
+def prompt_logprobs(logprobs) -> list:
+    """choices[].prompt_logprobs as vLLM shows them: None for the first prompt token, then per
+    token {id: {"logprob", "rank", "decoded_token"}} for it and the k most likely there."""
+    out: list = []
+    for lp in logprobs:
+        if not lp.HasField("logprob"):
+            out.append(None)
+            continue
+        entry = {str(lp.token_id): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.token}}
+        for rank, (t, text, v) in enumerate(zip(lp.top_ids, lp.top_tokens, lp.top_logprobs), start=1):
+            entry.setdefault(str(t), {"logprob": v, "rank": rank, "decoded_token": text})
+        out.append(entry)
     return out

@@ -4,6 +4,9 @@ is the same colocated at pp 1 and pp 2 and disaggregated P pp x D pp, token for 
 
 from __future__ import annotations
 
+import json
+import re
+
 import grpc
 import pytest
 
@@ -150,3 +153,33 @@ def test_token_ids_outside_the_vocabulary_are_refused(fleet):
             list(stub.Generate(req, timeout=30))
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert f"sampling.{field} holds token id 1000000, outside the vocabulary [0, 320)" in e.value.details()
+
+
+def test_the_new_wire_fields_round_trip_and_malformed_ones_are_refused():
+    from engine.batch import ForwardBatch
+    from engine.logits import Logprob, logprob_from_proto, logprob_to_proto
+    from kvbridge.v1 import common_pb2
+    from pipeline.log import ADMIT, APPEND, STEP, LogEntry, Message
+
+    params = SamplingParams(logit_bias=((5, 1.5),), bad_words=("ab",), bad_words_ids=((97, 98),), logprobs=3,
+                            prompt_logprobs=0, allowed_token_ids=(1, 2), json_object=True)  # fmt: skip
+    batch = ForwardBatch(("a", "b"), (0, 7), (5, 1), ((3, 4), (9, 2)), (), (True, True), scored=(True, False))
+    entries = (LogEntry(0, ADMIT, "a", params, {"prompt": [1, 2, 3], "resumed": 0}), LogEntry(1, APPEND, "a", None,
+                                                                                            {"ids": [7]}))  # fmt: skip
+    msg = Message(STEP, entries, batch)
+    assert Message.decode(msg.encode()) == msg
+    bad = json.loads(msg.encode())
+    bad["batch"][5] = [True]  # scored for one request of two
+    with pytest.raises(ValueError, match=r"malformed pipeline message: .*different lengths"):
+        Message.decode(json.dumps(bad).encode())
+
+    lp = Logprob(7, -0.5, ((7, -0.5), (9, -1.25)), 1)
+    assert logprob_from_proto(logprob_to_proto(lp), 320, 2) == lp
+    for broken, says in (
+        (common_pb2.TokenLogprob(token_id=400, logprob=-1.0), "token id 400 is outside the vocabulary [0, 320)"),
+        (common_pb2.TokenLogprob(token_id=7, logprob=0.5), "logprobs must be numbers <= 0"),
+        (common_pb2.TokenLogprob(token_id=7), "logprobs must be numbers <= 0"),
+        (common_pb2.TokenLogprob(token_id=7, logprob=-1.0, top_ids=[1]), "1 alternatives with 0 logprobs; 0 asked for"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(says)):
+            logprob_from_proto(broken, 320, 0)

@@ -73,7 +73,9 @@ BOTH = [
     ("best_of", 2), ("length_penalty", 0.9), ("use_beam_search", True),
     ("top_a", 0.2), ("typical_p", 0.9), ("logits_processors", ["m.f"]),
     ("guided_json", {"type": "object"}), ("guided_regex", "a+"), ("guided_choice", ["a", "b"]),
-    ("guided_grammar", "root ::= x"), ("structural_tag", "{}"), ("structured_outputs", {"regex": "a"}),
+    ("guided_grammar", "root ::= x"), ("guided_whitespace_pattern", " "),
+    ("return_tokens_as_token_ids", True), ("return_token_ids", True), ("vllm_xargs", {"a": 1}),
+    ("structural_tag", "{}"), ("structured_outputs", {"regex": "a"}),
     ("regex", "a"), ("json_schema", "{}"), ("ebnf", "x"), ("stop_regex", ["a"]),
     ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "required"),
     ("tool_choice", {"type": "function", "function": {"name": "f"}}), ("functions", [{"name": "f"}]),
@@ -498,3 +500,21 @@ def test_echo_puts_the_prompt_and_its_logprobs_first():
     assert not parse(prompt="Hi", echo=True).request.sampling.HasField("prompt_logprobs")  # (text only)
     plain = Reply(parse(prompt="Hi", echo=True), "r", "m", created=1, echo="Hi")
     assert plain.add(generation_pb2.GenerateResponse(token_ids=[9], text="!"))["choices"][0]["text"] == "Hi!"
+
+
+def test_prompt_logprobs_as_vllm_shows_them():
+    head = common_pb2.TokenLogprob(token_id=1, token="Hi")
+    second = _lp(2, " you", -3.0, [(5, " there", -1.0), (2, " you", -3.0)])
+    second.rank = 2
+    resp = generation_pb2.GenerateResponse(
+        token_ids=[9], text="!", prompt_logprobs=[head, second], finish_reason="stop"
+    )
+    req = parse(prompt=[1, 2], prompt_logprobs=2)
+    assert req.request.sampling.prompt_logprobs == 2 and not req.request.sampling.HasField("logprobs")
+    want = [None, {"2": {"logprob": -3.0, "rank": 2, "decoded_token": " you"},
+                   "5": {"logprob": -1.0, "rank": 1, "decoded_token": " there"}}]  # fmt: skip
+    stream = Reply(req, "r", "m", created=1)
+    assert stream.add(resp)["choices"][0]["prompt_logprobs"] == want
+    assert stream.final()["choices"][0]["prompt_logprobs"] == want
+    assert stream.final()["choices"][0]["logprobs"] is None and stream.final()["choices"][0]["text"] == "!"
+    assert "prompt_logprobs" not in Reply(parse(prompt="q"), "r", "m", created=1).final()["choices"][0]
