@@ -45,6 +45,7 @@ to one request and must be used by one thread at a time (the sampling loop's).
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 from collections import OrderedDict
@@ -69,6 +70,7 @@ _NUMPY_FLOATS = (torch.float32, torch.float64, torch.float16)
 _JSON_TYPES = {dict: "object", list: "array", str: "string", bool: "boolean", int: "number", float: "number"}
 
 
+@functools.lru_cache(maxsize=64)  # (the router and the node fronts call it on their event loops, per request)
 def schema_problem(json_schema: str) -> str | None:
     """None when `json_schema` is a JSON object that llguidance compiles; else a one-line message
     naming the problem. Needs no tokenizer."""

@@ -162,7 +162,7 @@ def error(message: str, param: str | None, kind: str = "invalid_request_error", 
             "/tokenize",
             {"messages": CHAT, "chat_template_kwargs": {"x": "y" * 9000}},
             "chat_template_kwargs",
-            "chat_template_kwargs has 9009 bytes; at most 8192",
+            "chat_template_kwargs must be an object of at most 8192 characters",
         ),
         (
             "/tokenize",
