@@ -21,12 +21,15 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def listening_store(host: str, port: int, timeout: timedelta, world_size: int | None = None) -> dist.TCPStore:
-    """A TCPStore server listening on `host` only. (Given just a host name, torch's own listens on
-    every interface: anyone who reaches the machine could write keys.)"""
+def listening_store(
+    host: str, port: int, timeout: timedelta, world_size: int | None = None, sock: socket.socket | None = None
+) -> dist.TCPStore:
+    """A TCPStore server listening on `host` only (or on `sock`, already listening there). (Given just
+    a host name, torch's own listens on every interface: anyone who reaches the machine could write
+    keys.)"""
     bare = host.strip("[]")
     family = socket.AF_INET6 if ":" in bare else socket.AF_INET
-    sock = socket.create_server((bare, port), family=family, backlog=1024)
+    sock = sock or socket.create_server((bare, port), family=family, backlog=1024)
     bound = sock.getsockname()[1]
     fd = sock.detach()  # the store owns the descriptor from here on
     return dist.TCPStore(

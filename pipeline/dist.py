@@ -24,14 +24,15 @@ class ControlGroups:
     nudge: object  # ranks 1..P-1 -> rank 0: "my local status changed", so that an idle rank 0 starts a round
 
 
-def init(rank: int, world: int, init_addr: str, timeout_s: float, key: str = "") -> tuple:
+def init(rank: int, world: int, init_addr: str, timeout_s: float, key: str = "", listener=None) -> tuple:
     """Join the node's process group; returns (data group, ControlGroups), all gloo on CPU. Rank 0
     serves the rendezvous store, listening on init_addr's host only; with `key`, every rendezvous
-    key lives under that secret prefix (a stranger reaching the store cannot meddle with them)."""
+    key lives under that secret prefix (a stranger reaching the store cannot meddle with them).
+    listener: rank 0's socket already listening on init_addr (else rank 0 binds it)."""
     host, _, port = init_addr.rpartition(":")
     timeout = timedelta(seconds=timeout_s)
     if rank == 0:
-        store = listening_store(host, int(port), timeout, world)
+        store = listening_store(host, int(port), timeout, world, listener)
     else:
         store = dist.TCPStore(host.strip("[]"), int(port), world, is_master=False, timeout=timeout)
     if key:

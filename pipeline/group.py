@@ -17,6 +17,7 @@ import os
 import queue
 import secrets
 import signal
+import socket
 import sys
 import threading
 import time
@@ -28,7 +29,6 @@ import torch.multiprocessing as mp
 
 from common import logs, rpc
 from common.metrics import RankFiles, init_rank_metrics
-from common.net import free_port
 from common.progress import Progress
 from common.sampling import SamplingParams
 from common.security import Security
@@ -77,7 +77,10 @@ class RankGroup:
         self.rank_files = RankFiles()  # the ranks' Prometheus series, read by the front's registry
         # each local rank's decision log position, published by the rank (invariant checks compare them)
         self.positions = {rank: ctx.RawValue("q", 0) for rank in pp.local_ranks}
-        addr = pp.dist_init_addr or f"127.0.0.1:{free_port()}"
+        # a single-host node's rendezvous listens on a port bound here and handed to rank 0 (a port
+        # merely picked free could be taken by another node starting at the same moment)
+        listener = None if pp.dist_init_addr else socket.create_server(("127.0.0.1", 0), backlog=1024)
+        addr = pp.dist_init_addr or f"127.0.0.1:{listener.getsockname()[1]}"
         # every rendezvous key under a prefix only this node's ranks know (the store takes any
         # writer); ranks on other hosts (num_hosts > 1) could not learn it, so none then
         store_key = secrets.token_hex(16) if pp.num_hosts == 1 else ""
@@ -101,14 +104,19 @@ class RankGroup:
                     self.positions[rank],
                     rpc.security().as_dict(),
                     store_key,
+                    listener if rank == 0 else None,
                 ),
                 name=f"kvbridge-pp{rank}",
                 daemon=True,
             )
             for rank in pp.local_ranks
         ]
-        for p in self.procs:
-            p.start()
+        try:
+            for p in self.procs:
+                p.start()
+        finally:
+            if listener is not None:
+                listener.close()  # rank 0 holds its own copy
         self._ids = itertools.count()
         self._pending: dict[str, dict] = {}  # rid -> collected events
         try:
@@ -355,6 +363,7 @@ def rank_main(
     position,
     security,
     store_key,
+    listener=None,
 ) -> None:
     """Entry point of a rank process. `build(RankContext)` makes its RankSetup (a module-level
     function: spawn hands it to the child by reference)."""
@@ -377,7 +386,7 @@ def rank_main(
             device = torch.device("cuda", rank % torch.cuda.device_count())
         layers = stage_ranges(model.config.num_hidden_layers, pp.pp_size)[rank]
         stage = ModelStage(model.config, model.weights, layers, device, resolve_dtype(config.dtype, device))
-        data_group, control_group = pp_dist.init(rank, pp.pp_size, addr, timeout_s, store_key)
+        data_group, control_group = pp_dist.init(rank, pp.pp_size, addr, timeout_s, store_key, listener)
         ctx = RankContext(rank, config, pp, model, stage, data_group, control_group, inbox, outbox, role_args, recorder)
         built: RankSetup = build(ctx)
     except Exception as e:
