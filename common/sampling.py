@@ -17,6 +17,7 @@ MAX_TOP_LOGPROBS = 20  # alternatives returned per position (OpenAI's limit)
 MAX_BAD_WORDS = 128
 MAX_LOGIT_BIAS = 1024  # entries (OpenAI allows 300)
 MAX_SCHEMA_CHARS = 64 * 1024
+MAX_CHOICES = 16  # n: completions of one prompt, sampled apart and sharing its pages
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # None: none; k: each prompt token's logprob and the k most likely
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # choices of the prompt (`choice`): one prefill, n decodes, choice i sampled with seed + i
+    n: int = 1
 
     def __post_init__(self) -> None:
         self.validate()
@@ -92,6 +95,8 @@ class SamplingParams:
             k = getattr(self, name)
             if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
                 raise ValueError(f"{name} must be in [0, {MAX_TOP_LOGPROBS}], got {k}")
+        if not 1 <= self.n <= MAX_CHOICES:
+            raise ValueError(f"n must be in [1, {MAX_CHOICES}], got {self.n}")
         if self.json_schema and self.json_object:
             raise ValueError("json_schema and json_object are exclusive")
         if self.structured and self.ignore_eos:
@@ -112,6 +117,12 @@ class SamplingParams:
         """The sampling rank needs the request's tokens (prompt and outputs) to process its logits."""
         penalized = self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
         return bool(penalized or self.bad_words_ids or self.structured or self.prompt_logprobs is not None)
+
+    def choice(self, i: int) -> SamplingParams:
+        """The params of choice i of n: one choice each, seed + i (mod 2**64: the wire's uint64), and
+        the prompt's logprobs on choice 0 only (the prompt is one)."""
+        seed = None if self.seed is None else (self.seed + i) % (1 << 64)
+        return replace(self, n=1, seed=seed, prompt_logprobs=self.prompt_logprobs if i == 0 else None)
 
     def with_bad_words_ids(self, encode) -> SamplingParams:
         """bad_words as token sequences, as vLLM makes them: each word alone and after a space."""
@@ -160,6 +171,7 @@ def from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
             prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
             skip_special_tokens=msg.skip_special_tokens if msg.HasField("skip_special_tokens") else True,
             include_stop_str_in_output=msg.include_stop_str_in_output,
+            n=msg.n or 1,  # 0: unset
         )
     except ValueError as e:
         raise ValueError(f"sampling.{e}") from None
@@ -184,6 +196,7 @@ def to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
         min_p=p.min_p,
         skip_special_tokens=p.skip_special_tokens,
         include_stop_str_in_output=p.include_stop_str_in_output,
+        n=p.n,
     )
     if p.json_schema:
         msg.structured.json_schema = p.json_schema

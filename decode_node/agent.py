@@ -64,8 +64,10 @@ class DecodeAgent(KVAgent):
             pages, buffer = d.info["pages"], self.receiver.pool.buffer
             buffer[pages] = self.offloaded.pop(d.rid)[: len(pages)].to(buffer.device)
             self.chan.set_local(Stream.DECODE_RETRACTED, d.rid, LocalStatus.READY)
-        elif d.kind in (FINISH, ABORT) and d.rid in self.rooms:
-            self.offloaded.pop(d.rid, None)
+        elif d.kind in (FINISH, ABORT):
+            self.offloaded.pop(d.rid, None)  # (retracted when it ended)
+            if d.rid not in self.rooms:  # (done with its room already, or it never had one: a choice of n)
+                return
             room = self.rooms.pop(d.rid)
             self.expected.pop(d.rid, None)
             self.doomed.discard(d.rid)

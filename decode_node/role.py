@@ -51,8 +51,12 @@ class DecodeRole:
     # ---------------------------------------------------------------- inputs
 
     def admit(self, req: Request, add: Add) -> None:
+        if not add.room:  # a choice of an n > 1 request (add.fork_of): it starts from its parent's pages here
+            self.loop.move(req, Phase.WAITING)
+            self.loop.scheduler.add(req)
+            return
         req.handoff = Handoff(add.room, add.peer, add.sources, add.backend, add.secret)
-        if any(r.handoff.room == add.room for r in self.loop.requests.values() if r is not req):
+        if any(r.handoff and r.handoff.room == add.room for r in self.loop.requests.values() if r is not req):
             req.finish_reason = "error"
             error = f"room {add.room} is in use by another request"
             self.loop.retire(req, ABORT, error=error, code="ALREADY_EXISTS")
@@ -67,7 +71,7 @@ class DecodeRole:
                 if rid in self.loop.requests:  # (else: the request ended already)
                     self.fail(self.loop.requests[rid], error, code)
             case PeerDown(addr):  # the prefill node died: requests still waiting for its KV cannot get it
-                for req in [r for r in self.loop.requests.values() if r.handoff.peer == addr]:
+                for req in [r for r in self.loop.requests.values() if r.handoff and r.handoff.peer == addr]:
                     if req.phase in AWAITING_KV:
                         self.fail(req, f"the prefill node {addr} is unreachable", "UNAVAILABLE")
             case _:

@@ -207,7 +207,7 @@ class DecodeGenerationService(generation_pb2_grpc.GenerationServicer):
             if d.error:
                 await context.abort(getattr(grpc.StatusCode, d.code or "UNAVAILABLE"), d.error)
             resp = d.response(rid, cached_tokens=False)
-            if first:
+            if first and d.index == 0:  # (choice 0's: the request the prefill node handed off)
                 first = False
                 page_bytes = self.node.layout.geometry.layer_block_bytes * self.node.layout.num_layers
                 pages = -(-len(ids) // self.node.layout.geometry.page_size) - d.pages_skipped

@@ -13,6 +13,10 @@ longest cached page-aligned prefix: those pages are shared, not computed, and at
 prompt token is always computed (its logits are sampled). Each page is indexed in the cache once
 every token of it is scheduled: later microbatches run after it on every rank, so they may read it.
 
+Choices i > 0 of an n > 1 request (`Request.parent`: choice 0) share choice 0's full prompt pages,
+cache or no cache, and compute the rest of the prompt, less than a page plus its last token: the
+partial page is each choice's own, since each writes its own tokens there (`starting_pages`).
+
 A scheduled token counts as computed at once (`num_computed` advances when the batch is
 built), so with pipeline parallelism the next chunk of a prompt can be scheduled while
 the previous one is still in flight; a request whose next token is being sampled
@@ -98,13 +102,15 @@ class Scheduler:
             req = self.waiting[0]
             if req.awaiting_output:  # preempted while its token was in flight
                 break
-            hit = self.cached_prefix(req)
+            hit = self.starting_pages(req)
+            if hit is None:  # a choice waits for choice 0's prompt pages
+                break
             # admit only when the whole known sequence fits, so admission never starves decodes
             if not self.allocator.can_take(req.page_table.num_pages_needed(req.num_tokens) - len(hit), hit):
                 break
             self.waiting.popleft()
             self.running.append(req)
-            req.cached_tokens = self.reuse(req, hit, len(req.prompt_ids))
+            req.cached_tokens = self.reuse(req, hit, len(req.prompt_ids), lookup=req.parent is None)
             self._grow(req, req.num_tokens)
             n = self._chunk(req, budget)
             chunks.append((req, n))
@@ -112,6 +118,24 @@ class Scheduler:
         if not decodes and not chunks:
             return None
         return self._build(decodes, chunks)
+
+    def starting_pages(self, req: Request) -> list[int] | None:
+        """The computed pages `req` starts from: a choice's share of its parent's prompt pages, else
+        its cached prefix. None: not yet (the parent's prompt is still being scheduled, or, on a
+        decode node, still arriving); a parent that ended or went back to waiting shares nothing."""
+        parent = req.parent
+        if parent is None or parent.finished:
+            req.parent = None
+            return self.cached_prefix(req)
+        share = (len(req.prompt_ids) - 1) // self.config.page_size  # full pages, the last prompt token after them
+        if parent in self.running:
+            if parent.num_computed < share * self.config.page_size:
+                return None
+            return parent.page_table.pages[:share]
+        if parent.phase in (Phase.PREALLOC, Phase.TRANSFERRING, Phase.RETRACTED, Phase.RESUMING):
+            return None
+        req.parent = None
+        return self.cached_prefix(req)
 
     def cached_prefix(self, req: Request, full_hit: bool = False) -> list[int]:
         """The cached pages `req` may start from (none without a cache): its longest cached prefix
@@ -125,14 +149,14 @@ class Scheduler:
         limit = req.num_tokens // ps if full_hit else (req.num_tokens - 1) // ps
         return cache.match(hashes[:limit])
 
-    def reuse(self, req: Request, pages: list[int], query_tokens: int) -> int:
-        """`req` (holding no pages) starts with these cached pages: their tokens count as computed.
-        Returns how many tokens that is."""
+    def reuse(self, req: Request, pages: list[int], query_tokens: int, lookup: bool = True) -> int:
+        """`req` (holding no pages) starts with these computed pages (cached, or its parent's): their
+        tokens count as computed. Returns how many tokens that is. lookup: count it as the cache's."""
         self.allocator.share(req.rid, pages)
         req.page_table.pages = list(pages)
         req.indexed_pages = len(pages)
         req.num_computed = len(pages) * self.config.page_size
-        if self.allocator.cache is not None:
+        if lookup and self.allocator.cache is not None:
             self.allocator.cache.lookup(query_tokens, req.num_computed)
         return req.num_computed
 

@@ -219,11 +219,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
-BENCHES = ("engine", "consensus", "pp", "kv_transfer", "soak", "serve", "prefix", "sampling")
+BENCHES = ("engine", "consensus", "pp", "kv_transfer", "soak", "serve", "prefix", "sampling", "choices")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from kvbridge.bench import consensus, engine, kv_transfer, pp, prefix, sampling, serve, soak  # deferred: torch
+    from kvbridge.bench import choices, consensus, engine, kv_transfer, pp, prefix, sampling, serve, soak  # (torch)
 
     mains = {
         "engine": engine,
@@ -234,6 +234,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "serve": serve,
         "prefix": prefix,
         "sampling": sampling,
+        "choices": choices,
     }
     return mains[args.name].main(args.rest)
 

@@ -34,6 +34,7 @@ class Add:
     secret: str = ""  # decode: the room's write key (hex), minted by the decode node; every KV write carries it
     cache_salt: str = ""  # the prefix cache shares pages only between requests with equal salts
     resumed: int = 0  # migration: the last `resumed` prompt ids are outputs an earlier attempt streamed
+    fork_of: str = ""  # choice i > 0 of an n > 1 request: the rid of choice 0, whose prompt pages it shares
 
 
 @dataclass(frozen=True)

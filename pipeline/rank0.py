@@ -255,6 +255,7 @@ class Rank0Loop:
                 table = PageTable(self.pool.page_size)
                 ids, salt = list(msg.prompt_ids), msg.cache_salt
                 req = Request(msg.rid, ids, msg.params, table, cache_salt=salt, resumed=msg.resumed)
+                req.parent = self.requests.get(msg.fork_of) if msg.fork_of else None
                 self.requests[msg.rid] = req
                 if self.sampler is not None:  # (it samples here: its grammar compiles while it waits)
                     self.sampler.prepare(req)

@@ -122,7 +122,7 @@ class Deadlines:
 
     @staticmethod
     def overdue(loop: Rank0Loop, now: float) -> list[Request]:
-        return [r for r in loop.requests.values() if r.handoff.deadline <= now]
+        return [r for r in loop.requests.values() if r.handoff is not None and r.handoff.deadline <= now]
 
 
 class PhaseQueue:

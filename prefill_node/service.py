@@ -31,6 +31,10 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         try:
             ids = front.prompt_ids(request.prompt)
             params = sampling.from_proto(request.sampling)
+            if params.n > 1:
+                raise ValueError(
+                    f"sampling.n is {params.n}: a prefill node computes choice 0 (the decode node forks the others)"
+                )
             extra = {"room": request.room}
             deltas = front.submit(ids, params, request.rid, extra, request.cache_salt, request.resume_ids)
         except ValueError as e:

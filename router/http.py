@@ -29,7 +29,6 @@ request's rid is still the router's own. Header names go out in canonical case (
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import json
 import logging
@@ -37,7 +36,6 @@ import re
 import socket
 import ssl
 import sys
-from collections.abc import AsyncIterator
 
 import grpc
 import h11
@@ -53,12 +51,15 @@ from uvicorn.protocols.http.h11_impl import STATUS_PHRASES, H11Protocol
 from common import __version__, rpc
 from common.security import check_bearer
 from kvbridge.v1 import generation_pb2
+from router.answer import Fanout, HTTPAnswer
+from router.answer import error as _error
+from router.answer import json_response as _json
 from router.config import RouterConfig
 from router.dispatch import Dispatcher
-from router.failures import RouteError
-from router.openai_api import BadRequest, Reply, error_body, parse_request
-from router.routed import DRAINING, Routed
-from router.tokenize import Refused, detokenize, echo_text, tokenize, version
+from router.openai_api import BadRequest, error_body, parse_request
+from router.reply import Reply
+from router.routed import DRAINING
+from router.tokenize import Refused, detokenize, echo_texts, tokenize, version
 
 MAX_HEADER_BYTES = 64 << 10  # request line and headers (h11's limit on an incomplete event)
 RETRY_AFTER_S = 1  # what a 503 for the concurrency limit tells the client to wait
@@ -186,10 +187,10 @@ class HTTPFront:
 
     # ------------------------------------------------------------------ routes
 
-    async def _completions(self, request: Request) -> Response | _Answer:
+    async def _completions(self, request: Request) -> Response | HTTPAnswer:
         return await self._generate(request, chat=False)
 
-    async def _chat_completions(self, request: Request) -> Response | _Answer:
+    async def _chat_completions(self, request: Request) -> Response | HTTPAnswer:
         return await self._generate(request, chat=True)
 
     async def _models(self, request: Request) -> Response:
@@ -221,7 +222,7 @@ class HTTPFront:
 
     # ------------------------------------------------------------------ generation
 
-    async def _generate(self, request: Request, chat: bool) -> Response | _Answer:
+    async def _generate(self, request: Request, chat: bool) -> Response | HTTPAnswer:
         raw = await self._read_body(request)
         if not isinstance(raw, bytes):
             return raw
@@ -233,11 +234,12 @@ class HTTPFront:
         if req.model and served and req.model not in served:
             return _error(grpc.StatusCode.NOT_FOUND, f"model {req.model!r} is not served here", "model")
         try:
-            echo = await echo_text(req, self.dispatcher.pool, self.dispatcher.prompts)  # (completions' echo)
+            echo = await echo_texts(req, self.dispatcher.pool, self.dispatcher.prompts)  # (completions' echo)
         except Refused as e:
             return _error(e.code, str(e), e.param)
-        routed, model = self.dispatcher.route(req.request), req.model or (served[0] if served else "")
-        return _Answer(routed, Reply(req, routed.rid, model, echo=echo), req.stream)
+        routed = Fanout([self.dispatcher.route(r) for r in req.requests()])
+        model = req.model or (served[0] if served else "")
+        return HTTPAnswer(routed, Reply(req, routed.rid, model, echo=echo), req.stream)
 
     async def _read_body(self, request: Request) -> bytes | Response | ASGIApp:
         """The request body, or the answer instead: 413 over the limit, 408 too slow, none to a
@@ -270,64 +272,6 @@ class HTTPFront:
             "owned_by": "kvbridge",
             "max_model_len": m.max_context,
         }
-
-
-class _Answer:
-    """The answer to a routed request, as an ASGI response: one JSON body once the request ended,
-    or an event per response as it comes ("stream": true). The status waits for the first
-    response, so a request that fails before any gets its own status; one that fails later ends
-    its stream with an error event. A task watches the client meanwhile: gone, the request is
-    cancelled upstream."""
-
-    def __init__(self, routed: Routed, reply: Reply, stream: bool):
-        self.routed, self.reply, self.stream = routed, reply, stream
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        watcher = asyncio.ensure_future(self._watch(receive))
-        try:
-            async with contextlib.aclosing(self.routed):
-                respond = self._events if self.stream else self._whole
-                await respond(aiter(self.routed), scope, receive, send)
-        finally:
-            watcher.cancel()
-
-    async def _watch(self, receive: Receive) -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass  # (a body part after the body: none comes)
-        self.routed.cancel()  # a no-op once the request ended (the answer went out)
-
-    async def _whole(self, responses: AsyncIterator, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            async for resp in responses:
-                self.reply.add(resp)
-        except RouteError as e:
-            await _error(e.code, e.message)(scope, receive, send)
-            return
-        await _json(200, self.reply.final())(scope, receive, send)
-
-    async def _events(self, responses: AsyncIterator, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            first = await anext(responses, None)
-        except RouteError as e:
-            await _error(e.code, e.message)(scope, receive, send)
-            return
-        headers = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
-        await send({"type": "http.response.start", "status": 200, "headers": headers})
-        try:
-            if first is not None:
-                await self._event(send, self.reply.add(first))
-            async for resp in responses:
-                await self._event(send, self.reply.add(resp))
-            await self._event(send, self.reply.usage_chunk())
-        except RouteError as e:
-            await self._event(send, error_body(e.code, e.message)[1])
-        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
-
-    @staticmethod
-    async def _event(send: Send, obj: dict | None) -> None:
-        if obj is not None:
-            await send({"type": "http.response.body", "body": b"data: " + json.dumps(obj).encode() + b"\n\n",
-                        "more_body": True})  # fmt: skip
 
 
 class _Outgoing:
@@ -468,14 +412,6 @@ def _header_bytes(scope: Scope) -> int:
 
 def _canonical(name: bytes) -> bytes:
     return b"-".join(part.capitalize() for part in name.split(b"-"))
-
-
-def _json(status: int, obj: dict, headers: dict[str, str] | None = None) -> Response:
-    return Response(json.dumps(obj), status_code=status, headers=headers, media_type="application/json")
-
-
-def _error(code: grpc.StatusCode, message: str, param: str | None = None) -> Response:
-    return _json(*error_body(code, message, param))
 
 
 async def _gone(scope: Scope, receive: Receive, send: Send) -> None:

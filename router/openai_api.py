@@ -1,8 +1,9 @@
 """OpenAI-compatible JSON <-> kvbridge.v1 messages: request parsing and validation, response and
 error bodies. No I/O here (http.py does it).
 
-Fields read: model, prompt (string, token-id list, or a list holding one of those), messages,
-max_tokens / max_completion_tokens, temperature, top_p, seed, stop (string or list), n (only 1),
+Fields read: model, prompt (a string or token-id list, or a list of up to MAX_PROMPTS of them: one
+routed request each), messages, max_tokens / max_completion_tokens, temperature, top_p, seed, stop
+(string or list), n (1..16 choices: one prefill, n decodes; choice i is sampled with seed + i),
 stream, stream_options.include_usage; extensions as in vLLM: top_k (-1 or 0 = off),
 stop_token_ids, ignore_eos, min_tokens, cache_salt (a non-empty string: requests share cached KV
 only with equal salts); and (router/openai_fields.py) logprobs / top_logprobs, prompt_logprobs,
@@ -26,30 +27,21 @@ from __future__ import annotations
 
 import json
 import math
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 
-from common.sampling import MAX_STOP_STRINGS
+from common.sampling import MAX_CHOICES, MAX_STOP_STRINGS
 from kvbridge.v1 import common_pb2, generation_pb2
 from router.checks import check_cache_salt, check_generate
-from router.openai_fields import (
-    BadRequest,
-    chat_logprobs,
-    chat_options,
-    completion_logprobs,
-    flag,
-    prompt_logprobs,
-    sampling_controls,
-    show,
-)
+from router.openai_fields import BadRequest, chat_options, flag, sampling_controls, show
 
-__all__ = ["BadRequest", "OpenAIRequest", "Reply", "error_body", "parse_request"]
+__all__ = ["BadRequest", "OpenAIRequest", "error_body", "parse_request"]
 _show = show  # (router/tokenize.py's name for it)
 
 UINT32_MAX = (1 << 32) - 1
 UINT64_MAX = (1 << 64) - 1
+MAX_PROMPTS = 64  # prompts of one completion request (each routed on its own, with its n choices)
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 # gRPC status -> (HTTP status, OpenAI error type), as google.rpc maps codes to HTTP.
@@ -82,9 +74,20 @@ class OpenAIRequest:
     model: str  # as the client named it; "" when absent
     stream: bool  # answer as server-sent events
     include_usage: bool  # stream_options.include_usage: a last chunk with usage
-    request: generation_pb2.GenerateRequest  # checked; rid unset (the router sets it)
+    request: generation_pb2.GenerateRequest  # checked, with the first prompt; rid unset (the router sets it)
     echo: bool = False  # completions: the answer starts with the prompt (and its logprobs, when asked for)
     prompt_logprobs: bool = False  # vLLM's prompt_logprobs asked for: choices[].prompt_logprobs
+    prompts: tuple[common_pb2.Prompt, ...] = ()  # every prompt (a completion's list), the first `request`'s
+
+    def requests(self) -> list[generation_pb2.GenerateRequest]:
+        """One GenerateRequest a prompt."""
+        out = []
+        for prompt in self.prompts:
+            req = generation_pb2.GenerateRequest()
+            req.CopyFrom(self.request)
+            req.prompt.CopyFrom(prompt)
+            out.append(req)
+        return out
 
 
 def _text(v: str, name: str, param: str | None = None) -> str:
@@ -126,17 +129,26 @@ def _token_ids(v, name: str) -> list[int] | None:
     return None
 
 
-def _prompt(body: dict) -> common_pb2.Prompt:
+def _prompts(body: dict) -> list[common_pb2.Prompt]:
+    """A completion's prompts: one (a string or token-id list), or a list of them."""
     v = body.get("prompt")
-    if isinstance(v, list) and len(v) == 1 and isinstance(v[0], str | list):
-        v = v[0]  # a batch of one
+    if isinstance(v, list) and v and all(isinstance(p, str | list) for p in v):
+        if len(v) > MAX_PROMPTS:
+            raise BadRequest(f"prompt lists {len(v)} prompts; at most {MAX_PROMPTS}", "prompt")
+        return [_prompt(p, f"prompt[{i}]") for i, p in enumerate(v)]
+    return [_prompt(v, "prompt")]
+
+
+def _prompt(v, name: str) -> common_pb2.Prompt:
     if isinstance(v, str):
         if not v:
-            raise BadRequest("prompt is empty", "prompt")
-        return common_pb2.Prompt(text=_text(v, "prompt"))
+            raise BadRequest(f"{name} is empty", "prompt")
+        return common_pb2.Prompt(text=_text(v, name, "prompt"))
     ids = _token_ids(v, "prompt")
     if ids is None:
-        raise BadRequest(f"prompt must be a non-empty string or token-id list (one prompt), got {show(v)}", "prompt")
+        raise BadRequest(
+            f"{name} must be a non-empty string or token-id list (or a list of them), got {show(v)}", "prompt"
+        )
     return common_pb2.Prompt(token_ids=common_pb2.TokenIds(ids=ids))
 
 
@@ -268,9 +280,7 @@ def parse_request(raw: bytes, chat: bool) -> OpenAIRequest:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise BadRequest(f"model must be a string, got {show(model)}", "model")
-    n = body.get("n")
-    if n is not None and (n != 1 or isinstance(n, bool)):
-        raise BadRequest(f"n must be 1 (one choice per request), got {show(n)}", "n")
+    n = _int(body, "n", 1, MAX_CHOICES) or 1
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise BadRequest(f"stream must be a boolean, got {show(stream)}", "stream")
@@ -280,7 +290,7 @@ def parse_request(raw: bytes, chat: bool) -> OpenAIRequest:
         raise BadRequest(f'stream_options must be {{"include_usage": bool}}, got {show(options)}', "stream_options")
     _unsupported(body, chat)
 
-    sampling = common_pb2.SamplingParams(stop=_stop(body))
+    sampling = common_pb2.SamplingParams(stop=_stop(body), n=n if n > 1 else 0)  # (0: unset, one)
     sampling_controls(body, chat, sampling)
     echo = not chat and bool(flag(body, "echo"))
     if echo and sampling.HasField("logprobs") and not sampling.HasField("prompt_logprobs"):
@@ -317,7 +327,8 @@ def parse_request(raw: bytes, chat: bool) -> OpenAIRequest:
     if salt is not None and not (isinstance(salt, str) and salt):
         raise BadRequest(f"cache_salt must be a non-empty string, got {show(salt)}", "cache_salt")
 
-    prompt = _messages(body) if chat else _prompt(body)
+    prompts = [_messages(body)] if chat else _prompts(body)
+    prompt = prompts[0]
     if chat:
         chat_options(body, prompt.chat)
     salt = _text(salt or "", "cache_salt")
@@ -326,10 +337,13 @@ def parse_request(raw: bytes, chat: bool) -> OpenAIRequest:
         check_cache_salt(request)
     except ValueError as e:
         raise BadRequest(str(e), "cache_salt") from None
-    try:
-        check_generate(request)
-    except ValueError as e:
-        raise BadRequest(str(e)) from None
+    for p in prompts:  # (the rest as the first: their prompts' checks only)
+        request.prompt.CopyFrom(p)
+        try:
+            check_generate(request)
+        except ValueError as e:
+            raise BadRequest(str(e)) from None
+    request.prompt.CopyFrom(prompt)
     return OpenAIRequest(
         chat=chat,
         model=model or "",
@@ -338,102 +352,5 @@ def parse_request(raw: bytes, chat: bool) -> OpenAIRequest:
         request=request,
         echo=echo,
         prompt_logprobs=body.get("prompt_logprobs") is not None,
+        prompts=tuple(prompts),
     )
-
-
-@dataclass
-class Reply:
-    """The answer to one OpenAI request, built from the GenerateResponses as they arrive."""
-
-    req: OpenAIRequest
-    rid: str
-    model: str  # the model named in the answer
-    created: int = field(default_factory=lambda: int(time.time()))
-    text: list[str] = field(default_factory=list)  # deltas so far
-    finish_reason: str = ""
-    usage: dict | None = None
-    role_sent: bool = False  # chat streams announce the assistant role once
-    echo: str = ""  # completions with echo: the prompt's text, sent before the first text
-    logprobs: list = field(default_factory=list)  # kvbridge.v1.TokenLogprob of every token so far
-    logprob_chars: int = 0  # completions: the characters of the tokens so far (text_offset)
-    prompt: list = field(default_factory=list)  # the prompt's kvbridge.v1.TokenLogprob (prompt_logprobs asked)
-
-    @property
-    def wants_logprobs(self) -> bool:
-        return self.req.request.sampling.HasField("logprobs")
-
-    def _logprobs(self, logprobs, offset: int = 0) -> dict | None:
-        """The choice's logprobs object for these tokens (None when the request asked for none);
-        `offset`: the characters of the tokens before them (completions' text_offset)."""
-        if not self.wants_logprobs:
-            return None
-        return chat_logprobs(logprobs) if self.req.chat else completion_logprobs(logprobs, offset)
-
-    def _head(self, obj: str) -> dict:
-        prefix = "chatcmpl-" if self.req.chat else "cmpl-"
-        return {"id": prefix + self.rid, "object": obj, "created": self.created, "model": self.model}
-
-    def add(self, resp: generation_pb2.GenerateResponse) -> dict | None:
-        """Record a response; returns the stream chunk it makes (None when it carries nothing)."""
-        text, logprobs = resp.text, list(resp.logprobs)
-        if self.req.echo and not self.role_sent:  # (role_sent: here, that the prompt went out)
-            self.role_sent = True
-            text = self.echo + text
-            if self.wants_logprobs:
-                logprobs = list(resp.prompt_logprobs) + logprobs
-        self.text.append(text)
-        self.logprobs.extend(logprobs)
-        self.prompt.extend(resp.prompt_logprobs)
-        offset, self.logprob_chars = self.logprob_chars, self.logprob_chars + sum(len(lp.token) for lp in logprobs)
-        if resp.finish_reason:
-            self.finish_reason = resp.finish_reason
-        if resp.HasField("usage"):
-            u = resp.usage
-            self.usage = {
-                "prompt_tokens": u.prompt_tokens,
-                "completion_tokens": u.completion_tokens,
-                "total_tokens": u.prompt_tokens + u.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
-            }
-        if not (
-            text or logprobs or resp.prompt_logprobs or resp.finish_reason or (self.req.chat and not self.role_sent)
-        ):
-            return None
-        finish = resp.finish_reason or None
-        if self.req.chat:
-            delta = {"content": text} if text or not self.role_sent else {}
-            if not self.role_sent:
-                delta, self.role_sent = {"role": "assistant", **delta}, True
-            choice = {"index": 0, "delta": delta, "logprobs": self._logprobs(logprobs, offset), "finish_reason": finish}
-            chunk = {**self._head("chat.completion.chunk"), "choices": [choice]}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": self._logprobs(logprobs, offset), "finish_reason": finish}
-            chunk = {**self._head("text_completion"), "choices": [choice]}
-        if self.req.prompt_logprobs and resp.prompt_logprobs:  # (the first chunk)
-            choice["prompt_logprobs"] = prompt_logprobs(resp.prompt_logprobs)
-        if self.req.include_usage:
-            chunk["usage"] = None
-        return chunk
-
-    def usage_chunk(self) -> dict | None:
-        """The last chunk of a stream that asked for usage (stream_options.include_usage)."""
-        if not self.req.include_usage:
-            return None
-        obj = "chat.completion.chunk" if self.req.chat else "text_completion"
-        return {**self._head(obj), "choices": [], "usage": self.usage}
-
-    def final(self) -> dict:
-        """The whole answer of a non-streaming request."""
-        text = "".join(self.text)
-        finish = self.finish_reason or None
-        if self.req.chat:
-            message = {"role": "assistant", "content": text}
-            logprobs = self._logprobs(self.logprobs)
-            choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}
-            head = self._head("chat.completion")
-        else:
-            choice = {"index": 0, "text": text, "logprobs": self._logprobs(self.logprobs), "finish_reason": finish}
-            head = self._head("text_completion")
-        if self.req.prompt_logprobs:
-            choice["prompt_logprobs"] = prompt_logprobs(self.prompt)
-        return {**head, "choices": [choice], "usage": self.usage}

@@ -7,7 +7,8 @@ Colocated: one colocated node streams the whole request.
 Disaggregated: a decode node D and a prefill node P are picked independently; the router makes a
 random 63-bit room, then at once opens D.Generate (a stream, with PrefillRoute{room, P's address})
 and P.Prefill{rid, room, prompt, sampling, cache_salt} (a task beside D's stream). D's responses go
-to the client; the last one's usage.cached_tokens is P's PrefillResponse.cached_tokens (awaited at
+to the client; the last one's usage.cached_tokens (choice 0's, with n > 1: P prefills choice 0 and D
+forks the others after the hand-off) is P's PrefillResponse.cached_tokens (awaited at
 most CACHED_TOKENS_WAIT_S if P's call has not returned yet). If P fails before D's first response,
 D's stream is cancelled and the client gets P's status; later, D holds the whole KV already, so P's
 failure does not touch the stream (P's call outlives D's first token: it returns once P's pushes
@@ -313,6 +314,7 @@ class Routed:
             rid=request.rid, room=self.room, prompt=request.prompt, sampling=request.sampling,
             cache_salt=request.cache_salt, resume_ids=request.resume_ids,
         )  # fmt: skip
+        preq.sampling.ClearField("n")  # (P computes choice 0; D forks the others after the hand-off)
         answered = False  # D sent its first response: it holds the whole KV
         prefilled: prefill_pb2.PrefillResponse | None = None  # P's answer, once its Prefill call returned
         p_failed: grpc.aio.AioRpcError | None = None  # P's error, recorded before D's stream is cancelled for it
@@ -348,7 +350,7 @@ class Routed:
                             raise RouteError(grpc.StatusCode.UNAVAILABLE, "the prefill node sent no prompt logprobs")
                         resp.prompt_logprobs.extend(prefilled.prompt_logprobs)
                     answered = True
-                    if resp.HasField("usage"):  # the last response: it tells what P found cached
+                    if resp.HasField("usage") and resp.index == 0:  # choice 0's last: what P found cached
                         if prefilled is None:
                             await asyncio.wait([task], timeout=CACHED_TOKENS_WAIT_S)
                         if prefilled is not None:
@@ -409,8 +411,14 @@ class Routed:
         if code in RETRIED_CODES and self.sent == 0 and not own_deadline:
             return Retry(nodes, error)
         if code in MIGRATED_CODES and self.sent and not own_deadline:
-            return Migrate(nodes, error, code.name.lower())
+            return self._migration(nodes, error, code.name.lower())
         return error
+
+    def _migration(self, nodes: list[Node], error: RouteError, reason: str) -> Exception:
+        """Migrate, for a request that can: one of n > 1 choices cannot (a continuation resumes one)."""
+        if self.request.sampling.n > 1:
+            return RouteError(error.code, f"{error.message}; not migrated: a request of n > 1 choices does not move")
+        return Migrate(nodes, error, reason)
 
     def _timeout_error(self, kind: str, nodes: list[Node]) -> Exception:
         if self.cancelled.is_set():
@@ -421,7 +429,7 @@ class Routed:
         else:
             message = f"no token for {self.config.idle_stream_timeout_s:g} s (from {where})"
         error = RouteError(grpc.StatusCode.DEADLINE_EXCEEDED, message)
-        return Migrate(nodes, error, kind) if self.sent else Retry(nodes, error)
+        return self._migration(nodes, error, kind) if self.sent else Retry(nodes, error)
 
     # ------------------------------------------------------------------ accounting
 

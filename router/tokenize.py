@@ -58,17 +58,23 @@ def version() -> dict:
     return {"version": __version__}
 
 
-async def echo_text(req: OpenAIRequest, pool: NodePool, prompts: Prompts) -> str:
-    """A completion's prompt as `echo` shows it ("" without echo): text as sent, token ids decoded
-    (special tokens kept). Refused (an answer other than 200) when it cannot be."""
-    prompt = req.request.prompt
-    if not req.echo or prompt.WhichOneof("kind") == "text":
-        return prompt.text if req.echo else ""
-    try:
-        tokenizer = await _tokenizer(prompts, _served(pool, req.model))
-        return (await asyncio.to_thread(_detokenized, list(prompt.token_ids.ids), tokenizer))["prompt"]
-    except BadRequest as e:
-        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e), "prompt" if e.param == "tokens" else e.param) from None
+async def echo_texts(req: OpenAIRequest, pool: NodePool, prompts: Prompts) -> list[str] | None:
+    """A completion's prompts as `echo` shows them (None without echo): text as sent, token ids
+    decoded (special tokens kept). Refused (an answer other than 200) when one cannot be."""
+    if not req.echo:
+        return None
+    texts = []
+    for prompt in req.prompts:
+        if prompt.WhichOneof("kind") == "text":
+            texts.append(prompt.text)
+            continue
+        try:
+            tokenizer = await _tokenizer(prompts, _served(pool, req.model))
+            texts.append((await asyncio.to_thread(_detokenized, list(prompt.token_ids.ids), tokenizer))["prompt"])
+        except BadRequest as e:
+            param = "prompt" if e.param == "tokens" else e.param
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e), param) from None
+    return texts
 
 
 async def tokenize(raw: bytes, pool: NodePool, prompts: Prompts) -> tuple[int, dict]:

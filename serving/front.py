@@ -61,11 +61,12 @@ class Delta:
     logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)  # params.logprobs set: one a token
     # params.prompt_logprobs set, first delta: one a prompt token (the first has no logprob)
     prompt_logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
+    index: int = 0  # params.n > 1: the choice it belongs to
 
     def response(self, rid: str, cached_tokens: bool = True) -> generation_pb2.GenerateResponse:
         """As a GenerateResponse (finish_reason and usage on the last one); `cached_tokens`: whether
         this node's prefix-cache count is the request's (a decode node's is not: it computed no prompt)."""
-        resp = generation_pb2.GenerateResponse(rid=rid, token_ids=self.token_ids, text=self.text)
+        resp = generation_pb2.GenerateResponse(rid=rid, token_ids=self.token_ids, text=self.text, index=self.index)
         resp.logprobs.extend(self.logprobs)
         resp.prompt_logprobs.extend(self.prompt_logprobs)
         if self.finish_reason:
@@ -132,8 +133,9 @@ class NodeFront:
         cache_salt: str = "",
         resumed: Sequence[int] = (),
     ) -> AsyncIterator[Delta]:
-        """Start a request; iterate its deltas (the last has finish_reason). Raises ValueError on bad
-        input, Overloaded when the node holds max_pending_requests already. `resumed`: a migrated
+        """Start a request; iterate its deltas (the last has finish_reason; with params.n > 1, each
+        choice's last, and the deltas of the n choices interleave: `_choices`). Raises ValueError on
+        bad input, Overloaded when the node holds max_pending_requests already. `resumed`: a migrated
         request's outputs so far (an earlier attempt streamed them): computed after the prompt, counted
         as outputs, and not sent again (the text goes on from where theirs ended)."""
         limit = self.ranks.config.max_pending_requests
@@ -147,10 +149,73 @@ class NodeFront:
         if resumed:
             extra = {**(extra or {}), "resumed": len(resumed)}
         params = self._checked(params)
+        if params.n > 1 and resumed:
+            raise ValueError(f"resume_ids continue one choice; sampling.n must be 1 with them, got {params.n}")
         if rid in self._streams:
             raise ValueError(f"duplicate request id {shown(rid)}")
-        if len(self._streams) >= limit:
+        if len(self._streams) + params.n > limit:
             raise Overloaded(f"the node holds {len(self._streams)} requests, its limit (--max-pending-requests)")
+        if params.n > 1:
+            return self._choices(prompt_ids, params, rid, extra or {}, cache_salt)
+        return self._start(prompt_ids, params, rid, extra, resumed)
+
+    def _choices(self, prompt_ids: list[int], params: SamplingParams, rid: str, extra: dict, salt: str):
+        """n choices of one prompt: choice 0 is the request as asked (its prefill, or its hand-off on a
+        decode node); choice i > 0 (rid `RID:nI`) samples with seed + i and starts from choice 0's prompt
+        pages at rank 0 (Add.fork_of; engine/scheduler.py), so the prompt is computed once."""
+        rids = [rid] + [f"{rid}:n{i}" for i in range(1, params.n)]
+        taken = [r for r in rids[1:] if r in self._streams]
+        if taken:
+            raise ValueError(f"request id {shown(taken[0])} (a choice of {shown(rid)}) is in use")
+        forked = {"fork_of": rid, **({"cache_salt": salt} if salt else {})}
+        streams = []
+        try:
+            for i, r in enumerate(rids):
+                streams.append(self._start(prompt_ids, params.choice(i), r, extra if i == 0 else forked))
+        except BaseException:
+            self._drop(rids)
+            raise
+        return self._merged(rids, streams)
+
+    def _drop(self, rids: list[str]) -> None:
+        """Abort the requests among `rids` still open and close their streams."""
+        for r in rids:
+            self.abort(r)
+            self._streams.pop(r, None)
+
+    async def _merged(self, rids: list[str], streams: list[AsyncIterator[Delta]]) -> AsyncIterator[Delta]:
+        """The choices' deltas as they come, each with its index; a choice that fails ends them all (the
+        others are aborted), and the usage of choice i > 0 counts no cached tokens (it shared choice 0's)."""
+        out: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, deltas: AsyncIterator[Delta]) -> None:
+            try:
+                async for d in deltas:
+                    d.index = i
+                    if i:
+                        d.cached_tokens = 0
+                    out.put_nowait(d)
+            except Exception as e:  # (the node stopped)
+                out.put_nowait(e)
+
+        tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+        try:
+            left = len(streams)
+            while left:
+                d = await out.get()
+                if isinstance(d, Exception):
+                    raise d
+                yield d
+                if d.error:
+                    return
+                left -= bool(d.finish_reason)
+        finally:
+            for t in tasks:
+                t.cancel()
+            self._drop(rids)  # the choices still running (or never read) are aborted on every rank
+
+    def _start(self, prompt_ids, params: SamplingParams, rid: str, extra: dict | None, resumed: Sequence[int] = ()):
+        """Queue one request at rank 0 and open its event stream."""
         self.ranks.add_request([*prompt_ids, *resumed], params, rid, extra)  # ValueError: nothing was registered yet
         events: asyncio.Queue = asyncio.Queue()
         self._streams[rid] = events

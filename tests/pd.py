@@ -6,8 +6,10 @@ import secrets
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from urllib.request import urlopen
 
 import grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from common import rpc
 from engine.config import EngineConfig, PPConfig
@@ -62,12 +64,16 @@ def pd_generate(
     salt: str = "",
 ):
     """What the router does for one request: D.Generate (stream) and P.Prefill at once (late: D only
-    once P has prefilled the prompt and holds its first token, waiting for the registration).
-    Returns (tokens, decode responses, prefill response or the RpcError of either half)."""
+    once P has prefilled the prompt and holds its first token, waiting for the registration); P gets
+    no `n` (it computes choice 0). Returns (tokens, decode responses, prefill response or the
+    RpcError of either half)."""
     rid, room = secrets.token_hex(8), secrets.randbits(63)
     sampling = sampling or common_pb2.SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
+    p_sampling = common_pb2.SamplingParams()
+    p_sampling.CopyFrom(sampling)
+    p_sampling.ClearField("n")
     prefill = prefill_pb2_grpc.PrefillStub(rpc.make_channel(p_addr)).Prefill.future(
-        prefill_pb2.PrefillRequest(rid=rid, room=room, prompt=prompt, sampling=sampling, cache_salt=salt),
+        prefill_pb2.PrefillRequest(rid=rid, room=room, prompt=prompt, sampling=p_sampling, cache_salt=salt),
         timeout=timeout,
     )
     if late:  # prefilled: its first token sampled, its pages held
@@ -87,6 +93,12 @@ def pd_generate(
         prefill.cancel()
         return [], [], e
     return [t for r in responses for t in r.token_ids], responses, prefill.result()
+
+
+def metric_total(node, sample: str) -> float:
+    """The sum of the node's Prometheus samples named `sample` (its /metrics, every label)."""
+    text = urlopen(f"http://127.0.0.1:{node.metrics_port}/metrics", timeout=10).read().decode()
+    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples if s.name == sample)
 
 
 def admin(addr: str) -> admin_pb2_grpc.AdminStub:

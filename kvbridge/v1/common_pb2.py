@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvbridge/v1/common.proto\x12\x0bkvbridge.v1\"\xac\x05\n\x0eSamplingParams\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x12\n\nmin_tokens\x18\t \x01(\r\x12\x18\n\x10presence_penalty\x18\n \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0b \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x0c \x01(\x02\x12\r\n\x05min_p\x18\r \x01(\x02\x12>\n\nlogit_bias\x18\x0e \x03(\x0b\x32*.kvbridge.v1.SamplingParams.LogitBiasEntry\x12\x11\n\tbad_words\x18\x0f \x03(\t\x12\x19\n\x11\x61llowed_token_ids\x18\x10 \x03(\r\x12\x15\n\x08logprobs\x18\x11 \x01(\rH\x01\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x12 \x01(\rH\x02\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x13 \x01(\x08H\x03\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x14 \x01(\x08\x12\x31\n\nstructured\x18\x15 \x01(\x0b\x32\x1d.kvbridge.v1.StructuredOutput\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x16\n\x14_skip_special_tokens\"H\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x42\x06\n\x04kind\"\x9a\x01\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x14\n\x07logprob\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x0f\n\x07top_ids\x18\x03 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\x12\r\n\x05token\x18\x05 \x01(\t\x12\x12\n\ntop_tokens\x18\x06 \x03(\t\x12\x0c\n\x04rank\x18\x07 \x01(\rB\n\n\x08_logprob\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xb6\x01\n\x0c\x43hatMessages\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.kvbridge.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12\x1e\n\x16\x63ontinue_final_message\x18\x03 \x01(\x08\x12\x1c\n\x14\x63hat_template_kwargs\x18\x04 \x01(\tB\x18\n\x16_add_generation_prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"w\n\x06Prompt\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12)\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x19.kvbridge.v1.ChatMessagesH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.kvbridge.v1.TokenIdsH\x00\x42\x06\n\x04kind\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\rb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvbridge/v1/common.proto\x12\x0bkvbridge.v1\"\xb7\x05\n\x0eSamplingParams\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x12\n\nmin_tokens\x18\t \x01(\r\x12\x18\n\x10presence_penalty\x18\n \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0b \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x0c \x01(\x02\x12\r\n\x05min_p\x18\r \x01(\x02\x12>\n\nlogit_bias\x18\x0e \x03(\x0b\x32*.kvbridge.v1.SamplingParams.LogitBiasEntry\x12\x11\n\tbad_words\x18\x0f \x03(\t\x12\x19\n\x11\x61llowed_token_ids\x18\x10 \x03(\r\x12\x15\n\x08logprobs\x18\x11 \x01(\rH\x01\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x12 \x01(\rH\x02\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x13 \x01(\x08H\x03\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x14 \x01(\x08\x12\x31\n\nstructured\x18\x15 \x01(\x0b\x32\x1d.kvbridge.v1.StructuredOutput\x12\t\n\x01n\x18\x16 \x01(\r\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x16\n\x14_skip_special_tokens\"H\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x42\x06\n\x04kind\"\x9a\x01\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x14\n\x07logprob\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x0f\n\x07top_ids\x18\x03 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\x12\r\n\x05token\x18\x05 \x01(\t\x12\x12\n\ntop_tokens\x18\x06 \x03(\t\x12\x0c\n\x04rank\x18\x07 \x01(\rB\n\n\x08_logprob\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xb6\x01\n\x0c\x43hatMessages\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.kvbridge.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12\x1e\n\x16\x63ontinue_final_message\x18\x03 \x01(\x08\x12\x1c\n\x14\x63hat_template_kwargs\x18\x04 \x01(\tB\x18\n\x16_add_generation_prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"w\n\x06Prompt\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12)\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x19.kvbridge.v1.ChatMessagesH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.kvbridge.v1.TokenIdsH\x00\x42\x06\n\x04kind\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\rb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,21 +34,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGPARAMS']._serialized_start=42
-  _globals['_SAMPLINGPARAMS']._serialized_end=726
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=612
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=660
-  _globals['_STRUCTUREDOUTPUT']._serialized_start=728
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=800
-  _globals['_TOKENLOGPROB']._serialized_start=803
-  _globals['_TOKENLOGPROB']._serialized_end=957
-  _globals['_CHATMESSAGE']._serialized_start=959
-  _globals['_CHATMESSAGE']._serialized_end=1003
-  _globals['_CHATMESSAGES']._serialized_start=1006
-  _globals['_CHATMESSAGES']._serialized_end=1188
-  _globals['_TOKENIDS']._serialized_start=1190
-  _globals['_TOKENIDS']._serialized_end=1213
-  _globals['_PROMPT']._serialized_start=1215
-  _globals['_PROMPT']._serialized_end=1334
-  _globals['_USAGE']._serialized_start=1336
-  _globals['_USAGE']._serialized_end=1416
+  _globals['_SAMPLINGPARAMS']._serialized_end=737
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=623
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=671
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=739
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=811
+  _globals['_TOKENLOGPROB']._serialized_start=814
+  _globals['_TOKENLOGPROB']._serialized_end=968
+  _globals['_CHATMESSAGE']._serialized_start=970
+  _globals['_CHATMESSAGE']._serialized_end=1014
+  _globals['_CHATMESSAGES']._serialized_start=1017
+  _globals['_CHATMESSAGES']._serialized_end=1199
+  _globals['_TOKENIDS']._serialized_start=1201
+  _globals['_TOKENIDS']._serialized_end=1224
+  _globals['_PROMPT']._serialized_start=1226
+  _globals['_PROMPT']._serialized_end=1345
+  _globals['_USAGE']._serialized_start=1347
+  _globals['_USAGE']._serialized_end=1427
 # @@protoc_insertion_point(module_scope)

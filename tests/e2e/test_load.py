@@ -7,6 +7,8 @@ router's OpenAI endpoint (streamed chat, greedy, ignore_eos). What is shown, eac
 - hundreds (2,000 with -m slow) of concurrent streams all end with [DONE], their finish_reason
   and the text a colocated node gives the same request, while no process of the fleet (router,
   node fronts, their rank processes) grows past 100 threads or a fixed memory bound;
+- 160 concurrent streams mixing n=4 seeded choices, logprobs, json_object and the penalties give
+  what the colocated node gives each (every choice's text, finish_reason and logprobs);
 - beyond a decode node's --max-pending-requests, every request succeeds or gets 429 in the
   OpenAI format, none times out, and the nodes end idle and keep serving;
 - 500 clients trickling their headers do not stop a stream on another connection (and the
@@ -498,6 +500,73 @@ def test_beyond_max_pending_requests_each_request_succeeds_or_gets_429(fleet):
         assert wait_idle(node.address) == {**IDLE, "pages_used": [0]}, node.name
     [one] = make_chats(1, seed=3)
     assert asyncio.run(post_all(fleet.slow_router.http_port, [one])) == [expected(r) for r in fleet.reference([one])]
+
+
+def mixed_bodies(count: int, seed: int) -> list[dict]:
+    """Streamed chats using what lies beyond the greedy core, mixed: n=4 seeded choices, logprobs
+    with top_logprobs, json_object, the penalties (seeded)."""
+    variants = [
+        lambda k: {"n": 4, "seed": k, "temperature": 1.0, "ignore_eos": True},
+        lambda k: {"logprobs": True, "top_logprobs": 3, "temperature": 0, "ignore_eos": True},
+        lambda k: {"response_format": {"type": "json_object"}, "temperature": 0.8, "seed": k},
+        lambda k: {"presence_penalty": 1.0, "frequency_penalty": 0.5, "repetition_penalty": 1.2, "temperature": 0.7,
+                   "seed": k, "ignore_eos": True},
+    ]  # fmt: skip
+    bodies = make_chats(count, seed)
+    for k, body in enumerate(bodies):
+        del body["ignore_eos"]
+        body |= variants[k % len(variants)](k) | {"max_tokens": 6}
+    return bodies
+
+
+async def post_choices(http: httpx.AsyncClient, port: int, body: dict) -> tuple:
+    """(status, [(text, finish_reason, [(token, logprob)...]) per choice]) of one chat, streamed or not."""
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    choices: dict[int, list] = {}
+    try:
+        async with http.stream("POST", url, json=body) as r:
+            if r.status_code != 200:
+                return r.status_code, json.loads(await r.aread())
+            if not body.get("stream"):
+                for c in json.loads(await r.aread())["choices"]:
+                    lps = [(t["token"], t["logprob"]) for t in (c["logprobs"] or {}).get("content") or []]
+                    choices[c["index"]] = [c["message"]["content"], c["finish_reason"], lps]
+                return 200, [tuple(choices[i]) for i in sorted(choices)]
+            async for line in r.aiter_lines():
+                if not line or line == "data: [DONE]":
+                    continue
+                event = json.loads(line.removeprefix("data: "))
+                if "error" in event:
+                    return "error", event
+                for c in event["choices"]:
+                    mine = choices.setdefault(c["index"], ["", None, []])
+                    mine[0] += c["delta"].get("content", "")
+                    mine[1] = c["finish_reason"] or mine[1]
+                    mine[2] += [(t["token"], t["logprob"]) for t in (c["logprobs"] or {}).get("content") or []]
+    except httpx.HTTPError as e:
+        return type(e).__name__, None
+    return 200, [tuple(choices[i]) for i in sorted(choices)]
+
+
+def test_a_mix_of_choices_logprobs_json_and_penalties_under_load_equals_colocated(fleet):
+    bodies = mixed_bodies(160, seed=5)
+
+    async def run(port: int, bodies: list[dict]) -> list:
+        async with client(len(bodies)) as http:
+            return await asyncio.wait_for(asyncio.gather(*(post_choices(http, port, b) for b in bodies)), RUN_TIMEOUT_S)
+
+    want = asyncio.run(run(fleet.reference_router.http_port, [{**b, "stream": False} for b in bodies]))
+    got = asyncio.run(run(fleet.router.http_port, bodies))
+    assert all(w[0] == 200 for w in want), [w for w in want if w[0] != 200][:1]
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g[0] == 200, (i, g)
+        assert len(g[1]) == (4 if "n" in bodies[i] else 1), (i, g)
+        for (text, finish, lps), (w_text, w_finish, w_lps) in zip(g[1], w[1]):
+            assert (text, finish, [t for t, _ in lps]) == (w_text, w_finish, [t for t, _ in w_lps]), (i, bodies[i])
+            assert [lp for _, lp in lps] == pytest.approx([lp for _, lp in w_lps], abs=1e-4)
+    assert sum(len({c[0] for c in g[1]}) == 4 for g, b in zip(got, bodies) if "n" in b) >= 30  # choices differ
+    for node in (fleet.prefill, fleet.decode):
+        assert wait_idle(node.address) == {**IDLE, "pages_used": [0]}, node.name
 
 
 # ---------------------------------------------------------------- 3. slow, large and vanishing clients

@@ -192,6 +192,38 @@ def test_json_schema_answers_parse_and_validate(client, llm):
     assert e.value.body["message"] == "use_beam_search is not supported, got true"
 
 
+def test_n_choices_and_a_list_of_prompts(client, llm):
+    """Choice p * n + i answers prompt p sampled with seed + i: each equal to the engine's run of it
+    alone; usage counts each prompt once and every choice's tokens."""
+    prompts = [chat_ids(llm, QUESTION), chat_ids(llm, [{"role": "user", "content": "Name three colours."}])]
+    out = client.completions.create(model="", prompt=prompts, n=3, seed=7, temperature=1.0, max_tokens=6)
+    wants = [llm.generate([p], SamplingParams(max_new_tokens=6, temperature=1.0, seed=7 + i))[0]
+             for p in prompts for i in range(3)]  # fmt: skip
+    assert [c.index for c in out.choices] == list(range(6))
+    assert [(c.text, c.finish_reason) for c in out.choices] == [(w.text, w.finish_reason) for w in wants]
+    assert len({c.text for c in out.choices[:3]}) == 3  # seeded choices of one prompt differ
+    assert out.usage.prompt_tokens == sum(map(len, prompts))
+    assert out.usage.completion_tokens == sum(len(w.output_ids) for w in wants)
+
+    chunks = client.chat.completions.create(model="", messages=QUESTION, n=2, seed=3, temperature=1.0, max_tokens=5,
+                                            stream=True, stream_options={"include_usage": True})  # fmt: skip
+    texts, finished, usage = ["", ""], [None, None], None
+    for chunk in chunks:
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+            finished[c.index] = c.finish_reason or finished[c.index]
+        usage = chunk.usage or usage
+    wants = [llm.generate([prompts[0]], SamplingParams(max_new_tokens=5, temperature=1.0, seed=3 + i))[0]
+             for i in range(2)]  # fmt: skip
+    assert texts == [w.text for w in wants] and finished == [w.finish_reason for w in wants]
+    assert (usage.prompt_tokens, usage.completion_tokens) == (len(prompts[0]), sum(len(w.output_ids) for w in wants))
+
+    echoed = client.completions.create(model="", prompt=["Paris is", "Rome is"], n=2, max_tokens=2, temperature=0,
+                                       echo=True)  # fmt: skip
+    assert [c.text.split(" is")[0] for c in echoed.choices] == ["Paris", "Paris", "Rome", "Rome"]
+    assert echoed.choices[0].text == echoed.choices[1].text  # greedy: n equal choices
+
+
 def test_tokenize_detokenize_version(fleet, llm):
     _, routers = fleet
     base = f"http://127.0.0.1:{routers['disaggregated'].http_port}"

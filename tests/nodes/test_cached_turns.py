@@ -9,11 +9,9 @@ import random
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from types import SimpleNamespace
-from urllib.request import urlopen
 
 import grpc
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from common import blocks, rpc
 from common.sampling import SamplingParams
@@ -25,7 +23,7 @@ from pipeline.log import ADMIT, REUSE, LogEntry
 from pipeline.stage import StageLoop
 from serving.config import NodeConfig
 from tests.conftest import make_llm
-from tests.pd import TINY, clear_cache, pd_generate, status, token_prompt, wait_idle
+from tests.pd import TINY, clear_cache, metric_total, pd_generate, status, token_prompt, wait_idle
 
 PS = TINY.page_size
 MAX_NEW = 5
@@ -95,14 +93,7 @@ def reference(tiny_model):
 
 def pushed_bytes(node) -> float:
     """KV bytes the node's prefill ranks pushed so far (their own count: kvbridge_kv_transfer_bytes_total)."""
-    text = urlopen(f"http://127.0.0.1:{node.metrics_port}/metrics", timeout=10).read().decode()
-    return sum(
-        s.value
-        for fam in text_string_to_metric_families(text)
-        if fam.name == "kvbridge_kv_transfer_bytes"
-        for s in fam.samples
-        if s.name == "kvbridge_kv_transfer_bytes_total"
-    )
+    return metric_total(node, "kvbridge_kv_transfer_bytes_total")
 
 
 @pytest.mark.parametrize("sampling", SAMPLINGS)

@@ -204,7 +204,7 @@ BAD_FIELDS = st.one_of(
     field("top_p", st.floats().filter(lambda t: not 0 < t <= 1) | JUNK),
     field("top_k", st.integers(max_value=-2) | st.integers(min_value=2**32) | JUNK),
     field("seed", st.integers(max_value=-1) | st.integers(min_value=2**64) | st.floats() | JUNK),
-    field("n", st.integers().filter(lambda n: n != 1) | st.text(max_size=3)),
+    field("n", st.integers().filter(lambda n: not 1 <= n <= 16) | st.text(max_size=3) | st.booleans()),
     field("stop", st.just("") | st.lists(st.just(""), min_size=1, max_size=2) | st.integers()),
     field("stream", st.integers() | st.text(max_size=3)),
     field("prompt", st.just("") | st.just([]) | st.lists(st.integers(VOCAB, 2**40), min_size=1, max_size=3)),

@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvbridge.v1 import common_pb2, generation_pb2
-from router.openai_api import BadRequest, Reply, error_body, parse_request
+from router.openai_api import BadRequest, error_body, parse_request
+from router.reply import Reply
 
 
 def parse(chat: bool = False, **body):
@@ -142,10 +143,15 @@ def test_chat_messages_and_content_parts():
         (False, b"[" * 100000, None, "not valid JSON"),
         (False, {"prompt": ""}, "prompt", "prompt is empty"),
         (False, {"prompt": []}, "prompt", "got []"),
-        (False, {"prompt": ["a", "b"]}, "prompt", "one prompt"),
+        (False, {"prompt": ["a", ""]}, "prompt", "prompt[1] is empty"),
+        (False, {"prompt": ["a", [1, 2], [7, True]]}, "prompt", "prompt[2] must be a non-empty string"),
+        (False, {"prompt": ["a"] * 65}, "prompt", "prompt lists 65 prompts; at most 64"),
+        (False, {"prompt": ["a", ["b"]]}, "prompt", 'or token-id list (or a list of them), got ["b"]'),
         (False, {"prompt": [1, -1]}, "prompt", "out of range: -1"),
         (False, {"prompt": [True]}, "prompt", "got [true]"),
-        (False, {"prompt": "x", "n": 2}, "n", "n must be 1 (one choice per request), got 2"),
+        (False, {"prompt": "x", "n": 0}, "n", "n must be an integer in [1, 16], got 0"),
+        (False, {"prompt": "x", "n": 17}, "n", "n must be an integer in [1, 16], got 17"),
+        (True, {"messages": [{"role": "user", "content": "q"}], "n": 2.0}, "n", "in [1, 16], got 2.0"),
         (False, {"prompt": "x", "max_tokens": 0}, "max_tokens", "max_tokens must be an integer in [1, 4294967295]"),
         (False, {"prompt": "x", "max_tokens": 1.5}, "max_tokens", "got 1.5"),
         (False, {"prompt": "x", "temperature": -0.1}, "temperature", "in [0, 2], got -0.1"),
@@ -489,7 +495,7 @@ def test_echo_puts_the_prompt_and_its_logprobs_first():
     )
     req = parse(prompt="Hi you", echo=True, logprobs=1, max_tokens=1)
     assert (req.echo, req.request.sampling.prompt_logprobs, req.request.sampling.logprobs) == (True, 1, 1)
-    reply = Reply(req, "r", "m", created=1, echo="Hi you")
+    reply = Reply(req, "r", "m", created=1, echo=["Hi you"])
     chunk = reply.add(resp)
     assert chunk["choices"][0]["text"] == "Hi you!"
     assert chunk["choices"][0]["logprobs"] == {
@@ -498,7 +504,7 @@ def test_echo_puts_the_prompt_and_its_logprobs_first():
     }  # fmt: skip
     assert reply.final()["choices"][0]["text"] == "Hi you!"
     assert not parse(prompt="Hi", echo=True).request.sampling.HasField("prompt_logprobs")  # (text only)
-    plain = Reply(parse(prompt="Hi", echo=True), "r", "m", created=1, echo="Hi")
+    plain = Reply(parse(prompt="Hi", echo=True), "r", "m", created=1, echo=["Hi"])
     assert plain.add(generation_pb2.GenerateResponse(token_ids=[9], text="!"))["choices"][0]["text"] == "Hi!"
 
 

@@ -1,0 +1,136 @@
+"""The HTTP answer to one OpenAI generation request (`HTTPAnswer`, an ASGI app), and the routed requests
+behind it (`Fanout`: one a prompt; a completion may list several).
+
+One JSON body once every routed request ended, or an event per response as it comes ("stream":
+true). The status waits for the first response, so a request that fails before any gets its own
+status; one that fails later ends its stream with an error event. A task watches the client
+meanwhile: gone, every routed request is cancelled upstream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+
+import grpc
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from kvbridge.v1 import generation_pb2
+from router.failures import RouteError
+from router.openai_api import error_body
+from router.reply import Reply
+from router.routed import CLIENT_CANCELLED, Routed
+
+
+class Fanout:
+    """The routed requests of one answer, one a prompt: `async for (prompt, response)` yields each
+    response as it comes, tagged with its prompt's index. The first failure (RouteError) ends them
+    all: the others are cancelled upstream. Closing it (`aclose`) or cancel() cancels every one."""
+
+    def __init__(self, routes: list[Routed]):
+        self.routes = routes
+        self.rid = routes[0].rid
+
+    def cancel(self, why: str = CLIENT_CANCELLED) -> None:
+        for r in self.routes:
+            r.cancel(why)
+
+    async def aclose(self) -> None:
+        for r in self.routes:
+            await r.aclose()
+
+    def __aiter__(self) -> AsyncIterator[tuple[int, generation_pb2.GenerateResponse]]:
+        return self._one() if len(self.routes) == 1 else self._many()
+
+    async def _one(self) -> AsyncIterator[tuple[int, generation_pb2.GenerateResponse]]:
+        async for resp in self.routes[0]:
+            yield 0, resp
+
+    async def _many(self) -> AsyncIterator[tuple[int, generation_pb2.GenerateResponse]]:
+        out: asyncio.Queue = asyncio.Queue()
+
+        async def pump(prompt: int, routed: Routed) -> None:
+            try:
+                async for resp in routed:
+                    out.put_nowait((prompt, resp))
+                out.put_nowait(None)
+            except RouteError as e:
+                out.put_nowait(e)
+
+        tasks = [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(self.routes)]
+        try:
+            left = len(tasks)
+            while left:
+                item = await out.get()
+                if isinstance(item, RouteError):
+                    raise item
+                if item is None:
+                    left -= 1
+                else:
+                    yield item
+        finally:
+            for t in tasks:
+                t.cancel()  # (a routed request still running is cancelled upstream: its consumer went away)
+
+
+class HTTPAnswer:
+    def __init__(self, routed: Fanout, reply: Reply, stream: bool):
+        self.routed, self.reply, self.stream = routed, reply, stream
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        watcher = asyncio.ensure_future(self._watch(receive))
+        try:
+            async with contextlib.aclosing(self.routed):
+                respond = self._events if self.stream else self._whole
+                await respond(aiter(self.routed), scope, receive, send)
+        finally:
+            watcher.cancel()
+
+    async def _watch(self, receive: Receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass  # (a body part after the body: none comes)
+        self.routed.cancel()  # a no-op once the request ended (the answer went out)
+
+    async def _whole(self, responses: AsyncIterator, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async for prompt, resp in responses:
+                self.reply.add(resp, prompt)
+        except RouteError as e:
+            await error(e.code, e.message)(scope, receive, send)
+            return
+        await json_response(200, self.reply.final())(scope, receive, send)
+
+    async def _events(self, responses: AsyncIterator, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            first = await anext(responses, None)
+        except RouteError as e:
+            await error(e.code, e.message)(scope, receive, send)
+            return
+        headers = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        try:
+            if first is not None:
+                await self._event(send, self.reply.add(first[1], first[0]))
+            async for prompt, resp in responses:
+                await self._event(send, self.reply.add(resp, prompt))
+            await self._event(send, self.reply.usage_chunk())
+        except RouteError as e:
+            await self._event(send, error_body(e.code, e.message)[1])
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+
+    @staticmethod
+    async def _event(send: Send, obj: dict | None) -> None:
+        if obj is not None:
+            await send({"type": "http.response.body", "body": b"data: " + json.dumps(obj).encode() + b"\n\n",
+                        "more_body": True})  # fmt: skip
+
+
+def json_response(status: int, obj: dict, headers: dict[str, str] | None = None) -> Response:
+    return Response(json.dumps(obj), status_code=status, headers=headers, media_type="application/json")
+
+
+def error(code: grpc.StatusCode, message: str, param: str | None = None) -> Response:
+    return json_response(*error_body(code, message, param))
