@@ -33,17 +33,22 @@ class Fanout:
     def __init__(self, routes: list[Routed]):
         self.routes = routes
         self.rid = routes[0].rid
+        self._responses: AsyncIterator[tuple[int, generation_pb2.GenerateResponse]] | None = None
 
     def cancel(self, why: str = CLIENT_CANCELLED) -> None:
         for r in self.routes:
             r.cancel(why)
 
     async def aclose(self) -> None:
-        for r in self.routes:
-            await r.aclose()
+        if self._responses is not None:
+            await self._responses.aclose()  # (several: its tasks are cancelled and waited for)
+        if len(self.routes) == 1:
+            await self.routes[0].aclose()
 
     def __aiter__(self) -> AsyncIterator[tuple[int, generation_pb2.GenerateResponse]]:
-        return self._one() if len(self.routes) == 1 else self._many()
+        if self._responses is None:
+            self._responses = self._one() if len(self.routes) == 1 else self._many()
+        return self._responses
 
     async def _one(self) -> AsyncIterator[tuple[int, generation_pb2.GenerateResponse]]:
         async for resp in self.routes[0]:
@@ -73,7 +78,8 @@ class Fanout:
                     yield item
         finally:
             for t in tasks:
-                t.cancel()  # (a routed request still running is cancelled upstream: its consumer went away)
+                t.cancel()  # a routed request still running is cancelled upstream (its consumer went away)
+            await asyncio.wait(tasks)  # (each ends its routed request in its own task: nothing closes it from here)
 
 
 class HTTPAnswer:

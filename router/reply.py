@@ -13,7 +13,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import grpc
+
 from kvbridge.v1 import generation_pb2
+from router.failures import RouteError
 from router.openai_api import OpenAIRequest
 from router.openai_fields import chat_logprobs, completion_logprobs, prompt_logprobs
 
@@ -75,8 +78,9 @@ class Reply:
     def add(self, resp: generation_pb2.GenerateResponse, prompt: int = 0) -> dict | None:
         """Record a response of prompt `prompt`'s routed request; returns the stream chunk it makes
         (None when it carries nothing)."""
-        if not resp.index < self.n:
-            raise ValueError(f"a node answered choice {resp.index} of a request of n={self.n}")
+        if not resp.index < self.n:  # (a broken node: the answer cannot be built)
+            message = f"a node answered choice {resp.index} of a request of n={self.n}"
+            raise RouteError(grpc.StatusCode.DATA_LOSS, message)
         index = prompt * self.n + resp.index
         c = self.choices[index]
         self.prompt[prompt] += resp.prompt_logprobs

@@ -345,3 +345,30 @@ def test_http_client_leaving_mid_stream_aborts_on_the_node(router, nodes):
     while served(nodes) == before:
         assert time.monotonic() < deadline, "the node never ended the request"
         time.sleep(0.05)
+
+
+def test_a_prompt_list_fails_as_one_and_cancels_its_other_prompts(router, nodes):
+    """One prompt of the list cannot be served (longer than the context): the answer is its 400,
+    and the other prompts' requests, still decoding, are cancelled on the nodes (nodes_end_idle)."""
+    body = {"prompt": [list(range(5, 60)), [7] * 5000], "n": 2, "max_tokens": 3000, "ignore_eos": True}
+    status, reply = post(router.http_port, "/v1/completions", json.dumps(body).encode())
+    assert status == 400 and reply["error"]["code"] == "invalid_argument", reply
+    assert "prompt has 5000 tokens; the context holds" in reply["error"]["message"]
+
+
+def test_http_client_leaving_a_prompt_list_with_n_aborts_every_choice(router, nodes):
+    before = served(nodes)
+    conn = http.client.HTTPConnection("127.0.0.1", router.http_port, timeout=60)
+    body = {"prompt": [list(range(5, 60)), list(range(9, 40))], "n": 3, "max_tokens": 3000, "ignore_eos": True,
+            "stream": True}  # fmt: skip
+    conn.request("POST", "/v1/completions", body=json.dumps(body))
+    resp = conn.getresponse()
+    assert resp.status == 200
+    assert resp.fp.readline().strip()
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.sock.close()
+    deadline = time.monotonic() + 20
+    while served(nodes) < before + 6:  # two prompts of three choices: six requests at the nodes
+        assert time.monotonic() < deadline, f"the nodes ended {served(nodes) - before} of 6"
+        time.sleep(0.05)
+    # nodes_end_idle checks that every page was freed
