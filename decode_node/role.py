@@ -1,7 +1,9 @@
 """Rank 0 of a decode node: the role its loop runs (pipeline/roles.py), and the queues around the
 scheduler (decode_node/queues.py).
 
-A request's prompt is never recomputed here: its pages are preallocated, every rank expects the
+A request's prompt is never recomputed here (but choices i > 0 of an n > 1 request, local requests
+without a room that share its pages once they arrive, compute their last partial page: see
+engine/scheduler.py): its pages are preallocated, every rank expects the
 room, the prefill node writes the KV straight into them, and the request joins decoding with the
 first token the prefill node sampled. The prompt's first pages may be found in this node's prefix
 cache: those are shared, not preallocated, and the prefill node moves only the pages after them.

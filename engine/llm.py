@@ -100,6 +100,8 @@ class LLM:
         self, prompt_ids: list[int], params: SamplingParams, rid: str | None = None, cache_salt: str = ""
     ) -> Request:
         vocab = self.model.config.vocab_size
+        if params.n != 1:
+            raise ValueError(f"n is {params.n}: the engine runs one choice a request (give each its own seed)")
         if not prompt_ids:
             raise ValueError("prompt is empty")
         bad = [t for t in prompt_ids if not 0 <= t < vocab]

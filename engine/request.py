@@ -84,7 +84,7 @@ class Request:
     grammar: Matcher | None = None  # structured output: at the sampling rank, the grammar's state
     logprobs: list = field(default_factory=list)  # engine/llm.py: its outputs' engine.logits.Logprob
     prompt_logprobs: list = field(default_factory=list)  # engine/llm.py: its prompt tokens' (from the second)
-    # choice i > 0 of an n > 1 request: choice 0, whose full prompt pages it starts from (Scheduler.starting_pages)
+    # choice i > 0 of an n > 1 request: choice 0, whose full prompt pages it starts from (Scheduler._fork)
     parent: Request | None = None
     prompt_logprobs_next: int = 1  # rank 0: the prompt token whose logprobs go out next (a recompute repeats some)
 

@@ -13,9 +13,13 @@ longest cached page-aligned prefix: those pages are shared, not computed, and at
 prompt token is always computed (its logits are sampled). Each page is indexed in the cache once
 every token of it is scheduled: later microbatches run after it on every rank, so they may read it.
 
-Choices i > 0 of an n > 1 request (`Request.parent`: choice 0) share choice 0's full prompt pages,
-cache or no cache, and compute the rest of the prompt, less than a page plus its last token: the
-partial page is each choice's own, since each writes its own tokens there (`starting_pages`).
+Choices i > 0 of an n > 1 request (`Request.parent`: choice 0) wait beside it (`forks`) until its
+prompt is complete: its last chunk scheduled, or (a decode node) its KV arrived (`add_prebuilt`).
+They then join the running requests at once (`_fork`), past FCFS and max_running_requests as their
+choice 0 is already in, sharing its full prompt pages, cache or no cache, and compute only the rest
+of the prompt (up to a page: its last, partial page is each choice's own, since each writes its own
+tokens there); so choice 0 may end at its first token without taking its prompt along. A choice
+whose choice 0 ends or is preempted before that is admitted as any request (its cached prefix).
 
 A scheduled token counts as computed at once (`num_computed` advances when the batch is
 built), so with pipeline parallelism the next chunk of a prompt can be scheduled while
@@ -75,6 +79,7 @@ class Scheduler:
         self.chunk_policy = chunk_policy
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admitted: holds pages, in admission order
+        self.forks: dict[str, list[Request]] = {}  # choice 0's rid -> its choices waiting for its prompt
         # finished computing but still holding pages until release() (a prefill node's KV in transfer)
         self.held: dict[str, Request] = {}
         self.hold_finished, self.evict = hold_finished, evict
@@ -82,12 +87,53 @@ class Scheduler:
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + sum(map(len, self.forks.values()))
 
     def add(self, req: Request) -> None:
+        """Queue a new request: a choice whose choice 0 is live waits for its prompt (`forks`)."""
+        if req.parent is not None and not req.parent.finished and not self._prompt_done(req.parent):
+            self.forks.setdefault(req.parent.rid, []).append(req)
+            return
         self.waiting.append(req)
+        if req.parent is not None:
+            self._fork(req.parent)  # (its prompt is in already)
+
+    def forked(self) -> list[Request]:
+        """Choices waiting for their choice 0's prompt."""
+        return [r for rs in self.forks.values() for r in rs]
+
+    def _prompt_done(self, parent: Request) -> bool:
+        return parent in self.running and parent.num_computed >= len(parent.prompt_ids)
+
+    def _fork(self, parent: Request) -> None:
+        """`parent`'s prompt is complete (scheduled, or here): its waiting choices join the running
+        requests, sharing its full prompt pages (those before its last prompt token), each with pages
+        of its own for the rest; one that cannot get them waits as any request does."""
+        ps = self.config.page_size
+        choices = self.forks.pop(parent.rid, [])
+        choices += [r for r in self.waiting if r.parent is parent]  # (added after its prompt was in)
+        for req in choices:
+            if req in self.waiting:
+                self.waiting.remove(req)
+            shared = parent.page_table.pages[: (len(req.prompt_ids) - 1) // ps]
+            need = req.page_table.num_pages_needed(req.num_tokens) - len(shared)
+            if not self.allocator.can_take(need, shared):
+                req.parent = None
+                self.waiting.append(req)
+                continue
+            req.cached_tokens = self.reuse(req, shared, len(req.prompt_ids), lookup=False)
+            self._grow(req, req.num_tokens)
+            self.running.append(req)
+
+    def _unfork(self, parent: Request) -> None:
+        """`parent` ends or goes back to waiting before its prompt is in: its choices wait as any request."""
+        for req in self.forks.pop(parent.rid, []):
+            req.parent = None
+            self.waiting.append(req)
 
     def schedule(self, max_decodes: int | None = None) -> ScheduledStep | None:
+        for choices in [rs for rs in self.forks.values() if rs and self._prompt_done(rs[0].parent)]:
+            self._fork(choices[0].parent)  # (choice 0 came back from a retraction, say)
         decodes = self._schedule_decodes(max_decodes)
         budget = self.config.chunked_prefill_size or 1 << 62
         chunks: list[tuple[Request, int]] = []
@@ -102,15 +148,13 @@ class Scheduler:
             req = self.waiting[0]
             if req.awaiting_output:  # preempted while its token was in flight
                 break
-            hit = self.starting_pages(req)
-            if hit is None:  # a choice waits for choice 0's prompt pages
-                break
+            hit = self.cached_prefix(req)
             # admit only when the whole known sequence fits, so admission never starves decodes
             if not self.allocator.can_take(req.page_table.num_pages_needed(req.num_tokens) - len(hit), hit):
                 break
             self.waiting.popleft()
             self.running.append(req)
-            req.cached_tokens = self.reuse(req, hit, len(req.prompt_ids), lookup=req.parent is None)
+            req.cached_tokens = self.reuse(req, hit, len(req.prompt_ids))
             self._grow(req, req.num_tokens)
             n = self._chunk(req, budget)
             chunks.append((req, n))
@@ -118,24 +162,6 @@ class Scheduler:
         if not decodes and not chunks:
             return None
         return self._build(decodes, chunks)
-
-    def starting_pages(self, req: Request) -> list[int] | None:
-        """The computed pages `req` starts from: a choice's share of its parent's prompt pages, else
-        its cached prefix. None: not yet (the parent's prompt is still being scheduled, or, on a
-        decode node, still arriving); a parent that ended or went back to waiting shares nothing."""
-        parent = req.parent
-        if parent is None or parent.finished:
-            req.parent = None
-            return self.cached_prefix(req)
-        share = (len(req.prompt_ids) - 1) // self.config.page_size  # full pages, the last prompt token after them
-        if parent in self.running:
-            if parent.num_computed < share * self.config.page_size:
-                return None
-            return parent.page_table.pages[:share]
-        if parent.phase in (Phase.PREALLOC, Phase.TRANSFERRING, Phase.RETRACTED, Phase.RESUMING):
-            return None
-        req.parent = None
-        return self.cached_prefix(req)
 
     def cached_prefix(self, req: Request, full_hit: bool = False) -> list[int]:
         """The cached pages `req` may start from (none without a cache): its longest cached prefix
@@ -212,6 +238,8 @@ class Scheduler:
             sample.append(req.num_computed == req.num_tokens)
             req.awaiting_output = sample[-1]
             self.index(req)
+            if req.rid in self.forks and req.num_computed >= len(req.prompt_ids):
+                self._fork(req)  # its prompt is in: its choices compute their last page in the next step
         batch = ForwardBatch(
             rids=tuple(r.rid for r in requests),
             starts=tuple(starts),
@@ -282,6 +310,7 @@ class Scheduler:
         retract: hand it to take_evicted() (its pages are free at once: whoever takes it must copy
         their KV out before any later step can reuse them)."""
         self.running.remove(req)
+        self._unfork(req)
         pages, req.page_table.pages = req.page_table.pages, []
         self.allocator.free(req.rid, pages)
         req.indexed_pages = 0
@@ -299,6 +328,12 @@ class Scheduler:
 
     def finish(self, req: Request, reason: str) -> None:
         req.finish_reason = reason
+        self._unfork(req)
+        siblings = self.forks.get(req.parent.rid, []) if req.parent is not None else []
+        if req in siblings:  # (ended while it waited for its choice 0's prompt)
+            siblings.remove(req)
+            if not siblings:
+                del self.forks[req.parent.rid]
         if req in self.running:
             self.running.remove(req)
             if self.hold_finished and reason != "abort":
@@ -321,6 +356,7 @@ class Scheduler:
         whose first token is known: it joins decoding directly."""
         assert req.output_ids and req.num_computed == len(req.prompt_ids), req.rid
         self.running.append(req)
+        self._fork(req)
 
     def check_invariants(self, elsewhere: Iterable[Request] = ()) -> None:
         """`elsewhere`: requests holding pages outside the running list (a decode node's preallocated
@@ -335,8 +371,8 @@ class Scheduler:
                 raise AssertionError(f"request {r.rid} holds a page twice")
             if any(r.rid not in self.allocator.holders(p) for p in r.page_table.pages):
                 raise AssertionError(f"request {r.rid}'s table names pages it does not hold")
-        if any(r.page_table.pages for r in self.waiting):
+        if any(r.page_table.pages for r in (*self.waiting, *self.forked())):
             raise AssertionError("a waiting request holds pages")
-        rids = [r.rid for r in self.running] + [r.rid for r in self.waiting]
+        rids = [r.rid for r in self.running] + [r.rid for r in self.waiting] + [r.rid for r in self.forked()]
         if len(rids) != len(set(rids)):
             raise AssertionError(f"a request is queued twice: {len(rids)} entries, {len(set(rids))} distinct")

@@ -144,6 +144,8 @@ class RankGroup:
         """Queue a request at rank 0. extra: role-specific fields of messages.Add (room, peer, sources,
         backend; resumed: the last prompt ids are a migrated request's outputs so far)."""
         vocab = self.model.config.vocab_size
+        if params.n != 1:
+            raise ValueError(f"n is {params.n}: a rank group runs one choice a request (NodeFront forks the others)")
         resumed = (extra or {}).get("resumed", 0)
         if len(prompt_ids) <= resumed:
             raise ValueError("prompt is empty")

@@ -355,6 +355,7 @@ class Rank0Loop:
             "queues": {
                 "waiting": len(self.scheduler.waiting),
                 "running": len(self.scheduler.running),
+                "forked": sum(map(len, self.scheduler.forks.values())),  # choices waiting for choice 0's prompt
                 "inflight_microbatches": len(self.inflight),
                 **self.role.sizes(),
             },
@@ -367,7 +368,8 @@ class Rank0Loop:
     def queues(self) -> dict[str, list[str]]:
         """Every queue a live request can be in, by name: each live request is in exactly one."""
         s = self.scheduler
-        return {"waiting": [r.rid for r in s.waiting], "running": [r.rid for r in s.running], **self.role.queues()}
+        queues = {"waiting": [r.rid for r in s.waiting], "running": [r.rid for r in s.running]}
+        return {**queues, "forked": [r.rid for r in s.forked()], **self.role.queues()}
 
     def check_invariants(self) -> list[str]:
         """What is wrong with rank 0's state ([] when nothing): pages owned = pages of live requests,
@@ -412,7 +414,12 @@ class Rank0Loop:
 
 
 # the phases a request in the scheduler's own queues may be in (the roles' queues check their own)
-SCHEDULER_PHASES = {"waiting": {Phase.WAITING}, "running": {Phase.PREFILLING, Phase.DECODING}}
+# (a choice of an n > 1 request joins the running ones still WAITING, before its first chunk goes out)
+SCHEDULER_PHASES = {
+    "waiting": {Phase.WAITING},
+    "forked": {Phase.WAITING},
+    "running": {Phase.WAITING, Phase.PREFILLING, Phase.DECODING},
+}
 
 
 def _drop(msg: Message) -> None:

@@ -55,22 +55,24 @@ class Fanout:
             yield 0, resp
 
     async def _many(self) -> AsyncIterator[tuple[int, generation_pb2.GenerateResponse]]:
-        out: asyncio.Queue = asyncio.Queue()
+        # bounded: a client that reads slowly holds the nodes' streams back (gRPC flow control), as
+        # with one prompt, instead of the router buffering every choice's tokens
+        out: asyncio.Queue = asyncio.Queue(maxsize=len(self.routes))
 
         async def pump(prompt: int, routed: Routed) -> None:
             try:
                 async for resp in routed:
-                    out.put_nowait((prompt, resp))
-                out.put_nowait(None)
-            except RouteError as e:
-                out.put_nowait(e)
+                    await out.put((prompt, resp))
+                await out.put(None)
+            except Exception as e:  # (RouteError; anything else ends the answer too, never hangs it)
+                await out.put(e)
 
         tasks = [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(self.routes)]
         try:
             left = len(tasks)
             while left:
                 item = await out.get()
-                if isinstance(item, RouteError):
+                if isinstance(item, Exception):
                     raise item
                 if item is None:
                     left -= 1
@@ -104,6 +106,7 @@ class HTTPAnswer:
         try:
             async for prompt, resp in responses:
                 self.reply.add(resp, prompt)
+            self.reply.check_complete()
         except RouteError as e:
             await error(e.code, e.message)(scope, receive, send)
             return
@@ -122,6 +125,7 @@ class HTTPAnswer:
                 await self._event(send, self.reply.add(first[1], first[0]))
             async for prompt, resp in responses:
                 await self._event(send, self.reply.add(resp, prompt))
+            self.reply.check_complete()
             await self._event(send, self.reply.usage_chunk())
         except RouteError as e:
             await self._event(send, error_body(e.code, e.message)[1])

@@ -42,6 +42,7 @@ _show = show  # (router/tokenize.py's name for it)
 UINT32_MAX = (1 << 32) - 1
 UINT64_MAX = (1 << 64) - 1
 MAX_PROMPTS = 64  # prompts of one completion request (each routed on its own, with its n choices)
+MAX_ANSWER_CHOICES = 256  # prompts x n of one request: the sequences one HTTP request may start
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 # gRPC status -> (HTTP status, OpenAI error type), as google.rpc maps codes to HTTP.
@@ -328,6 +329,9 @@ def parse_request(raw: bytes, chat: bool) -> OpenAIRequest:
         raise BadRequest(f"cache_salt must be a non-empty string, got {show(salt)}", "cache_salt")
 
     prompts = [_messages(body)] if chat else _prompts(body)
+    if len(prompts) * n > MAX_ANSWER_CHOICES:
+        message = f"{len(prompts)} prompts x n={n} is {len(prompts) * n} choices; at most {MAX_ANSWER_CHOICES}"
+        raise BadRequest(message, "n")
     prompt = prompts[0]
     if chat:
         chat_options(body, prompt.chat)

@@ -121,6 +121,13 @@ class Reply:
             chunk["usage"] = None
         return chunk
 
+    def check_complete(self) -> None:
+        """DATA_LOSS when the streams ended with a choice that never did (a node that ignored n)."""
+        if self.ended < len(self.choices):
+            missing = next(i for i, c in enumerate(self.choices) if not c.finish_reason)
+            message = f"the nodes' streams ended without choice {missing} of {len(self.choices)}"
+            raise RouteError(grpc.StatusCode.DATA_LOSS, message)
+
     def usage_chunk(self) -> dict | None:
         """The last chunk of a stream that asked for usage (stream_options.include_usage)."""
         if not self.req.include_usage:

@@ -149,6 +149,9 @@ class NodeFront:
         if resumed:
             extra = {**(extra or {}), "resumed": len(resumed)}
         params = self._checked(params)
+        if params.n > limit:
+            held = f"this node holds at most {limit} requests (--max-pending-requests)"
+            raise ValueError(f"sampling.n is {params.n}; {held}")
         if params.n > 1 and resumed:
             raise ValueError(f"resume_ids continue one choice; sampling.n must be 1 with them, got {params.n}")
         if rid in self._streams:
@@ -205,9 +208,13 @@ class NodeFront:
                 d = await out.get()
                 if isinstance(d, Exception):
                     raise d
-                yield d
-                if d.error:
+                if d.error:  # the others end now (the caller may never close this generator)
+                    for t in tasks:
+                        t.cancel()
+                    self._drop(rids)
+                    yield d
                     return
+                yield d
                 left -= bool(d.finish_reason)
         finally:
             for t in tasks:

@@ -89,6 +89,17 @@ def test_logprobs_and_echoed_prompt_logprobs_equal_transformers(client, llm, hf_
         )
     assert lp.tokens[len(prompt)] == llm.tokenizer.decode([seq[len(prompt)]], skip_special_tokens=False)
 
+    # vLLM's prompt_logprobs (no echo): each prompt token's logprob, rank and the 2 most likely
+    out = client.completions.create(model="", prompt=prompt, max_tokens=1, temperature=0,
+                                    extra_body={"prompt_logprobs": 2})  # fmt: skip
+    shown = out.choices[0].model_extra["prompt_logprobs"]
+    assert len(shown) == len(prompt) and shown[0] is None
+    for i in range(1, len(prompt)):
+        mine = shown[i][str(prompt[i])]
+        assert mine["logprob"] == pytest.approx(table[i - 1, prompt[i]].item(), abs=1e-4), i
+        assert mine["rank"] == int((table[i - 1] > table[i - 1, prompt[i]]).sum()) + 1, i
+        assert {r["rank"] for t, r in shown[i].items() if t != str(prompt[i])} <= {1, 2}
+
     chat = client.chat.completions.create(model="", messages=QUESTION, max_tokens=4, temperature=0, logprobs=True,
                                           top_logprobs=3)  # fmt: skip
     content = chat.choices[0].logprobs.content
@@ -126,6 +137,8 @@ def test_every_sampling_field_acts_as_the_engine_says(client, llm):
         ({"temperature": 0, "stop": ["\n"], "include_stop_str_in_output": True},
          replace(base, stop=("\n",), include_stop_str_in_output=True)),
         ({"temperature": 0, "stop": ["\n"], "min_tokens": 6}, replace(base, stop=("\n",), min_tokens=6)),
+        ({"temperature": 0, "stop": ["\n"], "no_stop_trim": True},  # (SGLang's name for it)
+         replace(base, stop=("\n",), include_stop_str_in_output=True)),
     ]  # fmt: skip
     baselines = {  # what a field is compared with, when not the plain run
         "min_p": lambda p: replace(p, min_p=0.0),

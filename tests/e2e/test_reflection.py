@@ -64,5 +64,5 @@ def test_a_reflection_only_client_lists_services_and_calls_admin_and_generation(
         True,
     )
     assert status["ranks"] == [{"alive": True, "kv_pages_total": 1024}]  # zeros (rank 0, 0 used) are omitted in JSON
-    assert set(status["queues"]) == {"waiting", "running", "inflight_microbatches"}
+    assert set(status["queues"]) == {"waiting", "running", "forked", "inflight_microbatches"}
     assert result["tokens"] == 4

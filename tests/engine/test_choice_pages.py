@@ -1,6 +1,8 @@
-"""n > 1 in the scheduler: choices i > 0 share choice 0's full prompt pages, cache or no cache; each
-computes only the prompt's last partial page (its own: it writes its own tokens there), only once
-choice 0's prompt is scheduled; a shared page is freed when the last choice holding it ends."""
+"""n > 1 in the scheduler: choices i > 0 wait beside choice 0 (`forks`) until its prompt is scheduled
+(or, on a decode node, arrived), then join the running requests at once sharing its full prompt
+pages, cache or no cache; each computes only the prompt's last partial page (its own: it writes its
+own tokens there); a shared page is freed when the last choice holding it ends; a choice whose
+choice 0 ends or is preempted first is admitted as any request."""
 
 from __future__ import annotations
 
@@ -43,7 +45,7 @@ def test_choices_share_the_prompt_pages_and_compute_the_last_partial_page_each(c
     reqs = choices(4)
     for r in reqs:
         s.add(r)
-    # chunks of 16: choice 0's prompt takes two steps; the others wait for it (FCFS behind it)
+    # chunks of 16: choice 0's prompt takes two steps; the others wait beside it
     step, _ = run_step(s)
     assert [(rid, q) for rid, q in zip(step.batch.rids, step.batch.q_lens)] == [("r", 16)]
     step, _ = run_step(s)
@@ -85,29 +87,61 @@ def test_a_shared_page_is_freed_when_the_last_choice_ends(cache):
     s.check_invariants()
 
 
-def test_a_choice_whose_parent_ended_or_was_preempted_starts_from_the_cache():
+def test_a_choice_whose_parent_ends_or_is_preempted_before_its_prompt_is_in_waits_as_any_request():
     s = scheduler(cache=False)
     parent, child = choices(2)
-    parent.finish_reason = "abort"
-    assert s.starting_pages(child) == [] and child.parent is None  # nothing cached: it computes all
-    parent2, child2 = choices(2)
-    s.add(parent2)
+    s.add(parent)
+    s.add(child)
+    assert s.forked() == [child] and list(s.waiting) == [parent]
+    s.schedule()  # choice 0's first chunk (16 of 30)
+    s.preempt(parent)  # back to waiting, its prompt not in: its choice no longer waits for it
+    assert s.forked() == [] and child.parent is None and list(s.waiting) == [parent, child]
+    s.check_invariants()
+    p2, c2 = choices(2)
+    s2 = scheduler(cache=False)
+    s2.add(p2)
+    s2.add(c2)
+    s2.finish(p2, "abort")
+    assert s2.forked() == [] and list(s2.waiting) == [c2] and c2.parent is None
+    p3, c3 = choices(2)
+    s3 = scheduler(cache=False)
+    s3.add(p3)
+    s3.add(c3)
+    s3.finish(c3, "abort")  # a choice aborted while it waited
+    assert s3.forks == {} and list(s3.waiting) == [p3]
+
+
+def test_choice_0_ending_at_its_first_token_leaves_its_choices_the_prompt():
+    s = scheduler(cache=False)
+    reqs = choices(3, max_new=1)
+    for r in reqs:
+        s.add(r)
     s.schedule()
-    assert s.starting_pages(child2) is None  # its parent's prompt is still being scheduled
-    s.preempt(parent2)  # back to waiting: the choice does not wait for it
-    assert s.starting_pages(child2) == [] and child2.parent is None
+    step = s.schedule()  # choice 0's last chunk: its choices join at once, holding the shared pages
+    assert [r.rid for r in s.running] == ["r", "r:n1", "r:n2"]
+    assert s.postprocess(step, [5]) == [reqs[0]]  # choice 0 ends with its first token
+    step = s.schedule()
+    assert list(zip(step.batch.rids, step.batch.starts, step.batch.q_lens)) == [("r:n1", 28, 2), ("r:n2", 28, 2)]
+    assert s.allocator.num_used == 7 + 2  # the prompt's pages live on in the choices
 
 
-def test_a_choice_waits_while_its_parent_kv_is_arriving_on_a_decode_node():
-    s = scheduler(cache=False)
+def test_on_a_decode_node_choices_fork_when_choice_0_arrives():
+    """Choice 0 is preallocated and receives its KV outside the scheduler; its choices wait (holding
+    nothing, past no cap) and join when it does, whatever else runs."""
+    config = EngineConfig(model="tiny-random", page_size=PS, chunked_prefill_size=16, max_running_requests=1)
+    s = Scheduler(config, PageAllocator(64), max_context=256, evict="retract")
+    other = Request("busy", [5, 6, 7], SamplingParams(max_new_tokens=50), PageTable(PS))
+    s.add(other)
+    s.schedule()  # the one running slot is taken
     parent, child = choices(2)
-    for phase in (Phase.PREALLOC, Phase.TRANSFERRING, Phase.RETRACTED, Phase.RESUMING):
-        parent.phase = phase
-        assert s.starting_pages(child) is None
+    parent.phase = Phase.PREALLOC
+    s.add(child)
+    assert s.forked() == [child]
     parent.page_table.pages = s.allocator.allocate("r", 8)
-    parent.num_computed, parent.output_ids = 30, [9]  # transferred: it joins decoding as a prebuilt request
+    parent.num_computed, parent.output_ids = 30, [9]  # its KV and first token arrived
     s.add_prebuilt(parent)
-    assert s.starting_pages(child) == parent.page_table.pages[:7]
+    assert s.forked() == [] and child in s.running and child.page_table.pages[:7] == parent.page_table.pages[:7]
+    s.check_invariants()
 
 
 def test_choice_params_seed_and_prompt_logprobs():

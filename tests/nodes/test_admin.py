@@ -171,8 +171,8 @@ def test_abort_of_an_unknown_or_missing_rid_is_a_clear_error(fleet):
 def test_node_status_config_and_router_only_methods(fleet):
     p, d, _ = fleet
     for node, role, queues in (
-        (p, "prefill", {"waiting", "running", "inflight_microbatches", "bootstrap", "inflight"}),
-        (d, "decode", {"waiting", "running", "inflight_microbatches", "prealloc", "transfer", "retracted"}),
+        (p, "prefill", {"waiting", "running", "forked", "inflight_microbatches", "bootstrap", "inflight"}),
+        (d, "decode", {"waiting", "running", "forked", "inflight_microbatches", "prealloc", "transfer", "retracted"}),
     ):
         st = admin(node.address).GetStatus(admin_pb2.GetStatusRequest(), timeout=10)
         assert (st.role, st.model, st.pp_size, st.serving, st.draining) == (role, "tiny-random", 1, True, False)

@@ -38,7 +38,7 @@ def sampling(n: int = 1, seed: int = 11, **kw) -> common_pb2.SamplingParams:
 def fleet(hard_timeout):
     specs = {
         "c1": ("colocated", 1, TINY),
-        "c2": ("colocated", 2, replace(TINY, disable_prefix_cache=True)),
+        "c2": ("colocated", 2, replace(TINY, disable_prefix_cache=True, max_pending_requests=8)),
         "p": ("prefill", 2, TINY),
         "d": ("decode", 2, TINY),
     }
@@ -137,6 +137,11 @@ def test_a_prefill_node_refuses_n_and_a_continuation_refuses_n(fleet):
     with pytest.raises(grpc.RpcError) as e:
         list(generation_pb2_grpc.GenerationStub(rpc.make_channel(fleet["c1"].address)).Generate(bad, timeout=30))
     assert e.value.details() == "sampling.n must be in [1, 16], got 17"
+    beyond = generation_pb2.GenerateRequest(prompt=token_prompt(PROMPT), sampling=sampling(9))
+    with pytest.raises(grpc.RpcError) as e:  # (it could never fit: not RESOURCE_EXHAUSTED, which is retried)
+        list(generation_pb2_grpc.GenerationStub(rpc.make_channel(fleet["c2"].address)).Generate(beyond, timeout=30))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details() == "sampling.n is 9; this node holds at most 8 requests (--max-pending-requests)"
 
 
 @pytest.mark.parametrize("name", ["c2", "d"])

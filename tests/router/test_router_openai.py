@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvbridge.v1 import common_pb2, generation_pb2
+from router.failures import RouteError
 from router.openai_api import BadRequest, error_body, parse_request
 from router.reply import Reply
 
@@ -151,6 +152,7 @@ def test_chat_messages_and_content_parts():
         (False, {"prompt": [True]}, "prompt", "got [true]"),
         (False, {"prompt": "x", "n": 0}, "n", "n must be an integer in [1, 16], got 0"),
         (False, {"prompt": "x", "n": 17}, "n", "n must be an integer in [1, 16], got 17"),
+        (False, {"prompt": ["x"] * 20, "n": 13}, "n", "20 prompts x n=13 is 260 choices; at most 256"),
         (True, {"messages": [{"role": "user", "content": "q"}], "n": 2.0}, "n", "in [1, 16], got 2.0"),
         (False, {"prompt": "x", "max_tokens": 0}, "max_tokens", "max_tokens must be an integer in [1, 4294967295]"),
         (False, {"prompt": "x", "max_tokens": 1.5}, "max_tokens", "got 1.5"),
@@ -524,3 +526,32 @@ def test_prompt_logprobs_as_vllm_shows_them():
     assert stream.final()["choices"][0]["prompt_logprobs"] == want
     assert stream.final()["choices"][0]["logprobs"] is None and stream.final()["choices"][0]["text"] == "!"
     assert "prompt_logprobs" not in Reply(parse(prompt="q"), "r", "m", created=1).final()["choices"][0]
+
+
+def test_choices_of_a_prompt_list_are_numbered_prompt_times_n_plus_index():
+    reply = Reply(parse(prompt=["a", "b"], n=2, logprobs=1), "r", "m", created=1)
+    lp = _lp(9, "!", -1.5, [(9, "!", -1.5)])
+    for prompt, index, text, completion in ((1, 1, "D", 3), (0, 0, "A", 1), (1, 0, "C", 2), (0, 1, "B", 4)):
+        resp = generation_pb2.GenerateResponse(index=index, token_ids=[9], text=text, logprobs=[lp],
+                                               finish_reason="length")  # fmt: skip
+        resp.usage.prompt_tokens, resp.usage.completion_tokens = 5 + prompt, completion
+        resp.usage.cached_tokens = 4 if index == 0 else 0
+        chunk = reply.add(resp, prompt)
+        assert chunk["choices"][0]["index"] == prompt * 2 + index and chunk["choices"][0]["text"] == text
+    reply.check_complete()
+    out = reply.final()
+    assert [(c["index"], c["text"]) for c in out["choices"]] == [(0, "A"), (1, "B"), (2, "C"), (3, "D")]
+    assert out["usage"] == {"prompt_tokens": 11, "completion_tokens": 10, "total_tokens": 21,
+                            "prompt_tokens_details": {"cached_tokens": 8}}  # fmt: skip
+
+
+def test_a_choice_out_of_range_or_missing_is_data_loss():
+    reply = Reply(parse(prompt="a", n=2), "r", "m", created=1)
+    with pytest.raises(RouteError) as e:
+        reply.add(generation_pb2.GenerateResponse(index=2, text="x"))
+    assert e.value.code == grpc.StatusCode.DATA_LOSS and "choice 2 of a request of n=2" in e.value.message
+    reply.add(generation_pb2.GenerateResponse(index=0, text="x", finish_reason="stop"))
+    assert reply.usage is None  # (not every choice ended)
+    with pytest.raises(RouteError) as e:
+        reply.check_complete()
+    assert e.value.code == grpc.StatusCode.DATA_LOSS and "without choice 1 of 2" in e.value.message
