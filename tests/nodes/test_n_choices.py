@@ -2,7 +2,7 @@
 each equals a run of that choice alone (seed + i); the prompt is computed once (the nodes' own
 count of prefill chunk tokens: the prompt, plus each other choice's last partial page); every page
 is free once the last choice ended. Colocated (pp 1 with the prefix cache, pp 2 without) and
-P pp 2 -> D pp 2, where the decode node forks the choices after the hand-off."""
+P pp {1, 2} -> D pp {1, 2}, where the decode node forks the choices after the hand-off."""
 
 from __future__ import annotations
 
@@ -41,6 +41,8 @@ def fleet(hard_timeout):
         "c2": ("colocated", 2, replace(TINY, disable_prefix_cache=True, max_pending_requests=8)),
         "p": ("prefill", 2, TINY),
         "d": ("decode", 2, TINY),
+        "p1": ("prefill", 1, TINY),
+        "d1": ("decode", 1, TINY),
     }
 
     def start(spec):
@@ -94,8 +96,9 @@ def test_colocated_n4_seeded_choices_differ_and_each_equals_its_run_alone(fleet,
     assert tokens == alone
 
 
-def test_disaggregated_n4_forks_on_the_decode_node_after_the_hand_off(fleet):
-    p, d, c = fleet["p"], fleet["d"], fleet["c2"]
+@pytest.mark.parametrize(("p_name", "d_name"), [("p", "d"), ("p1", "d1"), ("p1", "d"), ("p", "d1")])
+def test_disaggregated_n4_forks_on_the_decode_node_after_the_hand_off(fleet, p_name, d_name):
+    p, d, c = fleet[p_name], fleet[d_name], fleet["c2"]
     clear_cache(p.address, d.address)
     before_p, before_d = prefill_tokens(p), prefill_tokens(d)
     _, responses, prefilled = pd_generate(p.address, d.address, token_prompt(PROMPT), 8, sampling=sampling(4))
