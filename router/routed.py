@@ -108,7 +108,9 @@ class Routed:
         self.finish_reason = ""  # of the last response, once it came
         self.cancelled = asyncio.Event()
         self.why = ""  # the reason of the first cancel(): what the client is told
-        self._last_token_at: float | None = None  # time.monotonic() of the last token-bearing response
+        # time.monotonic() of each choice's last token-bearing response (one choice unless n > 1: a gap
+        # is timed within a choice, not across the interleaved choices of one stream)
+        self._last_token_at: dict[int, float] = {}
         self._calls: list[grpc.aio.Call] = []  # the current attempt's upstream calls, cancelled by cancel()
         self._last_error: RouteError | None = None  # the failure of the last attempt
         self._ended = False  # the request is over: cancel() does nothing any more
@@ -444,12 +446,12 @@ class Routed:
         if not resp.token_ids:
             return
         now = time.monotonic()
-        if self._last_token_at is None:
+        if not self._last_token_at:
             self.dispatcher.metrics.first_token(now - self.received)
             self._log("first_token", seconds=now - self.received)
-        else:
-            self.dispatcher.metrics.token_gap(now - self._last_token_at)
-        self._last_token_at = now
+        elif resp.index in self._last_token_at:
+            self.dispatcher.metrics.token_gap(now - self._last_token_at[resp.index])
+        self._last_token_at[resp.index] = now
         self.output_ids.extend(resp.token_ids)
 
     def _log(self, phase: str, **fields) -> None:

@@ -69,6 +69,12 @@ def test_metrics_count_every_request_by_outcome_and_time_each_token(colocated_no
         responses = list(stub.Generate(make_request([5, 6, 7], stop_token_ids=[second]), timeout=60))
         assert responses[-1].finish_reason == "stop"
         streams.append([x.token_ids[:] for x in responses if x.token_ids])
+        choices = make_request([5, 6, 8], max_new_tokens=4, ignore_eos=True, temperature=1.0, seed=3)
+        choices.sampling.n = 3
+        responses = list(stub.Generate(choices, timeout=60))
+        for i in range(3):  # (gaps are timed within each choice, not across the interleaved ones)
+            streams.append([x.token_ids[:] for x in responses if x.token_ids and x.index == i])
+            assert [x.finish_reason for x in responses if x.index == i][-1] == "length"
         with pytest.raises(grpc.RpcError) as err:
             list(stub.Generate(make_request([5, 1000], max_new_tokens=2), timeout=60))  # 1000: past the vocabulary
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -83,11 +89,11 @@ def test_metrics_count_every_request_by_outcome_and_time_each_token(colocated_no
         assert json.loads(usage.removeprefix("data: "))["usage"]["completion_tokens"] == 3 and done == "data: [DONE]"
 
         after = scrape(r.metrics_port)
-        assert outcomes(after) == {"stop": 1, "length": 4, "abort": 0, "error": 1}
+        assert outcomes(after) == {"stop": 1, "length": 5, "abort": 0, "error": 1}
         timed = counts(after)
         # the two HTTP requests of 3 tokens: at most 2 gaps each (fewer when tokens shared a response)
         assert grpc_gaps <= timed.pop("inter_token_latency") <= grpc_gaps + 2 * (3 - 1)
-        assert timed == {"time_to_first_token": 5, "request_duration": 6}
+        assert timed == {"time_to_first_token": 6, "request_duration": 7}
         retries = {
             dict(labels)["reason"]: v for (name, labels), v in after.items() if name == "kvbridge_router_retries_total"
         }
@@ -115,8 +121,8 @@ def test_metrics_count_every_request_by_outcome_and_time_each_token(colocated_no
         with pytest.raises(grpc.RpcError):
             list(stub.Generate(make_request([5], max_new_tokens=1), timeout=60))  # refused: an error
         end = scrape(r.metrics_port)
-        assert outcomes(end) == {"stop": 1, "length": 4, "abort": 1, "error": 2}
-        assert end[("kvbridge_request_duration_seconds_count", ())] == 8
+        assert outcomes(end) == {"stop": 1, "length": 5, "abort": 1, "error": 2}
+        assert end[("kvbridge_request_duration_seconds_count", ())] == 9
         assert end[("kvbridge_router_draining", ())] == 1
     finally:
         r.stop(grace_s=0)
