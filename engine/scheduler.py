@@ -90,13 +90,16 @@ class Scheduler:
         return len(self.waiting) + len(self.running) + sum(map(len, self.forks.values()))
 
     def add(self, req: Request) -> None:
-        """Queue a new request: a choice whose choice 0 is live waits for its prompt (`forks`)."""
-        if req.parent is not None and not req.parent.finished and not self._prompt_done(req.parent):
-            self.forks.setdefault(req.parent.rid, []).append(req)
-            return
-        self.waiting.append(req)
-        if req.parent is not None:
-            self._fork(req.parent)  # (its prompt is in already)
+        """Queue a new request: a choice whose choice 0 is live waits for its prompt (`forks`), or
+        joins it at once when the prompt is in already."""
+        parent = req.parent
+        if parent is None or parent.finished:
+            req.parent = None
+            self.waiting.append(req)
+        elif self._prompt_done(parent):
+            self._fork(parent, [req])
+        else:
+            self.forks.setdefault(parent.rid, []).append(req)
 
     def forked(self) -> list[Request]:
         """Choices waiting for their choice 0's prompt."""
@@ -105,16 +108,12 @@ class Scheduler:
     def _prompt_done(self, parent: Request) -> bool:
         return parent in self.running and parent.num_computed >= len(parent.prompt_ids)
 
-    def _fork(self, parent: Request) -> None:
-        """`parent`'s prompt is complete (scheduled, or here): its waiting choices join the running
+    def _fork(self, parent: Request, choices: list[Request]) -> None:
+        """`parent`'s prompt is complete (scheduled, or here): these choices of it join the running
         requests, sharing its full prompt pages (those before its last prompt token), each with pages
         of its own for the rest; one that cannot get them waits as any request does."""
         ps = self.config.page_size
-        choices = self.forks.pop(parent.rid, [])
-        choices += [r for r in self.waiting if r.parent is parent]  # (added after its prompt was in)
         for req in choices:
-            if req in self.waiting:
-                self.waiting.remove(req)
             shared = parent.page_table.pages[: (len(req.prompt_ids) - 1) // ps]
             need = req.page_table.num_pages_needed(req.num_tokens) - len(shared)
             if not self.allocator.can_take(need, shared):
@@ -132,8 +131,6 @@ class Scheduler:
             self.waiting.append(req)
 
     def schedule(self, max_decodes: int | None = None) -> ScheduledStep | None:
-        for choices in [rs for rs in self.forks.values() if rs and self._prompt_done(rs[0].parent)]:
-            self._fork(choices[0].parent)  # (choice 0 came back from a retraction, say)
         decodes = self._schedule_decodes(max_decodes)
         budget = self.config.chunked_prefill_size or 1 << 62
         chunks: list[tuple[Request, int]] = []
@@ -239,7 +236,7 @@ class Scheduler:
             req.awaiting_output = sample[-1]
             self.index(req)
             if req.rid in self.forks and req.num_computed >= len(req.prompt_ids):
-                self._fork(req)  # its prompt is in: its choices compute their last page in the next step
+                self._fork(req, self.forks.pop(req.rid))  # its choices compute their last page next step
         batch = ForwardBatch(
             rids=tuple(r.rid for r in requests),
             starts=tuple(starts),
@@ -356,7 +353,8 @@ class Scheduler:
         whose first token is known: it joins decoding directly."""
         assert req.output_ids and req.num_computed == len(req.prompt_ids), req.rid
         self.running.append(req)
-        self._fork(req)
+        if req.rid in self.forks:
+            self._fork(req, self.forks.pop(req.rid))
 
     def check_invariants(self, elsewhere: Iterable[Request] = ()) -> None:
         """`elsewhere`: requests holding pages outside the running list (a decode node's preallocated

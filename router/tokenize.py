@@ -63,13 +63,13 @@ async def echo_texts(req: OpenAIRequest, pool: NodePool, prompts: Prompts) -> li
     decoded (special tokens kept). Refused (an answer other than 200) when one cannot be."""
     if not req.echo:
         return None
-    texts = []
+    texts, tokenizer = [], None
     for prompt in req.prompts:
         if prompt.WhichOneof("kind") == "text":
             texts.append(prompt.text)
             continue
         try:
-            tokenizer = await _tokenizer(prompts, _served(pool, req.model))
+            tokenizer = tokenizer or await _tokenizer(prompts, _served(pool, req.model))
             texts.append((await asyncio.to_thread(_detokenized, list(prompt.token_ids.ids), tokenizer))["prompt"])
         except BadRequest as e:
             param = "prompt" if e.param == "tokens" else e.param

@@ -152,3 +152,18 @@ def test_choice_params_seed_and_prompt_logprobs():
     for bad in (0, 17):
         with pytest.raises(ValueError, match=rf"n must be in \[1, 16\], got {bad}"):
             SamplingParams(n=bad)
+
+
+def test_a_choice_added_after_its_prompt_is_in_joins_at_once_and_one_of_an_ended_choice_0_waits():
+    s = scheduler(cache=False)
+    parent, late = choices(2)
+    s.add(parent)
+    s.schedule()
+    s.schedule()  # choice 0's prompt is in
+    s.add(late)
+    assert late in s.running and late.page_table.pages[:7] == parent.page_table.pages[:7] and not s.forks
+    ended, orphan = choices(2)
+    ended.finish_reason, orphan.rid = "abort", "o:n1"
+    s.add(orphan)
+    assert list(s.waiting) == [orphan] and orphan.parent is None
+    s.check_invariants()
