@@ -12,21 +12,36 @@ senders are servers and channels too.
     --admin-key-file FILE             Admin calls need `authorization: Bearer KEY`
                                       (UNAUTHENTICATED without, PERMISSION_DENIED for another key)
     --api-key-file FILE (router)      Generation calls and the HTTP API need the same bearer
+    --fleet-key-file FILE             the fleet key: what the processes of one fleet sign and check
+                                      the KV hand-off with (routes, layouts, registrations); default:
+                                      $KVBRIDGE_CACHE/fleet.key, made on first use, mode 0600
 
-Without flags nothing changes: plaintext, no keys (local development). Keys are compared in
-constant time and never logged (their fields are left out of repr).
+Without flags nothing changes but the fleet key: plaintext, no keys (local development), and every
+process of one user on one host shares the default fleet key file. Keys are compared in constant
+time and never logged (their fields are left out of repr).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
+import hashlib
 import hmac
+import json
 import os
+import secrets
 import ssl
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from google.protobuf import json_format
+
+from common.paths import cache_dir
+
 MAX_KEY_BYTES = 4096  # a key file is one line
+MIN_FLEET_KEY_CHARS = 32  # a fleet key file holds at least this many characters (`openssl rand -hex 32`: 64)
+FLEET_KEY_FILE = "fleet.key"  # the default fleet key, in cache_dir()
 
 
 @dataclass(frozen=True)
@@ -36,6 +51,7 @@ class Security:
     ca_file: str = ""  # PEM CA bundle peers must be signed by ("" = no client certificates asked for)
     admin_key: str = field(default="", repr=False)  # required on Admin calls; "" = Admin is open
     api_key: str = field(default="", repr=False)  # required on the router's Generation and HTTP API
+    fleet_key: bytes = field(default=b"", repr=False)  # --fleet-key-file's key; b"" = the default file's
 
     def __post_init__(self) -> None:
         if bool(self.cert_file) != bool(self.key_file):
@@ -53,6 +69,10 @@ class Security:
     @property
     def mutual(self) -> bool:
         return bool(self.ca_file)
+
+    def fleet(self) -> bytes:
+        """The fleet key: --fleet-key-file's, else the default file's (made on first use)."""
+        return self.fleet_key or default_fleet_key()
 
     def pem(self) -> tuple[bytes, bytes, bytes | None]:
         """(certificate chain, private key, CA bundle or None), read now."""
@@ -96,6 +116,74 @@ def read_key(path: str, flag: str) -> str:
     return key.decode()
 
 
+def read_fleet_key(path: str, flag: str = "--fleet-key-file") -> bytes:
+    """A fleet key file's key (read_key's rules, and at least MIN_FLEET_KEY_CHARS characters)."""
+    key = read_key(path, flag)
+    if len(key) < MIN_FLEET_KEY_CHARS:
+        raise ValueError(
+            f"{flag}: {path!r} holds {len(key)} characters; a fleet key has at least {MIN_FLEET_KEY_CHARS}"
+            " (e.g. `openssl rand -hex 32`)"
+        )
+    return key.encode()
+
+
+def default_fleet_key() -> bytes:
+    """The key in $KVBRIDGE_CACHE/fleet.key, which the first process of the user to need it makes
+    (mode 0600): every process of one user on one host agrees on it with no configuration, and
+    other users cannot read it (the trust boundary of the shm pool segments). ValueError naming
+    the file when it cannot be made or read, or when other users may read it."""
+    return _fleet_key_at(cache_dir() / FLEET_KEY_FILE)
+
+
+@functools.cache
+def _fleet_key_at(path: Path) -> bytes:
+    try:
+        if not path.exists():
+            _create_key_file(path)
+        st = path.stat()
+    except OSError as e:
+        raise ValueError(
+            f"the default fleet key {str(path)!r} cannot be made: {e.strerror or e} (or give --fleet-key-file)"
+        ) from None
+    if st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise ValueError(
+            f"the default fleet key {str(path)!r} must belong to this user with mode 0600, "
+            f"not uid {st.st_uid} mode {st.st_mode & 0o777:o}"
+        )
+    return read_fleet_key(str(path), "the default fleet key")
+
+
+def _create_key_file(path: Path) -> None:
+    """Write a fresh key beside `path`, then link it there: readers see no file or the whole key,
+    and of two processes racing, the second's link fails and both read the first's."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(8)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32) + "\n")
+        with contextlib.suppress(FileExistsError):  # another process made it first: its key is the one
+            os.link(tmp, path)
+    finally:
+        tmp.unlink()
+
+
+def message_proof(key: bytes, msg, nonce: bytes = b"") -> bytes:
+    """HMAC-SHA256 under the fleet key of protobuf message `msg`'s fields but `proof` (canonical
+    JSON: sorted keys, no spaces), after `nonce` (a peer's challenge; hex, then NUL) and the
+    message's type name (a proof of one kind of message never passes for another)."""
+    fields = json_format.MessageToDict(msg, preserving_proto_field_name=True)
+    fields.pop("proof", None)
+    body = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
+    head = f"{msg.DESCRIPTOR.full_name}\0{nonce.hex()}\0".encode()
+    return hmac.new(key, head + body, hashlib.sha256).digest()
+
+
+def message_proof_ok(key: bytes, msg, nonce: bytes = b"") -> bool:
+    """`msg.proof` is message_proof's (compared in constant time)."""
+    return hmac.compare_digest(msg.proof, message_proof(key, msg, nonce))
+
+
 def bearer(metadata, key: str) -> str:
     """ "" when `metadata` ((name, value) pairs) carries `authorization: Bearer <key>`, else the
     gRPC status name to refuse with: UNAUTHENTICATED (no bearer) or PERMISSION_DENIED (another)."""
@@ -115,7 +203,7 @@ def auth_metadata(key: str) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {key}"),) if key else ()
 
 
-def add_tls_flags(parser: argparse.ArgumentParser, admin_key: bool = True) -> None:
+def add_tls_flags(parser: argparse.ArgumentParser, admin_key: bool = True, fleet_key: bool = True) -> None:
     group = parser.add_argument_group("security (SECURITY.md)")
     group.add_argument("--tls-cert", default="", metavar="FILE", help="PEM certificate: TLS on every port")
     group.add_argument("--tls-key", default="", metavar="FILE", help="PEM private key of --tls-cert")
@@ -126,15 +214,22 @@ def add_tls_flags(parser: argparse.ArgumentParser, admin_key: bool = True) -> No
         group.add_argument(
             "--admin-key-file", default="", metavar="FILE", help="Admin calls need this key (Bearer); off when absent"
         )
+    if fleet_key:
+        group.add_argument(
+            "--fleet-key-file", default="", metavar="FILE",
+            help=f"the fleet's shared key (one line, >= {MIN_FLEET_KEY_CHARS} characters): give every process of a "
+            f"fleet across hosts the same file (default: $KVBRIDGE_CACHE/{FLEET_KEY_FILE}, made on first use)",
+        )  # fmt: skip
 
 
 def from_flags(args: argparse.Namespace, api_key_file: str = "") -> Security:
     """The process's Security from add_tls_flags' flags; ValueError naming the bad flag."""
-    admin_file = getattr(args, "admin_key_file", "")
+    admin_file, fleet_file = getattr(args, "admin_key_file", ""), getattr(args, "fleet_key_file", "")
     return Security(
         cert_file=args.tls_cert,
         key_file=args.tls_key,
         ca_file=args.tls_ca,
         admin_key=read_key(admin_file, "--admin-key-file") if admin_file else "",
         api_key=read_key(api_key_file, "--api-key-file") if api_key_file else "",
+        fleet_key=read_fleet_key(fleet_file) if fleet_file else b"",
     )

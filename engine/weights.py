@@ -21,6 +21,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from common.paths import cache_dir
 from common.progress import Progress
 from engine.config import ModelConfig
 from engine.tokenizer import Tokenizer
@@ -37,10 +38,6 @@ class LoadedModel:
     tokenizer: Tokenizer | None  # None: the model takes token-id prompts only
     fingerprint: str  # hex digest of the weights' source bytes; equal fingerprints = same model
     source: str  # the path or preset it came from
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("KVBRIDGE_CACHE", Path.home() / ".cache" / "kvbridge"))
 
 
 def load_model(spec: str, *, progress: bool = True) -> LoadedModel:

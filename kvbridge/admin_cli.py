@@ -194,7 +194,7 @@ def add_admin_parser(subparsers) -> argparse.ArgumentParser:
     common.add_argument("--target", required=True, metavar="HOST:PORT", help="the node's or router's gRPC address")
     common.add_argument("--timeout", default="10", metavar="SECONDS", help="deadline of each call (default: 10)")
     common.add_argument("--json", action="store_true", help="print one JSON object")
-    add_tls_flags(common, admin_key=False)
+    add_tls_flags(common, admin_key=False, fleet_key=False)
     common.add_argument("--key-file", default="", metavar="FILE", help="the target's admin key (its --admin-key-file)")
 
     parser = subparsers.add_parser("admin", help="operate a running node or router (its Admin service)")
