@@ -1,6 +1,7 @@
 """The decode node's gRPC front: Generation (the router's half of a disaggregated request),
-Admin, health and reflection on one port. It checks the prefill node's layout, picks the
-transfer backend, and registers each preallocated room with the prefill node."""
+Admin, health and reflection on one port. It checks the route (signed by a fleet member) and the
+prefill node's layout (signed over a nonce of its own: a prefill node of the fleet), picks the
+transfer backend, and registers each preallocated room with the prefill node, signed."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common import rpc, sampling
 from common.limits import normalized_address
+from common.security import message_proof, message_proof_ok
 from decode_node.node import DecodeNode
 from kv_transfer import NodeLayout, choose_backend, incompatibility
 from kv_transfer import adapters as kv_wire
@@ -34,6 +36,11 @@ MAX_PEERS = 256  # prefill nodes known at once (each holds a channel and a healt
 CALL_DEADLINE_S = 10.0  # GetLayout on the prefill node
 WATCH_DEADLINE_S = 60.0  # a peer's health stream is re-opened this often
 WATCH_RETRY_S = 0.1  # pause before re-opening a health stream the peer cancelled
+NONCE_BYTES = 32  # GetLayout's challenge
+
+
+class NotInFleet(Exception):
+    """A peer that cannot prove the fleet key: nothing is sent to it."""
 
 
 class PrefillPeers:
@@ -46,10 +53,12 @@ class PrefillPeers:
 
     Addresses come from clients (GenerateRequest.prefill.prefill_addr): they are keyed in one
     spelling (common.limits.normalized_address), and at most MAX_PEERS are kept, the least
-    recently used forgotten first."""
+    recently used forgotten first. A peer is kept only once its layout came signed with the fleet
+    key over a fresh nonce: one without the key is never registered with (NotInFleet)."""
 
-    def __init__(self, on_down: Callable[[str], None] = lambda addr: None):
+    def __init__(self, on_down: Callable[[str], None] = lambda addr: None, fleet_key: bytes = b""):
         self.on_down = on_down
+        self.fleet_key = fleet_key or rpc.security().fleet()
         self._peers: dict[str, tuple[prefill_pb2_grpc.BootstrapStub, NodeLayout]] = {}
         self._fetching: dict[str, asyncio.Task] = {}  # addr -> the GetLayout in flight (one per peer)
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -57,7 +66,8 @@ class PrefillPeers:
         self._closed = False
 
     async def get(self, addr: str) -> tuple[prefill_pb2_grpc.BootstrapStub, NodeLayout]:
-        """Raises grpc.RpcError (unreachable) or ValueError (a malformed address or layout)."""
+        """Raises grpc.RpcError (unreachable), ValueError (a malformed address or layout) or
+        NotInFleet (its layout's proof is not the fleet key's)."""
         addr = normalized_address(addr, "prefill_addr")
         if addr in self._peers:
             self._peers[addr] = self._peers.pop(addr)  # the most recently used goes last
@@ -71,9 +81,14 @@ class PrefillPeers:
     async def _fetch(self, addr: str) -> tuple[prefill_pb2_grpc.BootstrapStub, NodeLayout]:
         channel = rpc.make_aio_channel(addr)
         stub = prefill_pb2_grpc.BootstrapStub(channel)
+        nonce = secrets.token_bytes(NONCE_BYTES)
         try:
-            answer = await stub.GetLayout(prefill_pb2.GetLayoutRequest(), timeout=CALL_DEADLINE_S)
-            layout = kv_wire.layout_from_proto(answer)
+            answer = await stub.GetLayout(prefill_pb2.GetLayoutRequest(nonce=nonce), timeout=CALL_DEADLINE_S)
+            if not message_proof_ok(self.fleet_key, answer, nonce):
+                raise NotInFleet(
+                    f"{addr} is not a prefill node of this fleet (its layout is not signed with the fleet key)"
+                )
+            layout = kv_wire.layout_from_proto(answer.layout)
         except BaseException:
             await channel.close()
             raise
@@ -151,6 +166,12 @@ class DecodeGenerationService(generation_pb2_grpc.GenerationServicer):
                 f"a decode node serves disaggregated requests: prefill.room and prefill.prefill_addr are required, "
                 f"got {route.room} {rpc.shown(route.prefill_addr)}",
             )
+        if not message_proof_ok(self.peers.fleet_key, route):  # the router's: no caller picks rooms or peers
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"prefill route (room {route.room}) not signed by a fleet member (PrefillRoute.proof is not the "
+                "fleet key's; SECURITY.md)",
+            )
         try:
             prefill_addr = normalized_address(route.prefill_addr, "prefill.prefill_addr")
         except ValueError as e:
@@ -161,6 +182,8 @@ class DecodeGenerationService(generation_pb2_grpc.GenerationServicer):
             await context.abort(
                 grpc.StatusCode.UNAVAILABLE, f"prefill node {prefill_addr}: {(e.details() or '')[:200]}"
             )
+        except NotInFleet as e:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
         except ValueError as e:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"prefill node {prefill_addr}: {str(e)[:200]}")
         problem = incompatibility(layout, self.node.layout)
@@ -239,6 +262,7 @@ class DecodeGenerationService(generation_pb2_grpc.GenerationServicer):
             decode_addr=self.server.address,
             secret=bytes.fromhex(secret),
         )
+        req.proof = message_proof(self.peers.fleet_key, req)  # the pages are this node's: only it names them
         try:
             # answered once the prefill node's rank 0 ruled on it: under a burst, behind its queue
             await stub.Register(req, timeout=self.node.ranks.config.transfer_timeout_s)

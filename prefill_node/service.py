@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import grpc
 
-from common import sampling
+from common import rpc, sampling
 from common.rpc import shown
+from common.security import message_proof, message_proof_ok
 from kv_transfer import adapters as kv_wire
 from kv_transfer.layout import incompatibility
 from kvbridge.v1 import prefill_pb2, prefill_pb2_grpc
@@ -15,6 +16,7 @@ from serving.front import Overloaded
 from serving.server import NodeServer
 
 SERVICES = ("kvbridge.v1.Prefill", "kvbridge.v1.Bootstrap", "kvbridge.v1.Admin", "kvbridge.v1.KVEvents")
+NONCE_BYTES = (16, 64)  # a GetLayout nonce's length, [min, max]
 
 
 class PrefillService(prefill_pb2_grpc.PrefillServicer):
@@ -60,21 +62,37 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
 
 
 class BootstrapService(prefill_pb2_grpc.BootstrapServicer):
-    """Served while draining too: the rooms of requests in flight still get registered."""
+    """Served while draining too: the rooms of requests in flight still get registered. Both calls
+    prove the fleet key: GetLayout signs its answer over the caller's nonce, and Register is
+    refused unless signed with it (only a decode node of the fleet names pages to write)."""
 
     def __init__(self, server: NodeServer):
         self.server = server
+        self.fleet_key = rpc.security().fleet()  # (read now: a key file that cannot be read fails the start)
 
     @property
     def node(self) -> PrefillNode:
         return self.server.node
 
     async def GetLayout(self, request, context):
+        if not NONCE_BYTES[0] <= len(request.nonce) <= NONCE_BYTES[1]:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"nonce must be {NONCE_BYTES[0]}..{NONCE_BYTES[1]} bytes, got {len(request.nonce)}",
+            )
         if self.node is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the prefill node is still loading")
-        return kv_wire.layout_to_proto(self.node.layout)
+        answer = prefill_pb2.GetLayoutResponse(layout=kv_wire.layout_to_proto(self.node.layout))
+        answer.proof = message_proof(self.fleet_key, answer, request.nonce)
+        return answer
 
     async def Register(self, request, context):
+        if not message_proof_ok(self.fleet_key, request):  # before anything else: nothing is kept of it
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"room {request.room}: registration not signed by a fleet member (RegisterRequest.proof is not "
+                "the fleet key's; SECURITY.md)",
+            )
         if self.node is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the prefill node is still loading")
         try:

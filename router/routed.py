@@ -59,9 +59,11 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from common import rpc
 from common.limits import room_tag
 from common.logs import log_event
 from common.metrics import outcome_of
+from common.security import message_proof
 from kvbridge.v1 import generation_pb2, generation_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from router.failures import MIGRATED_CODES, RETRIED_CODES, Interrupted, Migrate, Retry, RouteError, TimedOut
 from router.pool import Node, Pick
@@ -312,6 +314,7 @@ class Routed:
         dreq = generation_pb2.GenerateRequest()
         dreq.CopyFrom(request)
         dreq.prefill.room, dreq.prefill.prefill_addr = self.room, p.address
+        dreq.prefill.proof = message_proof(rpc.security().fleet(), dreq.prefill)  # D registers only routes of its fleet
         preq = prefill_pb2.PrefillRequest(
             rid=request.rid, room=self.room, prompt=request.prompt, sampling=request.sampling,
             cache_salt=request.cache_salt, resume_ids=request.resume_ids,

@@ -35,6 +35,7 @@ class Router:
         self.metrics_server: MetricsServer | None = None
         self._stopped = False
         try:
+            rpc.security().fleet()  # (read now: a fleet key file that cannot be read fails the start, not a request)
             self.pool = NodePool(config.nodes, config.health_retry_s, self.loop, policy=config.policy)
             targets = [parse_target(spec) for spec in config.discover]
             self.discovery = Discovery(self.pool, targets) if targets else None

@@ -12,6 +12,7 @@ import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from common import rpc
+from common.security import message_proof
 from engine.config import EngineConfig, PPConfig
 from kvbridge.nodes import start_node
 from kvbridge.v1 import (
@@ -26,6 +27,18 @@ from kvbridge.v1 import (
 from serving.config import NodeConfig
 
 TINY = EngineConfig(model="tiny-random", page_size=4, kv_cache_tokens=4096, chunked_prefill_size=16)
+
+
+def fleet_signed(msg, nonce: bytes = b""):
+    """`msg` with its proof set as a fleet member sets it: this test process holds the fleet key of
+    the nodes it starts in-process (the default file's)."""
+    msg.proof = message_proof(rpc.security().fleet(), msg, nonce)
+    return msg
+
+
+def signed_route(room: int, prefill_addr: str) -> generation_pb2.PrefillRoute:
+    """A PrefillRoute as the router makes it."""
+    return fleet_signed(generation_pb2.PrefillRoute(room=room, prefill_addr=prefill_addr))
 
 
 def start_nodes(specs: dict[str, tuple], config: EngineConfig = TINY) -> dict:
@@ -83,7 +96,7 @@ def pd_generate(
         rid=rid,
         prompt=prompt,
         sampling=sampling,
-        prefill=generation_pb2.PrefillRoute(room=room, prefill_addr=p_addr),
+        prefill=signed_route(room, p_addr),
         cache_salt=salt,
     )
     stream = generation_pb2_grpc.GenerationStub(rpc.make_channel(d_addr)).Generate(req, timeout=timeout)

@@ -8,12 +8,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PrefillRoute(_message.Message):
-    __slots__ = ("room", "prefill_addr")
+    __slots__ = ("room", "prefill_addr", "proof")
     ROOM_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ADDR_FIELD_NUMBER: _ClassVar[int]
+    PROOF_FIELD_NUMBER: _ClassVar[int]
     room: int
     prefill_addr: str
-    def __init__(self, room: _Optional[int] = ..., prefill_addr: _Optional[str] = ...) -> None: ...
+    proof: bytes
+    def __init__(self, room: _Optional[int] = ..., prefill_addr: _Optional[str] = ..., proof: _Optional[bytes] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("rid", "prompt", "sampling", "prefill", "cache_salt", "resume_ids")

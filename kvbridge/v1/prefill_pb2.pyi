@@ -40,8 +40,18 @@ class PrefillResponse(_message.Message):
     def __init__(self, rid: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., first_token: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class GetLayoutRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("nonce",)
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    nonce: bytes
+    def __init__(self, nonce: _Optional[bytes] = ...) -> None: ...
+
+class GetLayoutResponse(_message.Message):
+    __slots__ = ("layout", "proof")
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    PROOF_FIELD_NUMBER: _ClassVar[int]
+    layout: KVLayout
+    proof: bytes
+    def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., proof: _Optional[bytes] = ...) -> None: ...
 
 class RankEndpoint(_message.Message):
     __slots__ = ("rank", "layer_start", "layer_end", "receiver_addr", "shm_name", "torch_addr", "torch_key")
@@ -86,7 +96,7 @@ class KVLayout(_message.Message):
     def __init__(self, model_fingerprint: _Optional[str] = ..., num_layers: _Optional[int] = ..., page_size: _Optional[int] = ..., dtype: _Optional[str] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., num_pages: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankEndpoint, _Mapping]]] = ..., backends: _Optional[_Iterable[str]] = ..., host_id: _Optional[str] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("rid", "room", "backend", "decode_layout", "page_ids", "decode_addr", "secret", "held_pages")
+    __slots__ = ("rid", "room", "backend", "decode_layout", "page_ids", "decode_addr", "secret", "held_pages", "proof")
     RID_FIELD_NUMBER: _ClassVar[int]
     ROOM_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
@@ -95,6 +105,7 @@ class RegisterRequest(_message.Message):
     DECODE_ADDR_FIELD_NUMBER: _ClassVar[int]
     SECRET_FIELD_NUMBER: _ClassVar[int]
     HELD_PAGES_FIELD_NUMBER: _ClassVar[int]
+    PROOF_FIELD_NUMBER: _ClassVar[int]
     rid: str
     room: int
     backend: str
@@ -103,7 +114,8 @@ class RegisterRequest(_message.Message):
     decode_addr: str
     secret: bytes
     held_pages: int
-    def __init__(self, rid: _Optional[str] = ..., room: _Optional[int] = ..., backend: _Optional[str] = ..., decode_layout: _Optional[_Union[KVLayout, _Mapping]] = ..., page_ids: _Optional[_Iterable[int]] = ..., decode_addr: _Optional[str] = ..., secret: _Optional[bytes] = ..., held_pages: _Optional[int] = ...) -> None: ...
+    proof: bytes
+    def __init__(self, rid: _Optional[str] = ..., room: _Optional[int] = ..., backend: _Optional[str] = ..., decode_layout: _Optional[_Union[KVLayout, _Mapping]] = ..., page_ids: _Optional[_Iterable[int]] = ..., decode_addr: _Optional[str] = ..., secret: _Optional[bytes] = ..., held_pages: _Optional[int] = ..., proof: _Optional[bytes] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ()

@@ -100,7 +100,9 @@ class Prefill:
 
 
 class BootstrapStub:
-    """Missing associated documentation comment in .proto file."""
+    """Both calls prove the fleet key (SECURITY.md): a proof is HMAC-SHA256 under it of the message's
+    other fields (common/security.py message_proof), so neither side trusts a peer without the key.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -111,7 +113,7 @@ class BootstrapStub:
         self.GetLayout = channel.unary_unary(
                 '/kvbridge.v1.Bootstrap/GetLayout',
                 request_serializer=kvbridge_dot_v1_dot_prefill__pb2.GetLayoutRequest.SerializeToString,
-                response_deserializer=kvbridge_dot_v1_dot_prefill__pb2.KVLayout.FromString,
+                response_deserializer=kvbridge_dot_v1_dot_prefill__pb2.GetLayoutResponse.FromString,
                 _registered_method=True)
         self.Register = channel.unary_unary(
                 '/kvbridge.v1.Bootstrap/Register',
@@ -121,17 +123,19 @@ class BootstrapStub:
 
 
 class BootstrapServicer:
-    """Missing associated documentation comment in .proto file."""
+    """Both calls prove the fleet key (SECURITY.md): a proof is HMAC-SHA256 under it of the message's
+    other fields (common/security.py message_proof), so neither side trusts a peer without the key.
+    """
 
     def GetLayout(self, request, context):
-        """This node's KV layout; decode nodes fetch it once per prefill node.
+        """This node's KV layout, signed over the caller's nonce; decode nodes fetch it once per prefill node.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Register(self, request, context):
-        """A decode node announces where the pages of `room` go.
+        """A decode node announces where the pages of `room` go (refused, PERMISSION_DENIED, unless signed).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -143,7 +147,7 @@ def add_BootstrapServicer_to_server(servicer, server):
             'GetLayout': grpc.unary_unary_rpc_method_handler(
                     servicer.GetLayout,
                     request_deserializer=kvbridge_dot_v1_dot_prefill__pb2.GetLayoutRequest.FromString,
-                    response_serializer=kvbridge_dot_v1_dot_prefill__pb2.KVLayout.SerializeToString,
+                    response_serializer=kvbridge_dot_v1_dot_prefill__pb2.GetLayoutResponse.SerializeToString,
             ),
             'Register': grpc.unary_unary_rpc_method_handler(
                     servicer.Register,
@@ -159,7 +163,9 @@ def add_BootstrapServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Bootstrap:
-    """Missing associated documentation comment in .proto file."""
+    """Both calls prove the fleet key (SECURITY.md): a proof is HMAC-SHA256 under it of the message's
+    other fields (common/security.py message_proof), so neither side trusts a peer without the key.
+    """
 
     @staticmethod
     def GetLayout(request,
@@ -177,7 +183,7 @@ class Bootstrap:
             target,
             '/kvbridge.v1.Bootstrap/GetLayout',
             kvbridge_dot_v1_dot_prefill__pb2.GetLayoutRequest.SerializeToString,
-            kvbridge_dot_v1_dot_prefill__pb2.KVLayout.FromString,
+            kvbridge_dot_v1_dot_prefill__pb2.GetLayoutResponse.FromString,
             options,
             channel_credentials,
             insecure,

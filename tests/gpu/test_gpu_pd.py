@@ -84,9 +84,9 @@ def test_disaggregated_on_one_device_equals_colocated(device, fleet, reference, 
         assert responses[0].transfer.backend == backend and responses[0].transfer.kv_bytes > 0
         assert prefill_result.first_token == want[0] and prefill_result.prompt_tokens == len(prompt)
     layout = prefill_pb2_grpc.BootstrapStub(rpc.make_channel(prefill.address)).GetLayout(
-        prefill_pb2.GetLayoutRequest(), timeout=10
+        prefill_pb2.GetLayoutRequest(nonce=bytes(16)), timeout=10
     )
-    assert layout.dtype == dtype
+    assert layout.layout.dtype == dtype
     for node in (prefill, decode):
         st = wait_idle(node.address)
         assert [r.kv_pages_used for r in st.ranks] == [0] * len(st.ranks)

@@ -51,7 +51,7 @@ from router.config import RouterConfig
 from router.server import start_router
 from serving.config import NodeConfig
 from tests.conftest import hard_deadline
-from tests.pd import TINY, token_prompt
+from tests.pd import TINY, fleet_signed, signed_route, token_prompt
 
 HARD_TIMEOUT_S = 900  # a test module (slow run included); faulthandler dumps every thread and exits past it
 VOCAB = 320  # tiny-random
@@ -108,7 +108,8 @@ class FakePrefill:
 
         class Servicer(prefill_pb2_grpc.BootstrapServicer):
             def GetLayout(self, request, context):
-                return kv_wire.layout_to_proto(outer.layout)
+                answer = prefill_pb2.GetLayoutResponse(layout=kv_wire.layout_to_proto(outer.layout))
+                return fleet_signed(answer, request.nonce)
 
             def Register(self, request, context):
                 with outer._cv:
@@ -260,7 +261,7 @@ def pd_call(f: Fleet, rid: str, room: int, prompt, sampling, max_responses: int 
     Returns (D's code, D's details, tokens, P's response or RpcError or None if cancelled)."""
     preq = prefill_pb2.PrefillRequest(rid=rid, room=room, prompt=prompt, sampling=sampling)
     pcall = client(prefill_pb2_grpc.PrefillStub, f.p.address).Prefill.future(preq, timeout=CALL_S)
-    route = generation_pb2.PrefillRoute(room=room, prefill_addr=f.p.address)
+    route = signed_route(room, f.p.address)
     dreq = generation_pb2.GenerateRequest(rid=rid, prompt=prompt, sampling=sampling, prefill=route)
     code, details, tokens = generate(f.d.address, dreq, max_responses)
     try:

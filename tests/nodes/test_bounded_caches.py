@@ -16,10 +16,11 @@ from kv_transfer import make_sender
 from kv_transfer import sender as sender_module
 from kv_transfer.adapters import layout_to_proto
 from kv_transfer.layout import RankInfo
-from kvbridge.v1 import prefill_pb2_grpc
+from kvbridge.v1 import prefill_pb2, prefill_pb2_grpc
 from router import pool as pool_module
 from router.pool import NodePool, PoolFull
 from tests.kv_transfer.test_kv_transfer_sender import layout_of, make_prefill_pool
+from tests.pd import fleet_signed
 
 
 @pytest.mark.parametrize(
@@ -58,7 +59,8 @@ class LayoutOnly(prefill_pb2_grpc.BootstrapServicer):
 
     def GetLayout(self, request, context):
         self.fetches += 1
-        return layout_to_proto(layout_of([RankInfo(0, 0, 6, receiver_addr="127.0.0.1:1")]))
+        layout = layout_to_proto(layout_of([RankInfo(0, 0, 6, receiver_addr="127.0.0.1:1")]))
+        return fleet_signed(prefill_pb2.GetLayoutResponse(layout=layout), request.nonce)
 
 
 def test_a_decode_nodes_prefill_peers_are_a_bounded_lru(monkeypatch):

@@ -43,7 +43,7 @@ from tests.nodes.fuzz_fleet import (
     tried,
     unique,
 )
-from tests.pd import token_prompt
+from tests.pd import signed_route, token_prompt
 
 fleet = fleet_fixture()
 
@@ -134,7 +134,7 @@ def routes(draw, f: Fleet):
         addr = draw(
             st.one_of(st.sampled_from(GARBAGE_ADDRS), st.just(""), TEXT.map(lambda t: "unix:/nonexistent/" + t))
         )
-    return kind, generation_pb2.PrefillRoute(room=room, prefill_addr=addr)
+    return kind, signed_route(room, addr)
 
 
 def decode_input(f: Fleet, kind: str, route, rid: str, prompt, sampling, duplicate: bool) -> None:
@@ -157,7 +157,7 @@ def decode_input(f: Fleet, kind: str, route, rid: str, prompt, sampling, duplica
     holder = None
     if duplicate and rid and kind == "prefill" and route.room and node_rid_checks(rid, Expect()).ok:
         hreq = holder_request(rid)
-        hreq.prefill.CopyFrom(generation_pb2.PrefillRoute(room=secrets.randbits(62) + 1, prefill_addr=f.p.address))
+        hreq.prefill.CopyFrom(signed_route(secrets.randbits(62) + 1, f.p.address))
         holder = Holder(f.d.address, hreq, list_at=f.d.address)
         e.add(C.INVALID_ARGUMENT, "duplicate request id")
     try:

@@ -20,7 +20,6 @@ from hypothesis import strategies as st
 
 from kv_transfer import adapters as kv_wire
 from kvbridge.v1 import (
-    generation_pb2,
     generation_pb2_grpc,
     kv_transfer_pb2,
     kv_transfer_pb2_grpc,
@@ -54,6 +53,7 @@ from tests.nodes.fuzz_fleet import (
     tried,
     unique,
 )
+from tests.pd import fleet_signed, signed_route
 
 fleet = fleet_fixture()
 
@@ -215,8 +215,15 @@ def register_input(f: Fleet, draw) -> None:
         held_pages=held,
     )
     req.secret = secret
+    signed = draw(mostly(st.just(True), st.just(False)))
+    if signed:
+        fleet_signed(req)
+    else:  # none, or another key's
+        req.proof = draw(st.one_of(st.just(b""), st.binary(min_size=32, max_size=32)))
     tried("prefill+bootstrap")
     e = layout_expect(layout, kv_wire.layout_to_proto(f.p.node.layout))
+    if not signed:  # checked first: nothing else of it is looked at
+        e = Expect([(C.PERMISSION_DENIED, "registration not signed by a fleet member")])
     if e.ok:
         if backend not in ("shm", "torch", "grpc"):
             e.add(C.INVALID_ARGUMENT, f"backend {backend!r}")
@@ -247,10 +254,12 @@ def test_prefill_and_bootstrap_on_the_prefill_node(fleet, scale):
         op = data.draw(st.sampled_from(["prefill", "prefill", "register", "register", "register", "layout"]))
         if op == "layout":
             tried("prefill+bootstrap")
+            nonce = data.draw(st.binary(min_size=16, max_size=64))
             got = client(prefill_pb2_grpc.BootstrapStub, fleet.p.address).GetLayout(
-                prefill_pb2.GetLayoutRequest(), timeout=10
+                prefill_pb2.GetLayoutRequest(nonce=nonce), timeout=10
             )
-            assert got == kv_wire.layout_to_proto(fleet.p.node.layout)
+            assert got.layout == kv_wire.layout_to_proto(fleet.p.node.layout)
+            assert got.proof == fleet_signed(prefill_pb2.GetLayoutResponse(layout=got.layout), nonce).proof
         elif op == "prefill":
             prefill_input(fleet, data.draw)
         else:
@@ -276,7 +285,7 @@ class HeldRoom:
 
 def hold_room(f: Fleet, prompt_len: int) -> HeldRoom:
     room = secrets.randbits(62) + 1
-    route = generation_pb2.PrefillRoute(room=room, prefill_addr=f.fake.address)
+    route = signed_route(room, f.fake.address)
     req = greedy_request(secrets.token_hex(8), list(range(1, prompt_len + 1)), n=4)
     req.prefill.CopyFrom(route)
     call = client(generation_pb2_grpc.GenerationStub, f.d.address).Generate(req, timeout=CALL_S)

@@ -43,7 +43,7 @@ from tests.nodes.fuzz_fleet import (
     stop_node,
     tried,
 )
-from tests.pd import TINY, token_prompt
+from tests.pd import TINY, signed_route, token_prompt
 
 fleet = fleet_fixture()
 
@@ -60,7 +60,7 @@ def scratch(fleet):
 
 def scratch_call(node, fake: FakePrefill, rid: str, room: int, prompt: list[int], n: int, timeout: float = CALL_S):
     req = greedy_request(rid, prompt, n)
-    req.prefill.CopyFrom(generation_pb2.PrefillRoute(room=room, prefill_addr=fake.address))
+    req.prefill.CopyFrom(signed_route(room, fake.address))
     return client(generation_pb2_grpc.GenerationStub, node.address).Generate(req, timeout=timeout)
 
 
@@ -226,9 +226,7 @@ def test_errors_about_huge_values_keep_their_status(fleet, site):
         "router RemoveNode address": lambda: radmin.RemoveNode(admin_pb2.RemoveNodeRequest(address=huge), timeout=10),
         "decode Generate prefill_addr": lambda: list(
             client(generation_pb2_grpc.GenerationStub, fleet.d.address).Generate(
-                generation_pb2.GenerateRequest(
-                    prompt=token_prompt([1]), prefill=generation_pb2.PrefillRoute(room=1, prefill_addr=huge)
-                ),
+                generation_pb2.GenerateRequest(prompt=token_prompt([1]), prefill=signed_route(1, huge)),
                 timeout=10,
             )
         ),

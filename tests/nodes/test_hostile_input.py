@@ -25,7 +25,18 @@ from kvbridge.v1 import (
     prefill_pb2_grpc,
 )
 from tests.conftest import make_llm
-from tests.pd import TINY, clear_cache, pd_generate, start_nodes, stop_nodes, token_prompt, wait_idle, wait_phase
+from tests.pd import (
+    TINY,
+    clear_cache,
+    fleet_signed,
+    pd_generate,
+    signed_route,
+    start_nodes,
+    stop_nodes,
+    token_prompt,
+    wait_idle,
+    wait_phase,
+)
 
 PROMPT = list(range(5, 69))  # 64 tokens: 4 chunks of 16
 MAX_NEW = 8
@@ -82,7 +93,7 @@ def test_a_bad_rid_straight_to_a_generation_node_is_invalid_argument(fleet, colo
     addr = d.address if node == "d" else colocated.address
     req = generation_pb2.GenerateRequest(rid="x" * 70_000, prompt=token_prompt([1, 2, 3]), sampling=sampling())
     if node == "d":
-        req.prefill.CopyFrom(generation_pb2.PrefillRoute(room=secrets.randbits(62) + 1, prefill_addr=p.address))
+        req.prefill.CopyFrom(signed_route(secrets.randbits(62) + 1, p.address))
     with pytest.raises(grpc.RpcError) as e:
         list(generation_pb2_grpc.GenerationStub(rpc.make_channel(addr)).Generate(req, timeout=30))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith("rid must be")
@@ -117,7 +128,7 @@ def start_pair(p, d):
     prefill = prefill_pb2_grpc.PrefillStub(rpc.make_channel(p.address)).Prefill.future(
         prefill_pb2.PrefillRequest(rid=rid, room=room, prompt=token_prompt(PROMPT), sampling=sampling()), timeout=60
     )
-    route = generation_pb2.PrefillRoute(room=room, prefill_addr=p.address)
+    route = signed_route(room, p.address)
     gen = generation_pb2.GenerateRequest(rid=rid, prompt=token_prompt(PROMPT), sampling=sampling(), prefill=route)
     stream = generation_pb2_grpc.GenerationStub(rpc.make_channel(d.address)).Generate(gen, timeout=60)
     return rid, room, prefill, stream
@@ -130,13 +141,13 @@ def test_a_second_register_for_a_routed_room_is_already_exists_and_the_first_req
     while not ((info := listed(p.address, rid)) and info.peer and info.phase == "prefilling"):
         assert time.monotonic() < deadline, f"never caught registered and prefilling: {info}"
         time.sleep(0.01)
-    forged = prefill_pb2.RegisterRequest(
-        rid="forger", room=room, backend="shm", decode_layout=kv_wire.layout_to_proto(d.node.layout),
+    second = fleet_signed(prefill_pb2.RegisterRequest(
+        rid="second", room=room, backend="shm", decode_layout=kv_wire.layout_to_proto(d.node.layout),
         page_ids=[0, 1, 2, 3], decode_addr="127.0.0.1:1", secret=bytes(16),
-    )  # fmt: skip
+    ))  # fmt: skip
     bootstrap = prefill_pb2_grpc.BootstrapStub(rpc.make_channel(p.address))
     with pytest.raises(grpc.RpcError) as e:
-        bootstrap.Register(forged, timeout=30)
+        bootstrap.Register(second, timeout=30)
     assert (e.value.code(), e.value.details()) == (grpc.StatusCode.ALREADY_EXISTS, f"room {room} is registered already")
     assert [t for r in stream for t in r.token_ids] == reference
     assert prefill.result().first_token == reference[0]
@@ -147,10 +158,10 @@ def test_a_second_register_for_a_routed_room_is_already_exists_and_the_first_req
 def test_a_register_twice_before_its_request_is_already_exists(fleet):
     p, d = fleet
     room = secrets.randbits(62) + 1
-    reg = prefill_pb2.RegisterRequest(
+    reg = fleet_signed(prefill_pb2.RegisterRequest(
         rid="early", room=room, backend="shm", decode_layout=kv_wire.layout_to_proto(d.node.layout),
         page_ids=[0, 1], decode_addr=d.address, secret=bytes(16),
-    )  # fmt: skip
+    ))  # fmt: skip
     bootstrap = prefill_pb2_grpc.BootstrapStub(rpc.make_channel(p.address))
     bootstrap.Register(reg, timeout=30)  # waits for its Prefill call (expires after --bootstrap-timeout-s)
     with pytest.raises(grpc.RpcError) as e:
@@ -160,10 +171,10 @@ def test_a_register_twice_before_its_request_is_already_exists(fleet):
 
 def test_repeated_page_ids_in_a_registration_are_invalid_argument(fleet):
     p, d = fleet
-    reg = prefill_pb2.RegisterRequest(
+    reg = fleet_signed(prefill_pb2.RegisterRequest(
         rid="r", room=secrets.randbits(62) + 1, backend="shm", decode_layout=kv_wire.layout_to_proto(d.node.layout),
         page_ids=[3, 3], decode_addr=d.address, secret=bytes(16),
-    )  # fmt: skip
+    ))  # fmt: skip
     with pytest.raises(grpc.RpcError) as e:
         prefill_pb2_grpc.BootstrapStub(rpc.make_channel(p.address)).Register(reg, timeout=30)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "page ids repeat" in e.value.details()

@@ -23,7 +23,7 @@ from kvbridge.v1 import (
     prefill_pb2,
     prefill_pb2_grpc,
 )
-from tests.pd import TINY, pd_generate, token_prompt, wait_idle
+from tests.pd import TINY, pd_generate, signed_route, token_prompt, wait_idle
 
 HARD_TIMEOUT_S = 300  # the whole module (the hard_timeout fixture, tests/conftest.py)
 pytestmark = pytest.mark.usefixtures("hard_timeout")
@@ -56,7 +56,7 @@ def test_decode_fails_requests_waiting_for_a_dead_prefill_node_and_frees_their_p
                     rid=f"r{i}",
                     prompt=token_prompt(list(range(1, 41))),
                     sampling=sampling,
-                    prefill=generation_pb2.PrefillRoute(room=1000 + i, prefill_addr=p_addr),
+                    prefill=signed_route(1000 + i, p_addr),
                 ),
                 timeout=60,
             )

@@ -21,7 +21,7 @@ from engine.config import PPConfig
 from kvbridge.nodes import start_node
 from kvbridge.v1 import common_pb2, generation_pb2, generation_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from serving.config import NodeConfig
-from tests.pd import TINY, clear_cache, metric_total, pd_generate, token_prompt, wait_idle
+from tests.pd import TINY, clear_cache, metric_total, pd_generate, signed_route, token_prompt, wait_idle
 
 PS = TINY.page_size
 PROMPT = [random.Random(3).randrange(3, 200) for _ in range(30)]  # 7 full pages before its last token
@@ -157,7 +157,7 @@ def test_a_cancelled_n_request_ends_every_choice_and_frees_every_page(fleet, nam
             rid=rid, room=room, prompt=token_prompt(PROMPT), sampling=replace_max(sampling(), 400)
         )
         prefill = prefill_pb2_grpc.PrefillStub(rpc.make_channel(p.address)).Prefill.future(half, timeout=120)
-        route = generation_pb2.PrefillRoute(room=room, prefill_addr=p.address)
+        route = signed_route(room, p.address)
         req = generation_pb2.GenerateRequest(rid=rid, prompt=token_prompt(PROMPT), sampling=s, prefill=route)
     else:
         prefill, req = None, generation_pb2.GenerateRequest(prompt=token_prompt(PROMPT), sampling=s)

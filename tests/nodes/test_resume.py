@@ -17,7 +17,7 @@ from engine.detok import TextStream
 from kvbridge.nodes import start_node
 from kvbridge.v1 import common_pb2, generation_pb2, generation_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from serving.config import NodeConfig
-from tests.pd import TINY, start_nodes, stop_nodes, token_prompt, wait_idle
+from tests.pd import TINY, signed_route, start_nodes, stop_nodes, token_prompt, wait_idle
 
 PROMPT = [(7 * j) % 250 + 3 for j in range(10)]
 N = 24  # output tokens of every run
@@ -52,7 +52,7 @@ def generate(fleet, shape: str, sampling, resume: list[int] = (), rid: str = "")
     room = secrets.randbits(63)
     preq = prefill_pb2.PrefillRequest(rid=rid, room=room, prompt=req.prompt, sampling=sampling, resume_ids=resume)
     prefilled = prefill_pb2_grpc.PrefillStub(rpc.make_channel(p)).Prefill.future(preq, timeout=60)
-    req.prefill.room, req.prefill.prefill_addr = room, p
+    req.prefill.CopyFrom(signed_route(room, p))
     responses = list(generation_pb2_grpc.GenerationStub(rpc.make_channel(d)).Generate(req, timeout=60))
     assert prefilled.result().first_token == responses[0].token_ids[0]
     return responses
@@ -121,7 +121,7 @@ def test_bad_resume_ids_sent_straight_to_a_node_are_invalid_argument(fleet, serv
         addr = fleet["c1" if service == "colocated" else "d1"].address
         req = generation_pb2.GenerateRequest(rid=rid, prompt=prompt, sampling=sampling, resume_ids=resume)
         if service == "decode":
-            req.prefill.room, req.prefill.prefill_addr = 7, fleet["p1"].address
+            req.prefill.CopyFrom(signed_route(7, fleet["p1"].address))
         run = lambda: list(generation_pb2_grpc.GenerationStub(rpc.make_channel(addr)).Generate(req, timeout=30))  # noqa: E731
     with pytest.raises(grpc.RpcError) as err:
         run()
@@ -141,7 +141,7 @@ def test_halves_that_disagree_on_the_resumed_tokens_fail_with_failed_preconditio
     preq.resume_ids.extend(range(5, 13))
     prefilled = prefill_pb2_grpc.PrefillStub(rpc.make_channel(p)).Prefill.future(preq, timeout=60)
     dreq = generation_pb2.GenerateRequest(rid=rid, prompt=token_prompt(PROMPT), sampling=sampling)
-    dreq.prefill.room, dreq.prefill.prefill_addr = room, p
+    dreq.prefill.CopyFrom(signed_route(room, p))
     stream = generation_pb2_grpc.GenerationStub(rpc.make_channel(d)).Generate(dreq, timeout=60)
     with pytest.raises(grpc.RpcError) as err:
         prefilled.result()

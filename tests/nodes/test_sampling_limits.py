@@ -24,7 +24,7 @@ from pipeline.group import RankGroup
 from router.config import RouterConfig
 from router.server import start_router
 from tests.conftest import make_llm, make_prompts
-from tests.pd import TINY, in_parallel, start_nodes, stop_nodes, token_prompt, wait_idle
+from tests.pd import TINY, in_parallel, signed_route, start_nodes, stop_nodes, token_prompt, wait_idle
 
 MAX_NEW = 24
 EOS = 2  # tiny-random's <|im_end|>
@@ -161,7 +161,7 @@ def pd_run(p_addr: str, d_addr: str, prompt: list[int], params: SamplingParams) 
         rid=rid,
         prompt=token_prompt(prompt),
         sampling=sampling,
-        prefill=generation_pb2.PrefillRoute(room=room, prefill_addr=p_addr),
+        prefill=signed_route(room, p_addr),
     )
     responses = list(generation_pb2_grpc.GenerationStub(rpc.make_channel(d_addr)).Generate(req, timeout=120))
     first = prefill.result()

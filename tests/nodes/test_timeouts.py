@@ -23,7 +23,7 @@ from kvbridge.v1 import (
     prefill_pb2,
     prefill_pb2_grpc,
 )
-from tests.pd import TINY, pd_generate, stop_nodes, token_prompt, wait_idle
+from tests.pd import TINY, pd_generate, signed_route, stop_nodes, token_prompt, wait_idle
 
 pytestmark = pytest.mark.usefixtures("hard_timeout")  # 600 s for the module (tests/conftest.py)
 
@@ -85,7 +85,7 @@ def test_decode_prealloc_and_transfer_timeouts_fail_the_request_and_free_both_si
             rid="holder",
             prompt=token_prompt([1, 2, 3, 4]),
             sampling=common_pb2.SamplingParams(max_new_tokens=40, ignore_eos=True),
-            prefill=generation_pb2.PrefillRoute(room=777, prefill_addr=p.address),
+            prefill=signed_route(777, p.address),
         )
         held = stub.Generate(holder, timeout=60)  # D reserves its pages; P never hears of room 777
         d_admin = admin_pb2_grpc.AdminStub(rpc.make_channel(d.address))

@@ -14,6 +14,7 @@ import grpc
 import pytest
 
 from common import rpc
+from common.security import message_proof_ok
 from kvbridge.v1 import admin_pb2, admin_pb2_grpc
 from tests.router.fakes import generate, make_request, router_stub, wait_until
 
@@ -26,6 +27,7 @@ def test_disaggregated_request_pairs_prefill_and_decode_by_room(fleet):
     [dreq], [preq] = d.requests, p.requests
     assert dreq.prefill.prefill_addr == p.address
     assert preq.room == dreq.prefill.room and 0 <= preq.room < 2**63
+    assert message_proof_ok(rpc.security().fleet(), dreq.prefill)  # the route is the fleet's: D trusts it
     assert preq.rid == dreq.rid and len(preq.rid) == 32
     assert list(preq.prompt.token_ids.ids) == [1, 2, 3]
 
