@@ -21,6 +21,7 @@ from consensus import Stream as S
 from consensus import Verdict
 from decode_node.queues import PreallocQueue, Quarantine, RetractedQueue, TransferQueue
 from engine.logits import logprob_from_proto
+from engine.pages import PageAllocator
 from engine.request import Handoff, Phase, Request
 from pipeline.control import ControlChannel
 from pipeline.log import ABORT, APPEND, FINISH, RESUME, RETRACT
@@ -30,6 +31,17 @@ from pipeline.roles import Deadlines, live_rulings
 
 QUARANTINE_S = 2.0  # pages of a hand-off that failed rest this long before reuse (late writes land harmlessly)
 AWAITING_KV = (Phase.PREALLOC, Phase.TRANSFERRING)  # phases that still need the prefill node
+
+
+def destination_problem(alloc: PageAllocator, owner: str, pages: list[int]) -> str:
+    """Why `pages` may not be a hand-off's destination ("" when they may): the prefill node
+    overwrites them, so each must be held by `owner` alone and indexed by no prefix cache entry
+    (a cached page is KV that other requests read)."""
+    shared = [p for p in pages if alloc.holders(p) != {owner}]
+    cached = [p for p in pages if alloc.cache is not None and alloc.cache.indexed(p)]
+    if shared or cached:
+        return f"{owner}: destination pages held by others {shared[:8]} or cached {cached[:8]}"
+    return ""
 
 
 class DecodeRole:
@@ -150,6 +162,8 @@ class DecodeRole:
             self.prealloc.remove(req)
             scheduler.reuse(req, held, len(req.prompt_ids))
             moved = alloc.allocate(req.rid, need)
+            if problem := destination_problem(alloc, req.rid, moved):  # (the prefill node writes these)
+                raise AssertionError(problem)
             req.page_table.pages += moved
             h = req.handoff
             h.held_pages = len(held)
