@@ -7,6 +7,7 @@ guards Admin on every process; neither key shows in logs or GetConfig."""
 from __future__ import annotations
 
 import json
+import secrets
 import socket
 import ssl
 import subprocess
@@ -44,6 +45,7 @@ class Certs:
     foreign_key: str
     api_key_file: str
     admin_key_file: str
+    fleet_key_file: str  # every process's --fleet-key-file (not the default file this test process has)
 
     def flags(self) -> tuple[str, ...]:
         return ("--tls-cert", self.cert, "--tls-key", self.key, "--tls-ca", self.ca)
@@ -74,8 +76,9 @@ def certs(tmp_path_factory) -> Certs:
     foreign_cert, foreign_key = write_leaf(foreign, where, "foreign")
     (where / "api.key").write_text(API_KEY + "\n")
     (where / "admin.key").write_text(ADMIN_KEY + "\n")
+    (where / "fleet-key.txt").write_text(secrets.token_hex(32) + "\n")
     return Certs(str(where / "ca.pem"), cert, key, foreign_cert, foreign_key, str(where / "api.key"),
-                 str(where / "admin.key"))  # fmt: skip
+                 str(where / "admin.key"), str(where / "fleet-key.txt"))  # fmt: skip
 
 
 NODE = ("--model", "tiny-random", "--port", "0", "--pp-size", "2", "--metrics-port", "0", "--log-level", "info")
@@ -83,7 +86,7 @@ NODE = ("--model", "tiny-random", "--port", "0", "--pp-size", "2", "--metrics-po
 
 @pytest.fixture(scope="module")
 def fleet(certs):
-    secure = (*certs.flags(), "--admin-key-file", certs.admin_key_file)
+    secure = (*certs.flags(), "--admin-key-file", certs.admin_key_file, "--fleet-key-file", certs.fleet_key_file)
     started: list[Process] = []
     try:
         prefill = Process("prefill", "prefill", *NODE, "--transfer-backend", "grpc", *secure)
