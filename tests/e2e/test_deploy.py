@@ -263,6 +263,18 @@ def test_resources_tls_mount_and_pdb(where, tpl, container):
     assert len(pdbs) == 1, where
 
 
+@pytest.mark.parametrize("where,tpl,container", CONTAINERS, ids=[c[0] for c in CONTAINERS])
+def test_every_process_reads_the_fleet_key_from_one_required_secret(where, tpl, container):
+    """Pods have filesystems of their own: without one key for all (SECURITY.md), each process
+    would make its own default key, and no decode node would trust a prefill node or a route."""
+    (mount,) = [m for m in container["volumeMounts"] if m["name"] == "fleet"]
+    assert mount["mountPath"] == "/etc/kvbridge/fleet" and mount["readOnly"], where
+    assert _flag_value(container["args"], "--fleet-key-file") == "/etc/kvbridge/fleet/fleet.key", where
+    (vol,) = [v for v in tpl["spec"]["volumes"] if v["name"] == "fleet"]
+    assert vol["secret"]["secretName"] == "kvbridge-fleet" and not vol["secret"].get("optional"), where
+    assert vol["secret"]["defaultMode"] == 0o440, where  # the user's group (fsGroup) reads it, no one else
+
+
 def test_metrics_are_scraped():
     (sm,) = [doc for _, doc in DOCS if doc["kind"] == "ServiceMonitor"]
     selector = sm["spec"]["selector"]["matchLabels"]
