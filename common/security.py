@@ -28,14 +28,11 @@ import contextlib
 import functools
 import hashlib
 import hmac
-import json
 import os
 import secrets
 import ssl
 from dataclasses import dataclass, field
 from pathlib import Path
-
-from google.protobuf import json_format
 
 from common.paths import cache_dir
 
@@ -169,14 +166,15 @@ def _create_key_file(path: Path) -> None:
 
 
 def message_proof(key: bytes, msg, nonce: bytes = b"") -> bytes:
-    """HMAC-SHA256 under the fleet key of protobuf message `msg`'s fields but `proof` (canonical
-    JSON: sorted keys, no spaces), after `nonce` (a peer's challenge; hex, then NUL) and the
-    message's type name (a proof of one kind of message never passes for another)."""
-    fields = json_format.MessageToDict(msg, preserving_proto_field_name=True)
-    fields.pop("proof", None)
-    body = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
+    """HMAC-SHA256 under the fleet key of protobuf message `msg` without its `proof` field (its
+    deterministic serialization: fields in number order, as both sides' stubs write them), after
+    the message's type name (a proof of one kind never passes for another) and `nonce` (a peer's
+    challenge), each ended by a NUL."""
+    unsigned = type(msg)()
+    unsigned.CopyFrom(msg)
+    unsigned.ClearField("proof")
     head = f"{msg.DESCRIPTOR.full_name}\0{nonce.hex()}\0".encode()
-    return hmac.new(key, head + body, hashlib.sha256).digest()
+    return hmac.new(key, head + unsigned.SerializeToString(deterministic=True), hashlib.sha256).digest()
 
 
 def message_proof_ok(key: bytes, msg, nonce: bytes = b"") -> bool:
