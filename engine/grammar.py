@@ -37,7 +37,9 @@ Schemas: llguidance's JSON Schema support (Draft 2020-12, less a few keywords: `
 `if`/`then`/`else`, `uniqueItems`, `contains`, ...). A keyword it does not implement is an error,
 not ignored ("lenient" off), so an output always validates under the schema as written. Object
 properties come out in the order of `properties`. The JSON text is capped at MAX_SCHEMA_CHARS and
-its nesting at serde's recursion limit (128).
+its nesting at serde's recursion limit (128); its subschemas, their depth with $refs followed and
+the options one allOf combines are bounded before llguidance sees it (engine/schema_bounds.py:
+llguidance compiles on the caller's stack, and a long $ref chain overflowed it).
 
 Threads: compiles run in the compiler's pool (llguidance drops the GIL there); a Matcher belongs
 to one request and must be used by one thread at a time (the sampling loop's).
@@ -58,6 +60,7 @@ import torch
 from tokenizers import Tokenizer as HFTokenizer
 
 from common.sampling import MAX_SCHEMA_CHARS, SamplingParams
+from engine.schema_bounds import bounds_problem
 from engine.tokenizer import Tokenizer
 
 MAX_WHITESPACE = 20  # characters of one whitespace run between JSON tokens
@@ -85,12 +88,23 @@ def schema_problem(json_schema: str) -> str | None:
     if not isinstance(schema, dict):
         kind = "null" if schema is None else _JSON_TYPES.get(type(schema), type(schema).__name__)
         return f"json_schema must be a JSON object (a schema), got a JSON {kind}"
+    if problem := bounds_problem(schema):  # (before llguidance: past them it may overflow the stack)
+        return problem
     try:
         grammar = _grammar(json_schema)
     except ValueError as e:
         return f"json_schema: {_one_line(str(e))}"
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, None)
     return f"json_schema: {_one_line(messages[0] if messages else 'rejected')}" if is_error else None
+
+
+def _unbounded(schema_text: str) -> str | None:
+    """bounds_problem of a schema's text; None for text that is not a JSON object (llguidance names that)."""
+    try:
+        schema = json.loads(schema_text)
+    except (ValueError, RecursionError):
+        return None
+    return bounds_problem(schema) if isinstance(schema, dict) else None
 
 
 def _grammar(schema_text: str) -> str:
@@ -276,6 +290,8 @@ class GrammarCompiler:
         return future
 
     def _build(self, schema_text: str) -> _Compiled:
+        if (problem := _unbounded(schema_text)) is not None:  # (the fronts refused it already: defence in depth)
+            raise ValueError(problem)
         ll = llguidance.LLMatcher(self.lltokenizer, _grammar(schema_text), log_level=0)
         if ll.is_error():
             raise ValueError(f"json_schema: {_one_line(ll.get_error())}")

@@ -4,7 +4,13 @@ Every source yields a `LoadedModel`: the config, float weights named as in Huggi
 Face's Llama (`model.layers.N.self_attn.q_proj.weight`, ...), the tokenizer when the
 source has one, and a content fingerprint that decode nodes compare with prefill nodes.
 Dequantized GGUF weights are cached as memory-mapped safetensors, so a second load reads
-no more than it uses.
+no more than it uses. A cache file is trusted only once checked: its sidecar records the
+file's size and SHA-256 (and one of its own config and tokenizer) when it is written, and a
+load compares them; a file that fails is rebuilt from the GGUF with a warning, never served.
+A file checked once is not hashed again while its inode, size, mtime and ctime are those
+checked (the `.verified` stamp beside it): any write to it changes its ctime. Files are
+written under a unique temporary name and renamed into place, so a crash mid-write leaves
+nothing that looks valid and two processes building at once do not mix their bytes.
 """
 
 from __future__ import annotations
@@ -12,7 +18,9 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import logging
 import os
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +37,10 @@ from engine.tokenizer import Tokenizer
 DEFAULT_MODEL = "smollm2-135m-instruct"
 PRESETS = ("smollm2-135m-instruct", "tiny-random")
 CACHE_FORMAT = "1"  # bump when the cached tensor layout changes
+CHECK_CHUNK_BYTES = 8 << 20  # read at a time when a cache file is hashed
+CHECK_PROGRESS_BYTES = 256 << 20  # a check of a file this large shows progress
+PROC_FDS = Path("/proc/self/fd").is_dir()  # (Linux: a checked file is mapped through its open descriptor)
+log = logging.getLogger("kvbridge.weights")
 
 
 @dataclass
@@ -148,25 +160,122 @@ def load_gguf(path: Path, *, progress: bool = True, source: str | None = None) -
     st = path.stat()
     key = hashlib.sha256(f"{CACHE_FORMAT}:{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:24]
     cached = cache_dir() / f"{key}.safetensors"
-    sidecar = cached.with_suffix(".json")  # config and tokenizer: parsing GGUF metadata takes seconds
-    if cached.exists() and sidecar.exists():
-        weights, meta = _open_cached(cached)
-        info = json.loads(sidecar.read_text())
-        tokenizer = Tokenizer.from_json(info["tokenizer"]) if info["tokenizer"] else None
-        return LoadedModel(
-            ModelConfig.from_json(info["config"]), weights, tokenizer, meta["fingerprint"], source or str(path)
-        )
-
+    sidecar = cached.with_suffix(".json")  # config and tokenizer (parsing GGUF metadata takes seconds), digests
+    if cached.exists() or sidecar.exists():
+        try:
+            return _load_cached(cached, sidecar, source or str(path), progress)
+        except _BadCache as e:
+            log.warning("weight cache %s %s: rebuilding it from %s", cached, e, path)
     config, weights, tokenizer = _dequantize_gguf(path, progress)
     fingerprint = _file_digest([path])
-    cached.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cached.with_suffix(f".tmp{os.getpid()}")
-    save_file(weights, str(tmp), metadata={"fingerprint": fingerprint, "source": str(path)})
-    os.replace(tmp, cached)
-    info = {"config": config.to_json(), "tokenizer": tokenizer.to_json() if tokenizer else None}
-    tmp.write_text(json.dumps(info))
-    os.replace(tmp, sidecar)
+    _write_cache(cached, sidecar, weights, config, tokenizer, {"fingerprint": fingerprint, "source": str(path)})
     return LoadedModel(config, weights, tokenizer, fingerprint, source or str(path))
+
+
+class _BadCache(Exception):
+    """A cache file or sidecar that is missing, unreadable, or not what was written (the message says which)."""
+
+
+def _load_cached(cached: Path, sidecar: Path, source: str, progress: bool) -> LoadedModel:
+    try:
+        info = json.loads(sidecar.read_text())
+        complete = all(k in info for k in ("config", "tokenizer", "bytes", "digest", "info_digest"))
+        info_ok = complete and info["info_digest"] == _info_digest(info)
+    except FileNotFoundError:
+        raise _BadCache(f"has no sidecar {sidecar.name}") from None
+    except (OSError, ValueError, TypeError) as e:
+        raise _BadCache(f"has an unreadable sidecar ({type(e).__name__}: {e})") from None
+    if not complete:
+        raise _BadCache("has no digest in its sidecar (an older kvbridge wrote it)")
+    if not info_ok:
+        raise _BadCache("has a sidecar whose config or tokenizer is not what was written")
+    try:
+        with open(cached, "rb") as fh:  # (the tensors are mapped through it: the inode checked is the one read)
+            _check_file(fh, cached, info, progress)
+            weights, meta = _open_cached(Path(f"/proc/self/fd/{fh.fileno()}") if PROC_FDS else cached)
+    except FileNotFoundError:
+        raise _BadCache("is missing (its sidecar is there)") from None
+    except _BadCache:
+        raise
+    except Exception as e:  # (checked: only a bug gets here)
+        raise _BadCache(f"cannot be read ({type(e).__name__}: {e})") from None
+    tokenizer = Tokenizer.from_json(info["tokenizer"]) if info["tokenizer"] else None
+    return LoadedModel(ModelConfig.from_json(info["config"]), weights, tokenizer, meta["fingerprint"], source)
+
+
+def _check_file(fh, cached: Path, info: dict, progress: bool) -> None:
+    """_BadCache unless the open cache file has the size and SHA-256 its sidecar recorded. A file
+    checked before (its stamp names this inode, size, mtime and ctime) is not hashed again."""
+    st = os.fstat(fh.fileno())
+    if st.st_size != info["bytes"]:
+        raise _BadCache(f"is {st.st_size} bytes; {info['bytes']} were written")
+    stamp = cached.with_suffix(".verified")
+    identity = [st.st_ino, st.st_dev, st.st_size, st.st_mtime_ns, st.st_ctime_ns, info["digest"]]
+    if _read_stamp(stamp) == identity:
+        return
+    digest = _sha256(fh, st.st_size, f"checking {cached.name}", progress)
+    if digest != info["digest"]:
+        raise _BadCache(f"does not match the digest recorded when it was written ({digest} != {info['digest']})")
+    _write_atomically(stamp, json.dumps(identity).encode())
+
+
+def _read_stamp(stamp: Path) -> list | None:
+    try:
+        return json.loads(stamp.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _write_cache(
+    cached: Path, sidecar: Path, weights: dict, config: ModelConfig, tokenizer: Tokenizer | None, metadata: dict
+) -> None:
+    """The cache file, then its sidecar (each under a temporary name, renamed into place). A reader
+    between the two renames finds a sidecar that does not match and rebuilds: never a wrong model."""
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _temporary(cached)
+    try:
+        save_file(weights, str(tmp), metadata=metadata)
+        with open(tmp, "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            digest = _sha256(fh, size, "", progress=False)
+        os.replace(tmp, cached)
+    finally:
+        tmp.unlink(missing_ok=True)
+    info = {"config": config.to_json(), "tokenizer": tokenizer.to_json() if tokenizer else None}
+    info |= {"bytes": size, "digest": digest, "info_digest": _info_digest(info)}
+    _write_atomically(sidecar, json.dumps(info).encode())
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    tmp = _temporary(path)
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _temporary(path: Path) -> Path:
+    """A name beside `path` that no other process or thread writes."""
+    return path.with_name(f"{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+
+
+def _sha256(fh, size: int, label: str, progress: bool) -> str:
+    """The SHA-256 of an open file, read in CHECK_CHUNK_BYTES pieces (SHA-256 runs on the CPU's hash
+    instructions: 3x blake2b's speed here), with progress past CHECK_PROGRESS_BYTES."""
+    h, buf = hashlib.sha256(), bytearray(CHECK_CHUNK_BYTES)
+    view = memoryview(buf)
+    chunks = -(-size // CHECK_CHUNK_BYTES)
+    with Progress(label, chunks, enabled=progress and size >= CHECK_PROGRESS_BYTES) as bar:
+        while n := fh.readinto(buf):
+            h.update(view[:n])
+            bar.advance()
+    return "sha256:" + h.hexdigest()
+
+
+def _info_digest(info: dict) -> str:
+    """The SHA-256 of a sidecar's config and tokenizer (JSON text each)."""
+    return hashlib.sha256(f"{info['config']}\0{info['tokenizer'] or ''}".encode()).hexdigest()
 
 
 def _dequantize_gguf(path: Path, progress: bool) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer | None]:

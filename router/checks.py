@@ -43,7 +43,12 @@ def check_prompt(req: generation_pb2.GenerateRequest) -> None:
 
 
 def check_sampling(req: generation_pb2.GenerateRequest) -> None:
-    sampling.from_proto(req.sampling)  # the nodes' own rules (common/sampling.py)
+    params = sampling.from_proto(req.sampling)  # the nodes' own rules (common/sampling.py)
+    if params.json_schema:  # as the HTTP API checks response_format: no node sees a schema it would refuse
+        from engine.grammar import schema_problem  # (deferred: llguidance loads on the first schema)
+
+        if problem := schema_problem(params.json_schema):
+            raise ValueError(f"sampling.structured.json_schema: {problem}")
 
 
 def check_cache_salt(req: generation_pb2.GenerateRequest) -> None:

@@ -8,7 +8,10 @@ HTTP/1.1 keep-alive; streams are server-sent events in chunked transfer encoding
 
 Every answer other than a success is JSON in the OpenAI error format (openai_api.error_body), also
 those the server makes itself: a malformed request (400, or h11's hint: 431 headers too large, 501
-transfer coding), an unknown route (404), another method (405). Limits, each answered at once:
+transfer coding), an unknown route (404), another method (405). Malformed framing is refused at
+once and the connection closed: a bad or conflicting Content-Length, a bad chunk size, and what h11
+accepts but RFC 9112 calls faulty (Content-Length beside Transfer-Encoding, Transfer-Encoding in
+HTTP/1.0: `_Connection`). Limits, each answered at once:
 
 - max_concurrent_requests requests are handled at once; one more gets 503 with Retry-After.
 - A body over max_body_bytes gets 413, counted as it arrives (a chunked body without
@@ -374,7 +377,11 @@ class _H11Protocol(H11Protocol):
 
 
 class _Connection(h11.Connection):
-    """h11's server connection, counting the body bytes of the request being read."""
+    """h11's server connection, counting the body bytes of the request being read, and refusing
+    framing that h11 would take but RFC 9112 calls faulty (section 6.1): Content-Length beside
+    Transfer-Encoding (h11 lets Transfer-Encoding win and waited for chunks that a client meaning
+    Content-Length never sends: a hang until the body timeout; a proxy that read it the other way
+    would be smuggling a request past us), and Transfer-Encoding in an HTTP/1.0 request."""
 
     body_bytes = 0
 
@@ -382,9 +389,22 @@ class _Connection(h11.Connection):
         event = super().next_event()
         if isinstance(event, h11.Request):
             self.body_bytes = 0
+            if problem := _framing_problem(event):  # (uvicorn answers through send_400_response, and closes)
+                raise h11.RemoteProtocolError(problem, error_status_hint=400)
         elif isinstance(event, h11.Data):
             self.body_bytes += len(event.data)
         return event
+
+
+def _framing_problem(request: h11.Request) -> str | None:
+    names = {name for name, _ in request.headers}  # (lowercase)
+    if b"transfer-encoding" not in names:
+        return None
+    if b"content-length" in names:
+        return "both Content-Length and Transfer-Encoding: send one"
+    if request.http_version == b"1.0":
+        return "Transfer-Encoding in an HTTP/1.0 request"
+    return None
 
 
 def _bind(host: str, port: int) -> socket.socket:

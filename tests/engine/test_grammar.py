@@ -14,6 +14,7 @@ import torch
 import engine.grammar
 from common.sampling import MAX_SCHEMA_CHARS, SamplingParams
 from engine.grammar import MAX_WHITESPACE, GrammarCompiler, schema_problem
+from engine.schema_bounds import MAX_SCHEMA_COMBINATIONS, MAX_SCHEMA_DEPTH, MAX_SCHEMA_NODES
 from engine.tokenizer import Tokenizer
 
 PERSON = {
@@ -376,3 +377,123 @@ def test_eos_ids_default_to_the_tokenizers_and_must_fit_the_vocabulary():
     compiler.close()
     with pytest.raises(ValueError, match=r"EOS ids \[400\] must be in \[0, vocab_size=320\)"):
         GrammarCompiler(tokenizer, 320, (400,))
+
+
+def chain(n: int, link) -> dict:
+    """$defs a0..a{n-1}: a_i = link(the $ref to a_{i+1}), the last an integer; the schema refers to a0."""
+    defs = {f"a{i}": link({"$ref": f"#/$defs/a{i + 1}"}) for i in range(n - 1)}
+    return {"$defs": {**defs, f"a{n - 1}": {"type": "integer"}}, "$ref": "#/$defs/a0"}
+
+
+def options(m: int, key: str) -> dict:
+    return {"anyOf": [{"type": "object", "properties": {key: {"const": i}}} for i in range(m)]}
+
+
+REFUSE_IN_A_CHILD = """
+import json, sys
+from common.sampling import SamplingParams
+from engine.grammar import GrammarCompiler, schema_problem
+from engine.tokenizer import Tokenizer
+compiler = GrammarCompiler(Tokenizer.byte_level(320), 320, (2,))
+out = []
+for text in json.load(sys.stdin):
+    try:
+        compiler.compile(SamplingParams(json_schema=text)).result(timeout=60)
+        compiled = "compiled"
+    except ValueError as e:
+        compiled = str(e)
+    out.append([schema_problem(text), compiled])
+print(json.dumps(out))
+"""
+
+
+def test_a_1500_long_allof_ref_chain_is_refused_by_the_check_and_the_compiler_and_nothing_crashes():
+    """The reported schema (65 KB, JSON nesting 4) overflowed llguidance's stack: SIGSEGV in the
+    router (schema_problem) and in every node (the front's check, the sampling rank's compile). Run
+    in a child process so that a crash fails this test rather than ending the run."""
+    import subprocess
+    import sys
+
+    compact = {"separators": (",", ":")}  # (as the router sends a response_format's schema on)
+    reported = json.dumps(chain(1500, lambda ref: {"allOf": [ref]}), **compact)
+    deep = json.dumps(chain(1000, lambda ref: {"allOf": [ref]}), **compact)  # (2,000 subschemas: under that limit)
+    assert len(reported) == 65296 and MAX_SCHEMA_CHARS == 65536
+    child = subprocess.run(
+        [sys.executable, "-c", REFUSE_IN_A_CHILD], input=json.dumps([reported, deep]), capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert child.returncode == 0, child.stderr[-2000:]
+    nodes = f"json_schema has more than {MAX_SCHEMA_NODES} subschemas; at most {MAX_SCHEMA_NODES}"
+    depth = (
+        "json_schema nests subschemas up to 2000 deep, following its $refs (each counted once); "
+        f"at most {MAX_SCHEMA_DEPTH}"
+    )
+    assert json.loads(child.stdout) == [[nodes, nodes], [depth, depth]]
+
+
+def test_schema_depth_counts_ref_targets_and_stops_at_the_limit():
+    assert (MAX_SCHEMA_DEPTH, MAX_SCHEMA_NODES, MAX_SCHEMA_COMBINATIONS) == (256, 2048, 256)
+    assert schema_problem(json.dumps(chain(255, lambda ref: ref))) is None  # the root, then 255 targets
+    assert schema_problem(json.dumps(chain(256, lambda ref: ref))) == (
+        "json_schema nests subschemas up to 257 deep, following its $refs (each counted once); at most 256"
+    )
+    by_property = chain(130, lambda ref: {"type": "object", "properties": {"x": ref}})  # two levels a link
+    assert schema_problem(json.dumps(by_property)).startswith("json_schema nests subschemas up to 260 deep")
+    kids = {"type": "array", "items": {"$ref": "#/$defs/node"}}
+    tree = {  # recursion: each $ref counted once, however deep the output nests
+        "$defs": {"node": {"type": "object", "properties": {"v": {"type": "integer"}, "kids": kids}}},
+        "$ref": "#/$defs/node",
+    }
+    assert schema_problem(json.dumps(tree)) is None
+    compiler = GrammarCompiler(Tokenizer.byte_level(320), 320, (2,))
+    matcher = compiler.matcher(SamplingParams(json_schema=json.dumps(tree)))
+    matcher.accept_all(Tokenizer.byte_level(320).encode('{"v": 1, "kids": [{"v": 2, "kids": []}]}'))
+    assert matcher.done
+    compiler.close()
+
+
+def test_under_a_scope_each_ref_occurrence_may_reach_the_tallest_subschema():
+    """With $id below the root a $ref resolves against its scope (llguidance does), so each occurrence
+    counts as reaching anywhere: the tallest subschema (3: array, items, property). 2 + 84 x 3 = 254."""
+
+    def scoped(n: int) -> str:
+        return json.dumps({
+            "$defs": {"s": {"$id": "urn:s", "type": "array", "items": {"type": "object", "properties": {"x": {}}}}},
+            "properties": {f"p{i}": {"$ref": "urn:s"} for i in range(n)},
+        })  # fmt: skip
+
+    assert schema_problem(scoped(84)) is None
+    assert schema_problem(scoped(85)) == (
+        "json_schema nests subschemas up to 257 deep, following its $refs (each counted once); at most 256"
+    )
+
+
+def test_subschemas_are_counted_up_to_the_limit():
+    wide = {"type": "object", "properties": {f"p{i}": {} for i in range(MAX_SCHEMA_NODES - 1)}}
+    assert schema_problem(json.dumps(wide)) is None  # the root and 2,047 properties
+    wide["properties"]["one-more"] = {}
+    assert schema_problem(json.dumps(wide)) == "json_schema has more than 2048 subschemas; at most 2048"
+
+
+@pytest.mark.parametrize(
+    ("schema", "refused"),
+    [
+        ({"allOf": [options(16, "a"), options(16, "b")]}, False),  # 256
+        ({"allOf": [options(16, "a"), options(17, "b")]}, True),  # 272
+        ({"allOf": [{"properties": {"x": options(16, "a")}}, {"properties": {"x": options(17, "b")}}]}, True),
+        ({"allOf": [{"properties": {"x": options(64, "a")}}, {"properties": {"y": options(64, "b")}}]}, False),
+        ({"allOf": [{"additionalProperties": options(16, "a")}, {"properties": {"y": options(17, "b")}}]}, True),
+        ({"properties": {"x": options(16, "a")}, "anyOf": [{"properties": {"x": options(17, "b")}}, True]}, True),
+        ({"anyOf": [options(200, "a"), options(200, "b")]}, False),  # (a union adds: 400 options, no product)
+        ({"allOf": [{"enum": list(range(300))}, {"enum": list(range(300))}]}, False),  # (enums: llguidance's budget)
+    ],
+    ids=["16x16", "16x17", "16x17-in-a-property", "64x64-apart", "additional-meets-named", "keywords-together",
+         "anyOf-of-anyOf", "enums"],
+)  # fmt: skip
+def test_options_one_intersection_multiplies_are_bounded(schema, refused):
+    """64 x 64 object options under one property took llguidance 4 s; disjoint properties multiply nothing."""
+    message = (
+        "json_schema intersects more than 256 anyOf/oneOf options in one allOf (or one schema's keywords "
+        "together); at most 256"
+    )
+    assert (schema_problem(json.dumps(schema)) == message) is refused

@@ -1,13 +1,21 @@
 """Weight sources: GGUF in every supported type (against transformers' own GGUF loader),
-the dequantized cache, and the fingerprint."""
+the dequantized cache (read instead of the GGUF; a damaged one rebuilt with a warning, never
+served; written atomically), and the fingerprint."""
 
 from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
 
 import gguf
 import numpy as np
 import pytest
 import torch
 
+import engine.weights
 from common.sampling import SamplingParams
 from engine.config import EngineConfig
 from engine.llm import LLM
@@ -163,3 +171,152 @@ def test_bad_model_spec_names_the_value(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ValueError, match=r"no \*\.safetensors"):
         load_model(str(tmp_path))
+
+
+# ---------------------------------------------------------------- the cache's checks
+
+
+def cached_files(cache) -> tuple:
+    [weights] = cache.glob("*.safetensors")
+    return weights, weights.with_suffix(".json")
+
+
+def greedy(model, prompts) -> list[list[int]]:
+    llm = LLM(EngineConfig(page_size=4), model=model, progress=False)
+    return [c.output_ids for c in llm.generate(prompts, SamplingParams(max_new_tokens=8, ignore_eos=True))]
+
+
+@pytest.fixture
+def built(tmp_path, monkeypatch, hf_llama):
+    """A Q8_0 GGUF of hf_llama, loaded once into a fresh KVBRIDGE_CACHE: (gguf path, cache dir, model)."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("KVBRIDGE_CACHE", str(cache))
+    path = tmp_path / "m.gguf"
+    write_gguf(path, hf_llama, "Q8_0")
+    return path, cache, load_model(str(path), progress=False)
+
+
+def load_logged(path, caplog) -> tuple:
+    """load_model(path), and the warnings it logged."""
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kvbridge.weights"):
+        model = load_model(str(path), progress=False)
+    return model, [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def assert_same_model(a, b) -> None:
+    assert (a.fingerprint, a.config) == (b.fingerprint, b.config) and a.weights.keys() == b.weights.keys()
+    for name, w in a.weights.items():
+        assert torch.equal(b.weights[name], w), name
+
+
+def test_a_flipped_byte_in_the_cache_is_rebuilt_with_a_warning_and_answers_as_fresh(built, caplog):
+    """One flipped byte used to be served: the node started, reported the GGUF's fingerprint and
+    answered garbage. Now the digest recorded at write time catches it."""
+    path, cache, fresh = built
+    weights, _ = cached_files(cache)
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0x40  # (inside a tensor: the header is at the start)
+    weights.write_bytes(bytes(data))
+    model, warnings = load_logged(path, caplog)
+    assert len(warnings) == 1 and f"weight cache {weights} does not match the digest recorded" in warnings[0]
+    assert warnings[0].endswith(f": rebuilding it from {path}")
+    assert_same_model(fresh, model)
+    prompts = make_prompts(2, 256, seed=3)
+    assert greedy(model, prompts) == greedy(fresh, prompts)
+    again, warnings = load_logged(path, caplog)  # the rebuilt file passes
+    assert warnings == [] and weights.read_bytes() != bytes(data)
+    assert_same_model(fresh, again)
+
+
+def test_a_truncated_cache_is_rebuilt_not_a_traceback(built, caplog):
+    path, cache, fresh = built
+    weights, _ = cached_files(cache)
+    size = weights.stat().st_size
+    with open(weights, "r+b") as f:
+        f.truncate(size // 3)
+    model, warnings = load_logged(path, caplog)
+    assert warnings == [f"weight cache {weights} is {size // 3} bytes; {size} were written: rebuilding it from {path}"]
+    assert_same_model(fresh, model)
+    assert weights.stat().st_size == size
+
+
+@pytest.mark.parametrize("damage", ["tokenizer-or-config", "not-json", "older-kvbridge", "gone", "weights-gone"])
+def test_a_bad_or_missing_sidecar_is_rebuilt(built, caplog, damage):
+    path, cache, fresh = built
+    weights, sidecar = cached_files(cache)
+    info = json.loads(sidecar.read_text())
+    if damage == "tokenizer-or-config":
+        info["config"] = info["config"].replace('"hidden_size": 64', '"hidden_size": 65')
+        sidecar.write_text(json.dumps(info))
+        says = "has a sidecar whose config or tokenizer is not what was written"
+    elif damage == "not-json":
+        sidecar.write_text(sidecar.read_text()[:-10])
+        says = "has an unreadable sidecar (JSONDecodeError: "
+    elif damage == "older-kvbridge":  # (what the code before this check wrote: config and tokenizer alone)
+        sidecar.write_text(json.dumps({"config": info["config"], "tokenizer": info["tokenizer"]}))
+        says = "has no digest in its sidecar (an older kvbridge wrote it)"
+    elif damage == "gone":
+        sidecar.unlink()
+        says = "has no sidecar"
+    else:
+        weights.unlink()
+        says = "is missing (its sidecar is there)"
+    model, warnings = load_logged(path, caplog)
+    assert len(warnings) == 1 and warnings[0].startswith(f"weight cache {weights} {says}"), warnings
+    assert_same_model(fresh, model)
+    assert load_logged(path, caplog)[1] == []
+
+
+def test_a_checked_file_is_hashed_again_only_after_a_write(built, caplog, monkeypatch):
+    """The stamp beside a checked file spares the ranks of a node (and later starts) hashing it again
+    while its inode, size, mtime and ctime are unchanged; any write changes its ctime."""
+    path, cache, fresh = built
+    weights, _ = cached_files(cache)
+    hashed = []
+    real = engine.weights._sha256
+    monkeypatch.setattr(engine.weights, "_sha256", lambda fh, *a: hashed.append(1) or real(fh, *a))
+    load_logged(path, caplog)
+    assert hashed == [1] and weights.with_suffix(".verified").exists()  # (the first load after the build)
+    load_logged(path, caplog)
+    assert hashed == [1]
+    weights.write_bytes(weights.read_bytes())  # the same bytes, written again: checked again
+    model, warnings = load_logged(path, caplog)
+    assert hashed == [1, 1] and warnings == []
+    assert_same_model(fresh, model)
+
+
+def test_a_build_that_dies_mid_write_leaves_nothing_that_looks_valid(tmp_path, monkeypatch, hf_llama, caplog):
+    monkeypatch.setenv("KVBRIDGE_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "m.gguf"
+    write_gguf(path, hf_llama, "Q8_0")
+
+    def dies(weights, filename, metadata=None):
+        with open(filename, "wb") as f:
+            f.write(b"half a file")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(engine.weights, "save_file", dies)
+    with pytest.raises(OSError, match="disk full"):
+        load_model(str(path), progress=False)
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == []
+    monkeypatch.undo()
+    monkeypatch.setenv("KVBRIDGE_CACHE", str(tmp_path / "cache"))
+    _, warnings = load_logged(path, caplog)
+    assert warnings == [] and len(list((tmp_path / "cache").glob("*.safetensors"))) == 1
+
+
+def test_two_processes_building_at_once_leave_one_good_cache(tmp_path, monkeypatch, hf_llama, caplog):
+    """Each build writes its own temporary file and renames it into place."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("KVBRIDGE_CACHE", str(cache))
+    path = tmp_path / "m.gguf"
+    write_gguf(path, hf_llama, "Q8_0")
+    script = f"from engine.weights import load_model; print(load_model({str(path)!r}, progress=False).fingerprint)"
+    env = {**os.environ, "KVBRIDGE_CACHE": str(cache)}
+    children = [subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE) for _ in range(2)]
+    prints = {child.communicate(timeout=600)[0].strip() for child in children}
+    assert [child.returncode for child in children] == [0, 0]
+    model, warnings = load_logged(path, caplog)
+    assert warnings == [] and prints == {model.fingerprint.encode()}
+    assert sorted(p.suffix for p in cache.iterdir()) == [".json", ".safetensors", ".verified"]

@@ -251,6 +251,74 @@ def test_malformed_requests_and_other_methods_get_openai_errors(fleet):
     assert (status, body) == (404, error("no route POST /v1/completions/", "not_found_error", "not_found"))
 
 
+def head_of(*headers: str, method: str = "POST", path: str = "/v1/completions", version: str = "1.1") -> bytes:
+    return (f"{method} {path} HTTP/{version}\r\nHost: x\r\n" + "".join(h + "\r\n" for h in headers) + "\r\n").encode()
+
+
+CHUNKED_BODY = b"%X\r\n%s\r\n0\r\n\r\n" % (len(BODY), BODY)
+FRAMINGS = {  # raw request -> (status, the error's message after "malformed HTTP request: ")
+    "length-then-chunked": (
+        head_of("Content-Length: 5", "Transfer-Encoding: chunked") + b"hello",
+        400, "both Content-Length and Transfer-Encoding: send one",
+    ),
+    "chunked-then-length": (
+        head_of("Transfer-Encoding: chunked", f"Content-Length: {len(BODY)}") + CHUNKED_BODY,
+        400, "both Content-Length and Transfer-Encoding: send one",
+    ),
+    "both-on-a-get": (
+        head_of("Content-Length: 0", "Transfer-Encoding: chunked", method="GET", path="/health") + b"0\r\n\r\n",
+        400, "both Content-Length and Transfer-Encoding: send one",
+    ),
+    "chunked-in-http-1.0": (
+        head_of("Transfer-Encoding: chunked", version="1.0") + CHUNKED_BODY,
+        400, "Transfer-Encoding in an HTTP/1.0 request",
+    ),
+    "two-lengths": (
+        head_of("Content-Length: 5", "Content-Length: 6") + b"hello!", 400, "conflicting Content-Length headers",
+    ),
+    "length-list": (head_of("Content-Length: 5, 6") + b"hello!", 400, "conflicting Content-Length headers"),
+    "length-not-a-number": (head_of("Content-Length: abc") + b"hello", 400, "bad Content-Length"),
+    "length-negative": (head_of("Content-Length: -1") + b"hello", 400, "bad Content-Length"),
+    "length-plus": (head_of("Content-Length: +5") + b"hello", 400, "bad Content-Length"),
+    "length-of-30-digits": (head_of("Content-Length: " + "9" * 30) + b"hello", 400, "bad Content-Length"),
+    "bad-chunk-size": (
+        head_of("Transfer-Encoding: chunked") + b"zz\r\nhello\r\n0\r\n\r\n",
+        400, "illegal chunk header: bytearray(b'zz\\r\\n')",
+    ),
+    "negative-chunk-size": (
+        head_of("Transfer-Encoding: chunked") + b"-5\r\nhello\r\n0\r\n\r\n",
+        400, "illegal chunk header: bytearray(b'-5\\r\\n')",
+    ),
+    "two-hosts": (head_of("Host: y", f"Content-Length: {len(BODY)}") + BODY, 400, "Found multiple Host: headers"),
+    "space-before-colon": (
+        head_of(f"Content-Length : {len(BODY)}") + BODY,
+        400, f"illegal header line: bytearray(b'Content-Length : {len(BODY)}')",
+    ),
+    "unknown-coding": (  # (RFC 9112: 501 for a transfer coding the server does not implement)
+        head_of("Transfer-Encoding: gzip") + b"hello", 501, "Only Transfer-Encoding: chunked is supported",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", FRAMINGS)
+def test_malformed_framing_gets_its_answer_at_once_and_the_connection_closes(fleet, name):
+    """Content-Length beside Transfer-Encoding waited for the body timeout (h11 let the chunked framing
+    win and waited for chunks). Each framing is refused on arrival: the router's timeouts are 300 s,
+    and the client waits 30."""
+    router, _ = fleet(colocated=1, router={"http_header_timeout_s": 300.0, "http_body_timeout_s": 300.0})
+    data, status, says = FRAMINGS[name]
+    with connect(router.http_port) as sock:
+        sock.sendall(data)
+        got, headers, body = read_answer(sock)
+        assert (got, json.loads(body)) == (
+            status,
+            error(f"malformed HTTP request: {says}", "invalid_request_error", "invalid_argument"),
+        )
+        assert headers["connection"] == "close" and closed_by_server(sock)
+    status, _, body = request(router.http_port, "POST", "/v1/completions", BODY)  # and the router serves on
+    assert status == 200 and completion_text(body)
+
+
 # ---------------------------------------------------------------- requests at once, request ids, errors
 
 
