@@ -149,6 +149,10 @@ class EngineConfig:
         300.0,
         "fail a KV hand-off not done this long after the decode pages were reserved, seconds",
     )
+    kv_stream_idle_s: float = setting(
+        10.0,
+        "decode node: end a KV page stream (grpc engine) whose first or next chunk is this late, seconds",
+    )
     fault_inject: str = setting(
         "",
         "tests and drills: faults such as transfer_fail=0.05,rank1:step_delay_ms=50 (engine/faults.py)",
@@ -158,7 +162,7 @@ class EngineConfig:
         from engine.faults import parse
 
         parse(self.fault_inject, 0)  # raises on a bad spec, naming the item
-        for name in ("bootstrap_timeout_s", "prealloc_timeout_s", "transfer_timeout_s"):
+        for name in ("bootstrap_timeout_s", "prealloc_timeout_s", "transfer_timeout_s", "kv_stream_idle_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.max_default_tokens < 0:
