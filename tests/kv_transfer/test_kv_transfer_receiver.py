@@ -4,12 +4,9 @@ segment's mode and lifetime (on every exit path), and status changes for the dae
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import queue
-import socket
 import stat
-import threading
 import time
 from pathlib import Path
 
@@ -24,6 +21,7 @@ from kv_transfer.poll import StatusChange
 from kv_transfer.rooms import Notice
 from kv_transfer.service import MAX_UNKEYED_STREAMS_PER_PEER, WaitingStreams
 from kvbridge.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
+from tests.relay import Relay
 
 KEY = bytes(range(16))  # the rooms' write key (the decode node mints one per room)
 
@@ -239,37 +237,6 @@ def hand_off(receiver, stub, room: int) -> int:
         )
         stub.TransferDone(notice, timeout=30)
     return ack.bytes
-
-
-class Relay:
-    """A TCP relay to `target` whose outgoing connections come from `source` (another loopback
-    address): what the receiver sees as a second peer host."""
-
-    def __init__(self, target: str, source: str = "127.0.0.2"):
-        host, port = target.rsplit(":", 1)
-        self.target, self.source = (host, int(port)), source
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.addr = f"127.0.0.1:{self.listener.getsockname()[1]}"
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        with contextlib.suppress(OSError):
-            while True:
-                inbound, _ = self.listener.accept()
-                outbound = socket.create_connection(self.target, source_address=(self.source, 0))
-                for a, b in ((inbound, outbound), (outbound, inbound)):
-                    threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
-
-    @staticmethod
-    def _pump(a: socket.socket, b: socket.socket) -> None:
-        with contextlib.suppress(OSError):
-            while data := a.recv(1 << 16):
-                b.sendall(data)
-        with contextlib.suppress(OSError):
-            b.shutdown(socket.SHUT_WR)
-
-    def close(self) -> None:
-        self.listener.close()
 
 
 @pytest.fixture
