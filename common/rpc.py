@@ -14,8 +14,8 @@ worker thread, and Admin, Bootstrap and health answer however many streams are o
     server.loop.run(coro)                              # run a coroutine on its loop, from another thread
     server.stop(grace_s=2.0)
 
-`make_server` is the threaded server, kept for the KV plane (the grpc transfer engine on
-decode ranks: a few long streams per rank) and for tests' fake peers. Clients: `make_channel`
+`make_server` is the threaded server, kept for tests' fake peers (the KV plane's receivers
+are AioServers too: kv_transfer/service.py). Clients: `make_channel`
 (blocking) and `make_aio_channel` (inside an event loop).
 """
 
@@ -25,10 +25,12 @@ import asyncio
 import concurrent.futures
 import contextlib
 import inspect
+import ipaddress
 import queue
 import threading
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent import futures
+from urllib.parse import unquote
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -334,19 +336,21 @@ class AioServer:
         serving: bool = True,
         loop: EventLoop | None = None,
         name: str = "kvbridge-grpc",
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
     ):
         self._own_loop = loop is None
         self.loop = loop or EventLoop(name)
+        start = self._start(host, port, services, service_names, serving, max_message_bytes)
         try:
-            self.server, self.port, servicer = self.loop.run(self._start(host, port, services, service_names, serving))
+            self.server, self.port, servicer = self.loop.run(start)
         except BaseException:
             if self._own_loop:
                 self.loop.stop()
             raise
         self.health = AioHealth(servicer, self.loop)
 
-    async def _start(self, host, port, services, service_names, serving):
-        server = grpc.aio.server(options=server_options())
+    async def _start(self, host, port, services, service_names, serving, max_message_bytes):
+        server = grpc.aio.server(options=server_options(max_message_bytes))
         for add, servicer in services:
             add(guarded(servicer), server)
         health_servicer = health.aio.HealthServicer()
@@ -419,6 +423,20 @@ def shown(value: object, limit: int = 80) -> str:
     message over gRPC's 8-16 KiB limit is dropped, and the client would see another code)."""
     text = repr(value)
     return text if len(text) <= limit else f"{text[:limit]}...({len(text)} chars)"
+
+
+def peer_host(peer: str) -> str:
+    """The host of a caller as a servicer's context.peer() names it: "ipv4:10.0.0.5:41234" and
+    "ipv6:[::ffff:10.0.0.5]:41234" are "10.0.0.5", "ipv6:%5B::1%5D:41234" is "::1"; anything else
+    (a unix socket) as it is. Per-caller limits count by it."""
+    kind, _, rest = unquote(peer).partition(":")
+    if kind not in ("ipv4", "ipv6"):
+        return peer
+    host = rest.rpartition(":")[0].strip("[]")
+    with contextlib.suppress(ValueError):
+        ip = ipaddress.ip_address(host)
+        return str(getattr(ip, "ipv4_mapped", None) or ip)
+    return host
 
 
 def page_offset(token: str) -> int | None:

@@ -41,6 +41,7 @@ def decode_rank(ctx: RankContext) -> RankSetup:
             host=ctx.role_args.get("host", "127.0.0.1"),
             torch_store=ctx.role_args.get("torch_store", True),
             awaits_first_token=ctx.rank == 0,
+            stream_idle_s=config.kv_stream_idle_s,
         ),
         on_change=agent.on_change,
     )

@@ -144,10 +144,28 @@ class EngineConfig:
         300.0,
         "prefill node: fail a request whose decode node has not registered after this, seconds",
     )
+    # A decode node registers a room once it has reserved the room's pages: under load that is when one
+    # of its running requests ends (seconds). A prefilled request still unregistered after a minute
+    # fails, and the router tries another pair without that decode node (P's DEADLINE_EXCEEDED).
+    unregistered_timeout_s: float = setting(
+        60.0,
+        "prefill node: fail a prefilled request whose decode node has not registered this long after its "
+        "first token, seconds (within --bootstrap-timeout-s of its arrival)",
+    )
+    # Half the pool: the other half stays for requests whose decode node registered, and for other callers.
+    unregistered_page_share: float = setting(
+        0.5,
+        "prefill node: the share of the KV pool that one caller's (peer host's) prefilled requests without "
+        "a registration may hold; past it, its Prefill calls fail (RESOURCE_EXHAUSTED)",
+    )
     prealloc_timeout_s: float = setting(300.0, "decode node: fail a request that got no KV pages within this, seconds")
     transfer_timeout_s: float = setting(
         300.0,
         "fail a KV hand-off not done this long after the decode pages were reserved, seconds",
+    )
+    kv_stream_idle_s: float = setting(
+        10.0,
+        "decode node: end a KV page stream (grpc engine) whose first or next chunk is this late, seconds",
     )
     fault_inject: str = setting(
         "",
@@ -158,11 +176,14 @@ class EngineConfig:
         from engine.faults import parse
 
         parse(self.fault_inject, 0)  # raises on a bad spec, naming the item
-        for name in ("bootstrap_timeout_s", "prealloc_timeout_s", "transfer_timeout_s"):
+        timeouts = ("bootstrap_timeout_s", "unregistered_timeout_s", "prealloc_timeout_s", "transfer_timeout_s")
+        for name in (*timeouts, "kv_stream_idle_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.max_default_tokens < 0:
             raise ValueError(f"max_default_tokens must be >= 0 (0: no cap), got {self.max_default_tokens}")
+        if not 0 < self.unregistered_page_share <= 1:
+            raise ValueError(f"unregistered_page_share must be in (0, 1], got {self.unregistered_page_share}")
         if self.max_pending_requests < 1:
             raise ValueError(f"max_pending_requests must be >= 1, got {self.max_pending_requests}")
         if self.page_size < 1:

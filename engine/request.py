@@ -43,9 +43,10 @@ class Handoff:
     routed: bool = False  # prefill: the decode node's registration arrived (a ROUTE decision went out)
     transferred: bool = False  # prefill: consensus agreed every push landed (may come before the first token)
     deadline: float = float("inf")  # perf_counter time at which the phase it waits in times out
-    timeout: str = ""  # which timeout that is: "bootstrap" | "prealloc" | "transfer"
+    timeout: str = ""  # which timeout that is: "bootstrap" | "unregistered" | "prealloc" | "transfer"
     preallocated_s: float = 0.0  # decode: when every rank expected its pages (for kv_seconds)
     held_pages: int = 0  # decode: the prompt's first pages, found in its prefix cache (not moved)
+    caller: str = ""  # prefill: the host its Prefill call came from (rpc.peer_host; bounds what one caller holds)
 
     def expires(self, now: float, after_s: float, timeout: str) -> None:
         self.deadline, self.timeout = now + after_s, timeout

@@ -2,7 +2,8 @@
 
 CPU pools live in a shared-memory segment (shm backend); CUDA pools export an IPC handle
 (cuda_ipc backend); the torch backend dials the rank's TCPStore; the grpc backend and every
-TransferDone / FirstToken notice go to its KVReceiver gRPC service.
+TransferDone / FirstToken notice go to its KVReceiver gRPC service (grpc.aio, on an event loop
+thread of its own; kv_transfer/service.py bounds its streams).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from common.rpc import KV_MESSAGE_BYTES, make_server
+from common.rpc import KV_MESSAGE_BYTES, AioServer
 from engine.kv_pool import KVPool
 from kv_transfer.backends import cuda_ipc
 from kv_transfer.backends.shm import Segment
@@ -23,7 +24,7 @@ from kv_transfer.layers import local_slice, page_runs
 from kv_transfer.layout import PageGeometry, RankInfo, dtype_from_name
 from kv_transfer.poll import KVPoll, StatusBoard, StatusChange
 from kv_transfer.rooms import RoomTable, Source
-from kv_transfer.service import KVReceiverServicer
+from kv_transfer.service import STREAM_IDLE_S, KVReceiverServicer
 from kvbridge.v1 import kv_transfer_pb2_grpc
 
 SERVICE_NAME = "kvbridge.v1.KVReceiver"
@@ -46,6 +47,7 @@ class ReceiverConfig:
     awaits_first_token: bool = False  # rank 0: SUCCESS also needs the FirstToken notice
     max_chunk_bytes: int = 64 << 20  # largest torch message accepted (bounds the staging buffer)
     torch_timeout_s: float = 120.0  # torch pair receive timeout (senders ping well within it)
+    stream_idle_s: float = STREAM_IDLE_S  # a WritePages stream whose next chunk is this late ends (DEADLINE_EXCEEDED)
 
     @property
     def layers(self) -> tuple[int, int]:
@@ -63,7 +65,7 @@ class KVReceiverEndpoint:
         self.config = config
         self.board = StatusBoard(on_change)
         self._segment: Segment | None = None
-        self._server = None
+        self._server: AioServer | None = None
         self._torch: TorchReceiverPort | None = None
         try:
             self.pool, ipc_handle = self._make_pool()
@@ -72,14 +74,15 @@ class KVReceiverEndpoint:
                 config.rank, config.layers, config.num_pages, config.page_size,
                 g.layer_block_bytes, config.awaits_first_token, self.board,
             )  # fmt: skip
-            self._server, port, _ = make_server(
+            self.servicer = KVReceiverServicer(self, config.stream_idle_s)
+            self._server = AioServer(
                 config.host,
                 0,
-                [(kv_transfer_pb2_grpc.add_KVReceiverServicer_to_server, KVReceiverServicer(self))],
+                [(kv_transfer_pb2_grpc.add_KVReceiverServicer_to_server, self.servicer)],
                 [SERVICE_NAME],
+                name=f"kv-receiver-{config.rank}",
                 max_message_bytes=KV_MESSAGE_BYTES,
             )
-            self._server.start()
             if config.torch_store:
                 self._torch = TorchReceiverPort(
                     config.host, self.rooms, self.pool.buffer, config.layers, g.layer_block_bytes,
@@ -92,7 +95,7 @@ class KVReceiverEndpoint:
             rank=config.rank,
             layer_start=config.layer_start,
             layer_end=config.layer_end,
-            receiver_addr=f"{config.host}:{port}",
+            receiver_addr=f"{config.host}:{self._server.port}",
             shm_name=self._segment.name if self._segment else "",
             torch_addr=self._torch.addr if self._torch else "",
             torch_key=self._torch.key if self._torch else "",
@@ -161,7 +164,7 @@ class KVReceiverEndpoint:
             self._torch.close()
             self._torch = None
         if self._server is not None:
-            self._server.stop(grace=1.0).wait()
+            self._server.stop(grace_s=1.0)
             self._server = None
         self.pool = None
         if self._segment is not None:
@@ -179,7 +182,8 @@ class KVReceiverEndpoint:
     def write_bytes(
         self, room: int, secret: bytes, src: int, lo: int, hi: int, page_ids: list[int], data: bytes
     ) -> int:
-        """Check, then copy a PageChunk's bytes into layers [lo, hi) of pages page_ids; returns len(data)."""
+        """Check, then copy a PageChunk's bytes into layers [lo, hi) of pages page_ids; returns len(data).
+        Blocking (a worker thread of the service calls it)."""
         ticket = self.rooms.begin_write(room, secret, src, lo, hi, page_ids, len(data))
         error = ""
         try:

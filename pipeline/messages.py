@@ -35,6 +35,7 @@ class Add:
     cache_salt: str = ""  # the prefix cache shares pages only between requests with equal salts
     resumed: int = 0  # migration: the last `resumed` prompt ids are outputs an earlier attempt streamed
     fork_of: str = ""  # choice i > 0 of an n > 1 request: the rid of choice 0, whose prompt pages it shares
+    caller: str = ""  # prefill: the host the Prefill call came from (rpc.peer_host)
 
 
 @dataclass(frozen=True)
@@ -119,7 +120,7 @@ class Finish:
     error: str = ""  # the request failed (or an operator aborted it): why
     code: str = ""  # and the gRPC status code name to report it with
     kv_bytes: int = 0  # prefill node: KV bytes pushed for it
-    timeout: str = ""  # the node timeout that ended it ("bootstrap" | "prealloc" | "transfer"), if one did
+    timeout: str = ""  # the node timeout that ended it, if one did ("bootstrap", "unregistered", "prealloc", ...)
     cached_tokens: int = 0  # prompt tokens found in the prefix cache (not computed here)
 
 

@@ -48,15 +48,20 @@ class PrefillRole:
         # back from EOS when min_tokens is not reached by it)
         first = req.resumed + 1
         req.params = replace(req.params, max_new_tokens=first, min_tokens=min(req.params.min_tokens, first))
-        req.handoff = Handoff(add.room)
+        req.handoff = Handoff(add.room, caller=add.caller)
         if add.room in self.rooms:  # the registration for it would route this request's KV to another's pages
             req.finish_reason = "error"
             error = f"room {add.room} is in use by another request"
             self.loop.retire(req, ABORT, error=error, code="ALREADY_EXISTS")
             return
+        registration = self.registrations.pop(add.room)
+        if registration is None and (error := self._unregistered_problem(req)):
+            req.finish_reason = "error"
+            self.loop.retire(req, ABORT, error=error, code="RESOURCE_EXHAUSTED")
+            return
         req.handoff.expires(req.arrival_s, self.config.bootstrap_timeout_s, "bootstrap")
         self.rooms[add.room] = req.rid
-        if (registration := self.registrations.pop(add.room)) is not None and self._route(req, registration):
+        if registration is not None and self._route(req, registration):
             return  # (refused: the two halves disagree on the prompt)
         self.loop.move(req, Phase.WAITING)
         self.loop.scheduler.add(req)
@@ -126,6 +131,11 @@ class PrefillRole:
         h, config = req.handoff, self.config
         if h.timeout == "bootstrap":
             why = f"the decode node did not register room {h.room} within {config.bootstrap_timeout_s:g} s"
+        elif h.timeout == "unregistered":
+            why = (
+                f"the decode node did not register room {h.room} within {config.unregistered_timeout_s:g} s "
+                "of its prefill (--unregistered-timeout-s)"
+            )
         else:
             why = f"the KV transfer did not finish within {config.transfer_timeout_s:g} s of the first token"
         self.fail(req, why, "DEADLINE_EXCEEDED", timeout=h.timeout)
@@ -135,13 +145,40 @@ class PrefillRole:
     def finished(self, req: Request) -> bool:
         """Its first token is out: its pages stay for the pushes, until they are agreed done."""
         if not req.handoff.routed:  # where its KV goes is not known yet
-            self.loop.move(req, Phase.BOOTSTRAP)
-            self.bootstrap.admit(req)
+            self._await_registration(req)
         elif req.handoff.transferred:
             self._transferred(req)
         else:
             self._await_transfer(req)
         return True
+
+    def _await_registration(self, req: Request) -> None:
+        """Prefilled, with no registration yet: it holds its pages for a while, within its caller's share."""
+        if error := self._unregistered_problem(req, len(req.page_table.pages)):
+            self.fail(req, error, "RESOURCE_EXHAUSTED")
+            return
+        h, now, hold_s = req.handoff, time.perf_counter(), self.config.unregistered_timeout_s
+        if now + hold_s < h.deadline:
+            h.expires(now, hold_s, "unregistered")
+        self.loop.move(req, Phase.BOOTSTRAP)
+        self.bootstrap.admit(req)
+
+    def _unregistered_problem(self, req: Request, pages: int = 0) -> str:
+        """Why `req` may not hold `pages` (at admission: any) prefilled pages without a registration:
+        its caller's other such requests hold their share of the pool already ("" when it may). A caller
+        that holds none may always wait with one (a prompt larger than the share is still served)."""
+        caller, pool = req.handoff.caller, self.loop.pool.num_pages
+        held = sum(len(r.page_table.pages) for r in self.bootstrap if r.handoff.caller == caller)
+        share = self.config.unregistered_page_share
+        limit = int(share * pool)
+        if held == 0 or held + max(pages, 1) <= limit:
+            return ""
+        more = f"; with this request's {pages} it would hold {held + pages}" if pages else ""
+        return (
+            f"{caller or 'this caller'} holds {held} prefilled KV pages of requests whose decode node has not "
+            f"registered{more}: one caller may hold {limit}, {share:g} of the {pool}-page pool "
+            "(--unregistered-page-share)"
+        )
 
     def _await_transfer(self, req: Request) -> None:
         req.handoff.expires(time.perf_counter(), self.config.transfer_timeout_s, "transfer")

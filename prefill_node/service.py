@@ -6,7 +6,7 @@ from __future__ import annotations
 import grpc
 
 from common import rpc, sampling
-from common.rpc import shown
+from common.rpc import peer_host, shown
 from common.security import message_proof, message_proof_ok
 from kv_transfer import adapters as kv_wire
 from kv_transfer.layout import incompatibility
@@ -37,7 +37,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
                 raise ValueError(
                     f"sampling.n is {params.n}: a prefill node computes choice 0 (the decode node forks the others)"
                 )
-            extra = {"room": request.room}
+            extra = {"room": request.room, "caller": peer_host(context.peer())}  # (what one caller holds is bounded)
             deltas = front.submit(ids, params, request.rid, extra, request.cache_salt, request.resume_ids)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))

@@ -6,6 +6,12 @@ up to, numbers each batch (seq, from 1, consecutive) and hands it to every watch
 first gets a snapshot (every block, as of the current seq), then each batch in order. One that
 falls MAX_LAG batches behind (a slow reader) loses them and gets a fresh snapshot instead: it
 never sees a gap, and the node never holds more than MAX_LAG batches for it.
+
+Streams are bounded per caller (its peer host) and in all. A caller with MAX_WATCHERS_PER_CALLER
+streams open that opens one more ends its own oldest (RESOURCE_EXHAUSTED, naming the limit): a
+router restarted on its host is never shut out by streams its old self left half-open (or by a
+client there that only holds streams), and one host cannot take every slot. Past MAX_WATCHERS in
+all, a new stream is refused.
 """
 
 from __future__ import annotations
@@ -15,12 +21,14 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from common.rpc import peer_host
 from engine.prefix_cache import CLEARED, REMOVED, STORED
 from kvbridge.v1 import kv_events_pb2, kv_events_pb2_grpc
 from pipeline.messages import CacheEvents
 
 MAX_LAG = 256  # batches queued for one watcher before it is resynced with a snapshot instead
 MAX_WATCHERS = 64  # streams open at once; one more is refused (RESOURCE_EXHAUSTED)
+MAX_WATCHERS_PER_CALLER = 8  # streams of one peer host; one more ends its oldest (RESOURCE_EXHAUSTED)
 KINDS = {
     STORED: kv_events_pb2.KVEvent.STORED,
     REMOVED: kv_events_pb2.KVEvent.REMOVED,
@@ -28,6 +36,7 @@ KINDS = {
 }
 RESYNC = None  # queued for a watcher that lagged: its next batch is a snapshot
 END = "end"  # queued by close_watchers(): the stream ends
+REPLACED = "replaced"  # queued for a caller's oldest stream when it opens one too many: the stream fails
 
 
 class KVEventHub:
@@ -35,7 +44,7 @@ class KVEventHub:
         self.page_size, self.role = page_size, role
         self.blocks: set[int] = set()  # every block hash rank 0's cache holds, as of `seq`
         self.seq = 0
-        self._watchers: set[asyncio.Queue] = set()
+        self._watchers: dict[asyncio.Queue, str] = {}  # each open stream's queue -> its caller, oldest first
 
     def apply(self, msg: CacheEvents) -> None:
         """On the loop: rank 0's changes, as one batch to every watcher."""
@@ -64,23 +73,35 @@ class KVEventHub:
 
     def close_watchers(self) -> int:
         """End every open stream (its watcher reconnects for a snapshot); how many there were."""
-        closed, self._watchers = self._watchers, set()  # (nothing more is queued for them)
+        closed, self._watchers = self._watchers, {}  # (nothing more is queued for them)
         for q in closed:
-            while not q.empty():
-                q.get_nowait()
-            q.put_nowait(END)
+            _last(q, END)
         return len(closed)
 
     @property
     def num_watchers(self) -> int:
         return len(self._watchers)
 
-    async def watch(self) -> AsyncIterator[kv_events_pb2.KVEventBatch]:
-        """A snapshot, then every batch after it (or a snapshot again, after lagging)."""
-        if len(self._watchers) >= MAX_WATCHERS:
-            raise OverflowError(f"{len(self._watchers)} KV event streams are open, the most a node serves")
+    def callers(self) -> dict[str, int]:
+        """Open streams per caller."""
+        counts: dict[str, int] = {}
+        for caller in self._watchers.values():
+            counts[caller] = counts.get(caller, 0) + 1
+        return counts
+
+    async def watch(self, caller: str = "") -> AsyncIterator[kv_events_pb2.KVEventBatch]:
+        """A snapshot, then every batch after it (or a snapshot again, after lagging). OverflowError
+        when no stream can be opened for `caller` (its peer host), or this one is ended for its newer one."""
+        mine = [q for q, c in self._watchers.items() if c == caller]
+        if len(mine) >= MAX_WATCHERS_PER_CALLER:
+            del self._watchers[mine[0]]
+            _last(mine[0], REPLACED)
+        elif len(self._watchers) >= MAX_WATCHERS:
+            raise OverflowError(
+                f"{len(self._watchers)} KV event streams are open, the most a node serves (MAX_WATCHERS)"
+            )
         q: asyncio.Queue = asyncio.Queue(MAX_LAG)
-        self._watchers.add(q)
+        self._watchers[q] = caller
         try:
             snap = self.snapshot()
             seen = snap.seq
@@ -89,6 +110,11 @@ class KVEventHub:
                 batch = await q.get()
                 if batch is END:
                     return
+                if batch is REPLACED:
+                    raise OverflowError(
+                        f"{caller} opened a newer KV event stream: one caller may have {MAX_WATCHERS_PER_CALLER} "
+                        "(MAX_WATCHERS_PER_CALLER); its oldest is ended"
+                    )
                 if batch is RESYNC:
                     batch = self.snapshot()
                 elif batch.seq <= seen:  # (queued while it lagged: the snapshot has it)
@@ -96,7 +122,14 @@ class KVEventHub:
                 seen = batch.seq
                 yield batch
         finally:
-            self._watchers.discard(q)
+            self._watchers.pop(q, None)
+
+
+def _last(q: asyncio.Queue, item) -> None:
+    """`item` is all `q` holds now: what its stream reads next."""
+    while not q.empty():
+        q.get_nowait()
+    q.put_nowait(item)
 
 
 class KVEventsService(kv_events_pb2_grpc.KVEventsServicer):
@@ -112,7 +145,7 @@ class KVEventsService(kv_events_pb2_grpc.KVEventsServicer):
     async def Watch(self, request, context):
         node = await self._loaded(context)
         try:
-            async for batch in node.front.kv_events.watch():
+            async for batch in node.front.kv_events.watch(peer_host(context.peer())):
                 yield batch
         except OverflowError as e:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))

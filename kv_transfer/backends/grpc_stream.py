@@ -1,6 +1,8 @@
 """grpc: anywhere. Pages travel as bytes on a WritePages client stream to the decode rank's
 KVReceiver, in PageChunks of at most SenderConfig.grpc_chunk_bytes; the receiver checks each
-chunk and copies it into its pool (kv_transfer/service.py). The slow, universal fallback."""
+chunk and copies it into its pool (kv_transfer/service.py). The chunks are gathered as they go,
+each well within the receiver's idle limit of the last (--kv-stream-idle-s). The slow,
+universal fallback."""
 
 from __future__ import annotations
 

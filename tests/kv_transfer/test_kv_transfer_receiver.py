@@ -3,20 +3,25 @@ segment's mode and lifetime (on every exit path), and status changes for the dae
 
 from __future__ import annotations
 
+import asyncio
 import os
+import queue
 import stat
+import time
 from pathlib import Path
 
 import grpc
 import pytest
 import torch.multiprocessing as mp
 
-from common.rpc import make_channel
+from common.rpc import make_channel, peer_host
 from kv_transfer import KVPoll, KVReceiverEndpoint, ReceiverConfig, Source
 from kv_transfer.backends.shm import remove_segments_of
 from kv_transfer.poll import StatusChange
 from kv_transfer.rooms import Notice
+from kv_transfer.service import MAX_UNKEYED_STREAMS_PER_PEER, WaitingStreams
 from kvbridge.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
+from tests.relay import Relay
 
 KEY = bytes(range(16))  # the rooms' write key (the decode node mints one per room)
 
@@ -183,3 +188,172 @@ def test_a_torch_pair_opens_only_with_the_stores_key():
         pair = PairClient(addr, key, 0, torch.device("cpu"), timeout_s=30)
         assert pair.backend == "gloo"
         pair.close()
+
+
+# ---- the KVReceiver's streams: keyed at once, kept moving, few waiting per peer host ----
+
+
+class Held:
+    """A WritePages stream that sends what it is given, when it is given it (None: its end)."""
+
+    def __init__(self, stub, timeout: float = 60):
+        self._chunks: queue.Queue = queue.Queue()
+        self.call = stub.WritePages.future(iter(self._chunks.get, None), timeout=timeout)
+
+    def send(self, c) -> None:
+        self._chunks.put(c)
+
+    def end(self) -> None:
+        self._chunks.put(None)
+
+    def error(self) -> tuple[grpc.StatusCode, str]:
+        e = self.call.exception(timeout=60)
+        return (e.code(), e.details()) if e is not None else (grpc.StatusCode.OK, "")
+
+
+def on_loop(receiver, fn):
+    return receiver._server.loop.invoke(fn)
+
+
+def waiting(receiver, peer=None) -> int:
+    """Streams of `peer` (every peer: None) waiting for their first chunk."""
+    return on_loop(receiver, lambda: receiver.servicer.waiting.count(peer))
+
+
+def wait_until(predicate, what: str, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def hand_off(receiver, stub, room: int) -> int:
+    """Room `room` (page 3) from both of its sources over one stream, and their notices: the bytes acknowledged."""
+    receiver.expect(room, f"r{room}", [3], SOURCES, "grpc", KEY)
+    ack = stub.WritePages(iter([chunk(room, 0, 2, 3, (3,)), chunk(room, 1, 3, 4, (3,))]), timeout=30)
+    for src, (lo, hi) in ((0, (2, 3)), (1, (3, 4))):
+        notice = kv_transfer_pb2.TransferNotice(
+            secret=KEY, room=room, src_rank=src, layer_start=lo, layer_end=hi, num_tokens=3, bytes=512
+        )
+        stub.TransferDone(notice, timeout=30)
+    return ack.bytes
+
+
+@pytest.fixture
+def patient():
+    """A receiver whose streams may idle for a minute (floods stay open while a test runs)."""
+    with KVReceiverEndpoint(make_config(torch_store=False, stream_idle_s=60)) as r:
+        yield r
+
+
+def test_silent_streams_from_a_peer_do_not_keep_a_hand_off_from_landing(patient):
+    """40 streams that never send a chunk (a thread each on the old threaded server: its 32 workers
+    were all held, and no notice landed) push each other out past 16; the next sender's stream,
+    from the same host, pushes out one more and its room lands while 15 still wait."""
+    receiver, channel = patient, make_channel(patient.endpoint.receiver_addr)
+    stub = kv_transfer_pb2_grpc.KVReceiverStub(channel)
+    silent = [Held(stub) for _ in range(40)]
+    wait_until(lambda: sum(s.call.done() for s in silent) == 24, "24 streams never ended")
+    assert waiting(receiver, "127.0.0.1") == MAX_UNKEYED_STREAMS_PER_PEER == 16
+    assert hand_off(receiver, stub, 6) == 2 * 512
+    assert receiver.poll(6) == KVPoll.SUCCESS
+    assert receiver.pool.buffer[3].numpy().tobytes() == chunk(6).data * 2
+    ended = [s for s in silent if s.call.done()]
+    assert len(ended) == 25 and waiting(receiver) == 15
+    pushed_out = (
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        "127.0.0.1 opened a newer KV stream: a peer host may have at most 16 waiting for their first chunk "
+        "(MAX_UNKEYED_STREAMS_PER_PEER); its oldest is ended",
+    )
+    assert {s.error() for s in ended} == {pushed_out}
+    assert silent.index(ended[-1]) == 24  # the oldest went first
+    for s in silent:
+        s.call.cancel()
+    wait_until(lambda: waiting(receiver) == 0, "cancelled streams still counted")
+    channel.close()
+
+
+def test_a_flood_from_one_peer_host_does_not_push_out_another_hosts_stream(patient):
+    relay = Relay(patient.endpoint.receiver_addr)
+    far = make_channel(relay.addr)
+    near = make_channel(patient.endpoint.receiver_addr)
+    patient.expect(6, "r6", [3], SOURCES, "grpc", KEY)
+    theirs = Held(kv_transfer_pb2_grpc.KVReceiverStub(far))
+    wait_until(lambda: waiting(patient, "127.0.0.2") == 1, "the relayed stream never waited")
+    flood = [Held(kv_transfer_pb2_grpc.KVReceiverStub(near)) for _ in range(MAX_UNKEYED_STREAMS_PER_PEER + 8)]
+    wait_until(lambda: sum(s.call.done() for s in flood) == 8, "the flood never pushed itself out")
+    assert (waiting(patient, "127.0.0.2"), waiting(patient, "127.0.0.1")) == (1, 16)
+    theirs.send(chunk(6, 0, 2, 3, (3,)))
+    theirs.end()
+    assert theirs.call.result(timeout=30).bytes == 512
+    for s in flood:
+        s.call.cancel()
+    for c in (far, near):
+        c.close()
+    relay.close()
+
+
+def test_streams_that_wait_past_the_idle_limit_end_deadline_exceeded():
+    with KVReceiverEndpoint(make_config(torch_store=False, stream_idle_s=1)) as r:
+        channel = make_channel(r.endpoint.receiver_addr)
+        stub = kv_transfer_pb2_grpc.KVReceiverStub(channel)
+        r.expect(5, "r5", [1, 2], SOURCES, "grpc", KEY)
+        silent, stalled = Held(stub), Held(stub)
+        stalled.send(chunk(5, pages=(1,)))
+        assert silent.error() == (
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            "no PageChunk within 1 s of the stream's start (the KV stream idle limit, --kv-stream-idle-s)",
+        )
+        assert stalled.error() == (
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            "no PageChunk within 1 s of the last one (the KV stream idle limit, --kv-stream-idle-s)",
+        )
+        assert r.pool.buffer[1, 0].numpy().tobytes() == chunk(5).data  # its chunk landed before it stalled
+        assert r.poll(5) == KVPoll.TRANSFERRING  # (its sender fails the room: the stream's error is its own)
+        assert hand_off(r, stub, 6) == 2 * 512  # and the receiver serves on
+        channel.close()
+
+
+def test_a_first_chunk_with_a_wrong_key_is_permission_denied_and_the_stream_is_read_no_further(receiver, stub):
+    receiver.expect(5, "r5", [1, 2], SOURCES, "grpc", KEY)
+    forged = chunk(5, pages=(1,))
+    forged.secret = bytes(16)
+    e = call_error(stub.WritePages, iter([forged, chunk(5, pages=(2,))]))
+    assert (e.code(), e.details()) == (
+        grpc.StatusCode.PERMISSION_DENIED,
+        "room 5: the write key is not the room's (only its prefill node has it)",
+    )
+    assert receiver.poll(5) == KVPoll.WAITING_FOR_INPUT
+    assert receiver.pool.buffer.abs().sum() == 0  # neither chunk landed
+    assert waiting(receiver) == 0
+
+
+def test_waiting_streams_past_a_limit_end_the_oldest_of_their_host_then_of_all():
+    async def run() -> list[str]:
+        w = WaitingStreams(per_peer=2, total=3)
+        a1, a2, b1 = w.add("a"), w.add("a"), w.add("b")
+        a3 = w.add("a")  # a's third: a1 ends
+        b2 = w.add("b")  # four in all: the oldest of all, a2, ends
+        w.remove(b1)
+        c1 = w.add("c")
+        ended = [name for name, s in zip(["a1", "a2", "b1", "a3", "b2", "c1"], [a1, a2, b1, a3, b2, c1]) if s.why]
+        return ended, [w.count(p) for p in ("a", "b", "c", None)], a1.why, a2.why
+
+    ended, counts, why_a1, why_a2 = asyncio.run(run())
+    assert ended == ["a1", "a2"] and counts == [1, 1, 1, 3]
+    assert why_a1.startswith("a opened a newer KV stream: a peer host may have at most 2 waiting")
+    assert why_a2 == "at most 3 KV streams may wait for their first chunk (MAX_UNKEYED_STREAMS); the oldest is ended"
+
+
+@pytest.mark.parametrize(
+    "peer,host",
+    [
+        ("ipv4:10.0.0.5:41234", "10.0.0.5"),
+        ("ipv6:[::1]:41234", "::1"),
+        ("ipv6:%5B::1%5D:41234", "::1"),
+        ("ipv6:[::ffff:10.0.0.5]:41234", "10.0.0.5"),
+        ("unix:/tmp/sock", "unix:/tmp/sock"),
+    ],
+)
+def test_peer_host_is_the_address_without_its_port(peer, host):
+    assert peer_host(peer) == host

@@ -80,3 +80,36 @@ def test_close_watchers_ends_every_stream_and_too_many_are_refused(monkeypatch):
         return hub
 
     assert asyncio.run(run()).num_watchers == 0
+
+
+def test_a_caller_past_its_cap_ends_its_own_oldest_stream_and_past_the_total_one_more_is_refused(monkeypatch):
+    monkeypatch.setattr(kv_events, "MAX_WATCHERS_PER_CALLER", 2)
+    monkeypatch.setattr(kv_events, "MAX_WATCHERS", 3)
+
+    async def run():
+        hub = KVEventHub(page_size=4, role="prefill")
+        a1, a2, b1, a3 = hub.watch("a"), hub.watch("a"), hub.watch("b"), hub.watch("a")
+        for w in (a1, a2, b1):
+            await anext(w)
+        assert hub.callers() == {"a": 2, "b": 1}
+        await anext(a3)  # a's third: its oldest ends
+        with pytest.raises(OverflowError) as e:
+            await anext(a1)
+        replaced = str(e.value)
+        assert hub.callers() == {"a": 2, "b": 1}
+        with pytest.raises(OverflowError) as e:  # b is under its cap, but every slot is taken
+            await anext(hub.watch("b"))
+        refused = str(e.value)
+        hub.apply(_events((STORED, [5])))
+        got = [(await anext(w)).seq for w in (a2, b1, a3)]
+        for w in (a2, b1, a3):
+            await w.aclose()
+        return hub, replaced, refused, got
+
+    hub, replaced, refused, got = asyncio.run(run())
+    assert (
+        replaced
+        == "a opened a newer KV event stream: one caller may have 2 (MAX_WATCHERS_PER_CALLER); its oldest is ended"
+    )
+    assert refused == "3 KV event streams are open, the most a node serves (MAX_WATCHERS)"
+    assert got == [1, 1, 1] and hub.callers() == {}
