@@ -27,6 +27,7 @@ import contextlib
 import inspect
 import ipaddress
 import queue
+import ssl
 import threading
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent import futures
@@ -170,14 +171,17 @@ def guarded(servicer):
     return servicer
 
 
-def _bind(server, host: str, port: int) -> int:
-    """Add the listening port (TLS under `configure`); its number, 0 when it cannot be bound."""
+def _bind(server, host: str, port: int, client_certs: str = "required") -> int:
+    """Add the listening port (TLS under `configure`); its number, 0 when it cannot be bound.
+    client_certs: what the port asks of clients under mutual TLS (security.CLIENT_CERT_REQS). grpcio
+    can only require a certificate or not ask for one: "optional" asks for none, like "none"."""
     addr = f"{host}:{port}"
     try:
         if not _security.tls:
             return server.add_insecure_port(addr)
         cert, key, ca = _security.pem()
-        creds = grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
+        required = _security.client_certs(client_certs) == ssl.CERT_REQUIRED
+        creds = grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=required)
         return server.add_secure_port(addr, creds)
     except RuntimeError:  # grpcio >= 1.6x raises instead of returning 0
         return 0
@@ -325,7 +329,8 @@ class AioServer:
     """A grpc.aio server bound to host:port (0 = a free port) and started, on its own event loop
     (or on `loop`, shared with other servers of the process). `port` is the bound port; `health`
     starts SERVING for "" and every named service (NOT_SERVING with serving=False). ValueError
-    when the address cannot be bound."""
+    when the address cannot be bound. `client_certs`: what the port asks of clients under mutual
+    TLS (see _bind); only the router's client-facing port asks for less than a certificate."""
 
     def __init__(
         self,
@@ -337,10 +342,11 @@ class AioServer:
         loop: EventLoop | None = None,
         name: str = "kvbridge-grpc",
         max_message_bytes: int = MAX_MESSAGE_BYTES,
+        client_certs: str = "required",
     ):
         self._own_loop = loop is None
         self.loop = loop or EventLoop(name)
-        start = self._start(host, port, services, service_names, serving, max_message_bytes)
+        start = self._start(host, port, services, service_names, serving, max_message_bytes, client_certs)
         try:
             self.server, self.port, servicer = self.loop.run(start)
         except BaseException:
@@ -349,7 +355,7 @@ class AioServer:
             raise
         self.health = AioHealth(servicer, self.loop)
 
-    async def _start(self, host, port, services, service_names, serving, max_message_bytes):
+    async def _start(self, host, port, services, service_names, serving, max_message_bytes, client_certs):
         server = grpc.aio.server(options=server_options(max_message_bytes))
         for add, servicer in services:
             add(guarded(servicer), server)
@@ -359,7 +365,7 @@ class AioServer:
         for name in ("", *service_names):
             await health_servicer.set(name, initial)
         reflection.enable_server_reflection((*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-        bound = _bind(server, host, port)
+        bound = _bind(server, host, port, client_certs)
         if bound == 0:
             raise ValueError(f"cannot bind {host}:{port}")
         await server.start()

@@ -15,6 +15,9 @@ senders are servers and channels too.
     --fleet-key-file FILE             the fleet key: what the processes of one fleet sign and check
                                       the KV hand-off with (routes, layouts, registrations); default:
                                       $KVBRIDGE_CACHE/fleet.key, made on first use, mode 0600
+    --client-cert-reqs (router)       under --tls-ca, what the router's client-facing ports (HTTP
+                                      API, gRPC Generation) ask of clients: required (as every
+                                      fleet port), optional, or none (router/config.py)
 
 Without flags nothing changes but the fleet key: plaintext, no keys (local development), and every
 process of one user on one host shares the default fleet key file. Keys are compared in constant
@@ -39,6 +42,9 @@ from common.paths import cache_dir
 MAX_KEY_BYTES = 4096  # a key file is one line
 MIN_FLEET_KEY_CHARS = 32  # a fleet key file holds at least this many characters (`openssl rand -hex 32`: 64)
 FLEET_KEY_FILE = "fleet.key"  # the default fleet key, in cache_dir()
+# What a server asks of its clients under mutual TLS (a CA given): a certificate the CA signed
+# (required), one checked only when presented (optional), or none. Fleet-internal ports require one.
+CLIENT_CERT_REQS = {"none": ssl.CERT_NONE, "optional": ssl.CERT_OPTIONAL, "required": ssl.CERT_REQUIRED}
 
 
 @dataclass(frozen=True)
@@ -76,16 +82,21 @@ class Security:
         ca = Path(self.ca_file).read_bytes() if self.ca_file else None
         return Path(self.cert_file).read_bytes(), Path(self.key_file).read_bytes(), ca
 
-    def server_context(self) -> ssl.SSLContext | None:
-        """For HTTP servers (the router's front, /metrics): None without TLS."""
+    def client_certs(self, policy: str = "required") -> ssl.VerifyMode:
+        """What a server asks of its clients: `policy` (a key of CLIENT_CERT_REQS) under mutual TLS;
+        without a CA, no certificate (there is none to check it against)."""
+        return CLIENT_CERT_REQS[policy] if self.mutual else ssl.CERT_NONE
+
+    def server_context(self, policy: str = "required") -> ssl.SSLContext | None:
+        """For HTTP servers (the router's front, /metrics): None without TLS. `policy`: as client_certs."""
         if not self.tls:
             return None
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         ctx.minimum_version = ssl.TLSVersion.TLSv1_2
         ctx.load_cert_chain(self.cert_file, self.key_file)
-        if self.mutual:
+        ctx.verify_mode = self.client_certs(policy)
+        if ctx.verify_mode != ssl.CERT_NONE:
             ctx.load_verify_locations(self.ca_file)
-            ctx.verify_mode = ssl.CERT_REQUIRED
         return ctx
 
     def client_context(self) -> ssl.SSLContext | None:

@@ -28,7 +28,12 @@ from router.routed import CLIENT_CANCELLED, Routed
 class Fanout:
     """The routed requests of one answer, one a prompt: `async for (prompt, response)` yields each
     response as it comes, tagged with its prompt's index. The first failure (RouteError) ends them
-    all: the others are cancelled upstream. Closing it (`aclose`) or cancel() cancels every one."""
+    all: the others are cancelled upstream. Closing it (`aclose`) or cancel() cancels every one.
+
+    Each routed request has one owner that closes it however its iteration stops (a Routed ends,
+    and leaves the dispatcher, only when its generator is closed or finished): `_one` for a single
+    prompt, else the pump task that reads it. Closing the Fanout closes `_one`, or cancels every
+    pump and waits for them."""
 
     def __init__(self, routes: list[Routed]):
         self.routes = routes
@@ -41,9 +46,7 @@ class Fanout:
 
     async def aclose(self) -> None:
         if self._responses is not None:
-            await self._responses.aclose()  # (several: its tasks are cancelled and waited for)
-        if len(self.routes) == 1:
-            await self.routes[0].aclose()
+            await self._responses.aclose()
 
     def __aiter__(self) -> AsyncIterator[tuple[int, generation_pb2.GenerateResponse]]:
         if self._responses is None:
@@ -51,8 +54,9 @@ class Fanout:
         return self._responses
 
     async def _one(self) -> AsyncIterator[tuple[int, generation_pb2.GenerateResponse]]:
-        async for resp in self.routes[0]:
-            yield 0, resp
+        async with contextlib.aclosing(self.routes[0]) as responses:
+            async for resp in responses:
+                yield 0, resp
 
     async def _many(self) -> AsyncIterator[tuple[int, generation_pb2.GenerateResponse]]:
         # bounded: a client that reads slowly holds the nodes' streams back (gRPC flow control), as
@@ -61,8 +65,11 @@ class Fanout:
 
         async def pump(prompt: int, routed: Routed) -> None:
             try:
-                async for resp in routed:
-                    await out.put((prompt, resp))
+                # closed here, however the pump ends: cancelled while it waits for room in the queue,
+                # `routed` is suspended at a response and would stay in flight, its nodes held
+                async with contextlib.aclosing(routed) as responses:
+                    async for resp in responses:
+                        await out.put((prompt, resp))
                 await out.put(None)
             except Exception as e:  # (RouteError; anything else ends the answer too, never hangs it)
                 await out.put(e)
@@ -81,7 +88,7 @@ class Fanout:
         finally:
             for t in tasks:
                 t.cancel()  # a routed request still running is cancelled upstream (its consumer went away)
-            await asyncio.wait(tasks)  # (each ends its routed request in its own task: nothing closes it from here)
+            await asyncio.wait(tasks)  # (each pump closes its routed request: nothing closes it from here)
 
 
 class HTTPAnswer:

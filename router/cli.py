@@ -14,7 +14,8 @@ from router.config import RouterConfig
 
 _HELP = {
     "host": "address every server binds (gRPC, HTTP, metrics)",
-    "port": "gRPC port: Generation, Admin, health, reflection (0: a free one, printed when ready)",
+    "port": "gRPC port: Generation, Admin (unless --admin-port), health, reflection (0: a free one, printed when "
+    "ready)",
     "http_port": "OpenAI-compatible HTTP port (0: a free one, printed when ready)",
     "colocated": "nodes serving Generation themselves (kvbridge serve), HOST:PORT[,HOST:PORT..]",
     "prefill": "prefill nodes, HOST:PORT[,HOST:PORT..]; disaggregated requests need a prefill and a decode node",
@@ -64,9 +65,8 @@ def add_router_parser(subparsers) -> argparse.ArgumentParser:
         default = ",".join(f.default) if isinstance(f.default, tuple) else f.default
         shown = f" (default: {default})" if default != "" else ""
         metavar = "ADDRS" if isinstance(f.default, tuple) else type(f.default).__name__.upper()
-        parser.add_argument(
-            "--" + f.name.replace("_", "-"), default=str(default), metavar=metavar, help=_HELP[f.name] + shown
-        )
+        text = f.metadata["help"] if "help" in f.metadata else _HELP[f.name]  # (fields declared with `setting`)
+        parser.add_argument("--" + f.name.replace("_", "-"), default=str(default), metavar=metavar, help=text + shown)
     parser.add_argument("--log-level", default="info", choices=LEVELS, help="log level (default: info)")
     add_tls_flags(parser)
     parser.add_argument(
@@ -119,6 +119,8 @@ def run_router(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    if router.admin_port >= 0:  # (a line of its own: the ready line's form stays as scripts read it)
+        print(f"kvbridge router: admin on {config.host}:{router.admin_port}", file=sys.stderr, flush=True)
     ready = f"kvbridge router: grpc on {config.host}:{router.port}, http on {config.host}:{router.http_port}"
     if router.metrics_port >= 0:
         ready += f", metrics on {config.host}:{router.metrics_port}"

@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import combinations
 
+from common.flags import setting
 from common.limits import parse_address
+from common.security import CLIENT_CERT_REQS
 from router.discovery import parse_target
 from router.policy import POLICIES, Policy
 
@@ -39,6 +41,19 @@ class RouterConfig:
     routing: str = "cache_aware"  # how a node is picked: cache_aware | least_loaded | round_robin (router/policy.py)
     balance_abs_threshold: int = 64  # cache_aware routes least-loaded while max - min outstanding exceeds this ...
     balance_rel_threshold: float = 1.5  # ... and max outstanding exceeds this times min (both over a role's nodes)
+    # the client-facing ports' certificate policy; Admin and /metrics keep mutual TLS (SECURITY.md)
+    client_cert_reqs: str = setting(
+        "required",
+        "under --tls-ca, what the HTTP API and gRPC Generation ask of clients: required (a certificate "
+        "--tls-ca signed, as on every fleet port), optional (checked when presented; the gRPC port, which "
+        "grpcio cannot ask for an optional one, asks for none) or none (server TLS: clients authenticate "
+        "with --api-key-file, which optional and none need, as they need --admin-port); no effect without --tls-ca",
+    )
+    admin_port: int = setting(
+        -1,
+        "gRPC port of Admin (and health) on its own, with mutual TLS whatever --client-cert-reqs says; "
+        "-1: Admin is served on --port; 0: a free one, printed when ready",
+    )
 
     def __post_init__(self) -> None:
         for name in ("port", "http_port"):
@@ -47,7 +62,9 @@ class RouterConfig:
                 raise ValueError(f"{name} must be in [0, 65535], got {value}")
         if not -1 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port must be -1 (off) or in [0, 65535], got {self.metrics_port}")
-        for a, b in combinations(("port", "http_port", "metrics_port"), 2):
+        if not -1 <= self.admin_port < 65536:
+            raise ValueError(f"admin_port must be -1 (Admin on the gRPC port) or in [0, 65535], got {self.admin_port}")
+        for a, b in combinations(("port", "http_port", "metrics_port", "admin_port"), 2):
             if getattr(self, a) == getattr(self, b) > 0:
                 raise ValueError(f"{a} and {b} are both {getattr(self, a)}")
         # Any fleet is allowed, none included: nodes can be added at run time (Admin.AddNode), and
@@ -84,6 +101,10 @@ class RouterConfig:
         for name in ("http_header_timeout_s", "http_body_timeout_s", "http_keep_alive_s"):
             if not 0 < getattr(self, name) < float("inf"):
                 raise ValueError(f"{name} must be > 0 and finite, got {getattr(self, name)}")
+        if self.client_cert_reqs not in CLIENT_CERT_REQS:
+            raise ValueError(
+                f"client_cert_reqs must be one of {', '.join(CLIENT_CERT_REQS)}, got {self.client_cert_reqs!r}"
+            )
         if self.routing not in POLICIES:
             raise ValueError(f"routing must be one of {', '.join(POLICIES)}, got {self.routing!r}")
         if self.balance_abs_threshold < 0:

@@ -103,10 +103,10 @@ class HTTPFront:
         security = rpc.security()
         self.api_key = security.api_key  # "" = the API is open
         tls = {}
-        if security.tls:  # mutual TLS too when there is a CA: clients present a certificate it signed
+        if security.tls:  # under mutual TLS, clients' certificates as --client-cert-reqs says
             tls = {"ssl_certfile": security.cert_file, "ssl_keyfile": security.key_file}
-            if security.mutual:
-                tls |= {"ssl_ca_certs": security.ca_file, "ssl_cert_reqs": ssl.CERT_REQUIRED}
+            if (asked := security.client_certs(config.client_cert_reqs)) != ssl.CERT_NONE:
+                tls |= {"ssl_ca_certs": security.ca_file, "ssl_cert_reqs": asked}
         self.server = uvicorn.Server(
             uvicorn.Config(
                 self,

@@ -1,6 +1,11 @@
 """Start and stop a router: one event loop (its own thread) runs the node pool's health watches,
-the dispatcher's requests, the gRPC server (grpc.aio) and the HTTP server (uvicorn). Only the
-metrics server (common.metrics, scraped now and then) keeps a thread of its own."""
+the dispatcher's requests, the gRPC servers (grpc.aio) and the HTTP server (uvicorn). Only the
+metrics server (common.metrics, scraped now and then) keeps a thread of its own.
+
+Under mutual TLS the client-facing ports (HTTP, gRPC Generation) ask clients for what
+--client-cert-reqs says; the fleet-facing ones (Admin, /metrics) always require a certificate.
+Admin shares the gRPC port unless --admin-port gives it one of its own, which it must when that
+port takes clients without a certificate (grpcio has no per-service policy)."""
 
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ from grpc_health.v1 import health_pb2
 
 from common import rpc
 from common.metrics import MetricsServer
+from common.security import Security
 from kvbridge.v1 import admin_pb2_grpc, generation_pb2_grpc
 from router.config import RouterConfig
 from router.discovery import Discovery, parse_target
@@ -23,8 +29,9 @@ STOP_SLACK_S = 1.0  # gRPC calls still open this long after the grace period (an
 
 
 class Router:
-    """A running router. `port`, `http_port` and `metrics_port` are the bound ports (useful with 0
-    in the config); metrics_port is -1 when metrics are off."""
+    """A running router. `port`, `http_port`, `metrics_port` and `admin_port` are the bound ports
+    (useful with 0 in the config); metrics_port is -1 when metrics are off, admin_port when Admin is
+    served on `port`."""
 
     def __init__(self, config: RouterConfig):
         self.config = config
@@ -32,8 +39,10 @@ class Router:
         self.pool: NodePool | None = None
         self.http: HTTPFront | None = None
         self.server: rpc.AioServer | None = None
+        self.admin_server: rpc.AioServer | None = None  # with --admin-port
         self.metrics_server: MetricsServer | None = None
         self._stopped = False
+        check_client_certs(config, rpc.security())
         try:
             rpc.security().fleet()  # (read now: a fleet key file that cannot be read fails the start, not a request)
             self.pool = NodePool(config.nodes, config.health_retry_s, self.loop, policy=config.policy)
@@ -43,26 +52,35 @@ class Router:
             self.dispatcher = Dispatcher(self.pool, config)
             # HTTP first: a bad host fails here with a clean message (gRPC's core also logs its own)
             self.http = HTTPFront(config, self.dispatcher)
-            admin = AdminService(self.dispatcher, config, self._update_health)
-            services = [
-                (generation_pb2_grpc.add_GenerationServicer_to_server, GenerationService(self.dispatcher)),
-                (admin_pb2_grpc.add_AdminServicer_to_server, admin),
-            ]
-            try:
-                self.server = rpc.AioServer(config.host, config.port, services, SERVICES, serving=False, loop=self.loop)
-            except ValueError:
-                raise ValueError(f"cannot bind {config.host}:{config.port} for gRPC") from None
+            generation = (generation_pb2_grpc.add_GenerationServicer_to_server, GenerationService(self.dispatcher))
+            admin = (
+                admin_pb2_grpc.add_AdminServicer_to_server,
+                AdminService(self.dispatcher, config, self._update_health),
+            )
+            own_admin_port = config.admin_port >= 0
+            front = [generation] if own_admin_port else [generation, admin]
+            policy = config.client_cert_reqs
+            self.server = self._serve(config.port, front, SERVICES[: len(front)], serving=False, client_certs=policy)
+            if own_admin_port:  # (mutual TLS: the default policy)
+                self.admin_server = self._serve(config.admin_port, [admin], SERVICES[1:])
             if config.metrics_port >= 0:
                 self.metrics_server = MetricsServer(config.host, config.metrics_port, self.dispatcher.metrics.registry)
         except BaseException:
             self._abandon()
             raise
         self.port = self.server.port
+        self.admin_port = self.admin_server.port if self.admin_server is not None else -1
         self.health = self.server.health
         self.http_port = self.http.port
         self.metrics_port = self.metrics_server.port if self.metrics_server is not None else -1
         self._update_health()
         self.pool.add_listener(self._update_health)
+
+    def _serve(self, port: int, services: list, names: tuple[str, ...], **kw) -> rpc.AioServer:
+        try:
+            return rpc.AioServer(self.config.host, port, services, names, loop=self.loop, **kw)
+        except ValueError:
+            raise ValueError(f"cannot bind {self.config.host}:{port} for gRPC") from None
 
     def start(self) -> None:
         self.pool.start()
@@ -86,7 +104,8 @@ class Router:
             self.metrics_server.stop()
 
     async def _stop(self, grace_s: float) -> None:
-        grpc_stopped = asyncio.ensure_future(self.server.server.stop(grace_s + STOP_SLACK_S))
+        servers = [s for s in (self.server, self.admin_server) if s is not None]
+        grpc_stopped = asyncio.gather(*(s.server.stop(grace_s + STOP_SLACK_S) for s in servers))
         self.http.stop_accepting(grace_s)
         await self.dispatcher.wait_idle(grace_s)
         self.dispatcher.cancel_all(ROUTER_STOPPING)
@@ -101,8 +120,9 @@ class Router:
         """Undo a construction that failed half way."""
         if self.metrics_server is not None:
             self.metrics_server.stop()
-        if self.server is not None:
-            self.server.stop(0)
+        for server in (self.server, self.admin_server):
+            if server is not None:
+                server.stop(0)
         if self.http is not None:
             self.http.sock.close()
         if self.pool is not None:
@@ -127,6 +147,18 @@ class Router:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for service in ("", "kvbridge.v1.Generation"):
             self.health.set(service, status)
+
+
+def check_client_certs(config: RouterConfig, security: Security) -> None:
+    """ValueError when --client-cert-reqs would let clients without a certificate past mutual TLS
+    unauthenticated (no API key) or onto Admin (no port of its own)."""
+    if not security.mutual or config.client_cert_reqs == "required":
+        return
+    why = f"--client-cert-reqs {config.client_cert_reqs} takes clients without a certificate"
+    if not security.api_key:
+        raise ValueError(f"{why}: give --api-key-file, which they must send")
+    if config.admin_port < 0:
+        raise ValueError(f"{why} on --port, where Admin is served: give --admin-port (Admin keeps mutual TLS there)")
 
 
 def start_router(config: RouterConfig) -> Router:

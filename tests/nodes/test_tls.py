@@ -118,12 +118,14 @@ def reference_ids(tiny_model, prompt: list[int]) -> list[int]:
     return c.output_ids
 
 
-def generate(addr: str, metadata=()) -> list[int]:
+def generate(addr: str | grpc.Channel, metadata=()) -> list[int]:
+    """PROMPT's tokens from Generation at `addr` (a channel this test process's Security makes), or on `channel`."""
     req = generation_pb2.GenerateRequest(
         prompt=common_pb2.Prompt(token_ids=common_pb2.TokenIds(ids=PROMPT)),
         sampling=common_pb2.SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True),
     )
-    stub = generation_pb2_grpc.GenerationStub(rpc.make_channel(addr))
+    channel = rpc.make_channel(addr) if isinstance(addr, str) else addr
+    stub = generation_pb2_grpc.GenerationStub(channel)
     return [t for r in stub.Generate(req, timeout=60, metadata=metadata) for t in r.token_ids]
 
 
@@ -262,6 +264,111 @@ def test_every_port_refuses_plaintext_certificate_less_and_foreign_clients(fleet
     for process in fleet.values():  # and with the fleet's certificate, /metrics answers over HTTPS
         resp = httpx.get(process.metrics_url.replace("http://", "https://"), verify=right)
         assert resp.status_code == 200 and "kvbridge_" in resp.text
+
+
+# ---------------------------------------------------------------- client-facing ports (--client-cert-reqs)
+
+
+@pytest.fixture(scope="module")
+def public_routers(fleet, certs):
+    """policy -> a router in front of the fleet's nodes whose HTTP API and gRPC Generation take
+    clients as --client-cert-reqs says (none, optional), with the API key and Admin on a port of
+    its own. (The fleet's own router keeps the default, required.)"""
+    secure = (*certs.flags(), "--admin-key-file", certs.admin_key_file, "--api-key-file", certs.api_key_file)
+    nodes = ("--prefill", fleet["prefill"].address, "--decode", fleet["decode"].address)
+    routers: dict[str, Process] = {}
+    try:
+        for policy in ("none", "optional"):
+            routers[policy] = Process(f"router_{policy}", "router", *nodes, "--port", "0", "--http-port", "0",
+                                      "--admin-port", "0", "--client-cert-reqs", policy, *secure)  # fmt: skip
+        for router in routers.values():
+            router.wait_ready()
+        yield routers
+    finally:
+        stop_all(list(routers.values()))
+
+
+def admin_address(router: Process) -> str:
+    """The router's --admin-port address, from the line it prints before its ready line."""
+    [line] = [line for line in router.lines if line.startswith("kvbridge router: admin on ")]
+    return line.split()[-1]
+
+
+def port_of(addr: str) -> int:
+    return int(addr.rpartition(":")[2])
+
+
+def certless_channel(certs: Certs, addr: str) -> grpc.Channel:
+    """A TLS channel trusting the fleet's CA and presenting no certificate."""
+    creds = grpc.ssl_channel_credentials(root_certificates=Path(certs.ca).read_bytes())
+    return grpc.secure_channel(addr, creds, options=rpc.channel_options())
+
+
+@pytest.mark.parametrize("policy", ["none", "optional"])
+def test_a_router_taking_clients_without_a_certificate_serves_them_with_the_api_key_and_keeps_admin_mutual(
+    public_routers, fleet, certs, tls_client, tiny_model, policy
+):
+    router = public_routers[policy]
+    llm = make_llm(tiny_model, chunked_prefill_size=0)
+    tok = llm.model.tokenizer
+    [ref] = llm.generate([tok.encode(tok.apply_chat_template(QUESTION))], SamplingParams(max_new_tokens=MAX_NEW))
+    base = f"https://127.0.0.1:{router.http_port}/v1"
+    with httpx.Client(verify=certs.client(cert="")) as http:  # TLS, no client certificate
+        client = openai.OpenAI(base_url=base, api_key=API_KEY, http_client=http, max_retries=0)
+        answer = client.chat.completions.create(model="tiny-random", messages=QUESTION, max_tokens=MAX_NEW,
+                                                temperature=0)  # fmt: skip
+        assert answer.choices[0].message.content == ref.text
+        body = {"model": "tiny-random", "messages": QUESTION, "max_tokens": 2}
+        assert http.post(f"{base}/chat/completions", json=body).status_code == 401  # the API key still guards it
+    channel = certless_channel(certs, router.address)
+    assert generate(channel, auth_metadata(API_KEY)) == reference_ids(tiny_model, PROMPT)
+    with pytest.raises(grpc.RpcError) as e:
+        generate(channel)
+    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    # Admin is not on the client-facing port; its own port keeps mutual TLS and the admin key
+    admin_stub = admin_pb2_grpc.AdminStub(channel)
+    with pytest.raises(grpc.RpcError) as e:
+        admin_stub.GetStatus(admin_pb2.GetStatusRequest(), timeout=10, metadata=auth_metadata(ADMIN_KEY))
+    assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    admin = admin_address(router)
+    assert refused(port_of(admin), certs.client(cert=""))
+    assert refused(port_of(admin), certs.client(certs.foreign_cert, certs.foreign_key))
+    assert admin_status(admin, auth_metadata(ADMIN_KEY)).role == "router"
+    for metadata, code in REFUSALS:
+        with pytest.raises(grpc.RpcError) as e:
+            admin_status(admin, metadata)
+        assert e.value.code() == code
+    # the fleet's own ports still refuse the same client
+    for name in ("prefill", "decode"):
+        assert refused(port_of(fleet[name].address), certs.client(cert="")), name
+
+
+def test_optional_client_certificates_are_checked_on_http_when_presented(public_routers, certs):
+    optional, none = public_routers["optional"], public_routers["none"]
+    foreign = (certs.foreign_cert, certs.foreign_key)
+    assert not refused(optional.http_port, certs.client())
+    assert not refused(optional.http_port, certs.client(cert=""))
+    assert refused(optional.http_port, certs.client(*foreign))  # presented, and not signed by the fleet's CA
+    assert not refused(none.http_port, certs.client(*foreign))  # not asked for: never sent, never checked
+    # grpcio can require a certificate or ask for none: the gRPC port under optional asks for none
+    assert not refused(port_of(optional.address), certs.client(*foreign))
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (("--client-cert-reqs", "none", "--admin-port", "0"),
+         "--client-cert-reqs none takes clients without a certificate: give --api-key-file, which they must send"),
+        (("--client-cert-reqs", "optional", "--api-key-file", "API_KEY_FILE"),
+         "--client-cert-reqs optional takes clients without a certificate on --port, where Admin is served: give "
+         "--admin-port (Admin keeps mutual TLS there)"),
+    ],
+)  # fmt: skip
+def test_a_router_refuses_to_take_clients_without_a_certificate_unauthenticated_or_beside_admin(certs, flags, message):
+    flags = tuple(certs.api_key_file if f == "API_KEY_FILE" else f for f in flags)
+    out = subprocess.run([KVBRIDGE, "router", "--port", "0", "--http-port", "0", *certs.flags(), *flags],
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert (out.returncode, out.stderr) == (2, f"kvbridge router: error: {message}\n")
 
 
 def test_the_demo_runs_its_whole_fleet_under_mtls(certs):

@@ -60,6 +60,8 @@ def test_router_prints_its_ports_serves_logs_each_phase_and_stops_on_sigterm():
         (["--colocated", "127.0.0.1:1", "--request-timeout-s", "soon"], "--request-timeout-s must be a number"),
         (["--colocated", "127.0.0.1:1", "--host", "256.0.0.1"], "cannot bind 256.0.0.1:"),
         (["--routing", "fastest"], "--routing must be one of cache_aware, least_loaded, round_robin, got 'fastest'"),
+        (["--client-cert-reqs", "maybe"], "--client-cert-reqs must be one of none, optional, required, got 'maybe'"),
+        (["--admin-port", "-2"], "--admin-port must be -1 (Admin on the gRPC port) or in [0, 65535], got -2"),
     ],
 )
 def test_bad_flags_are_one_line_naming_the_value_and_exit_2(flags, message):
