@@ -24,6 +24,8 @@ from router.openai_api import error_body
 from router.reply import Reply
 from router.routed import CLIENT_CANCELLED, Routed
 
+SEND_BYTES = 1 << 20  # a whole answer goes out in writes of about this many bytes
+
 
 class Fanout:
     """The routed requests of one answer, one a prompt: `async for (prompt, response)` yields each
@@ -105,12 +107,12 @@ class HTTPAnswer:
     async def _whole(self, responses: AsyncIterator, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             async for prompt, resp in responses:
-                self.reply.add(resp, prompt)
+                self.reply.add(resp, prompt)  # (RouteError past --max-answer-bytes: the 400 below)
             self.reply.check_complete()
         except RouteError as e:
             await error(e.code, e.message)(scope, receive, send)
             return
-        await json_response(200, self.reply.final())(scope, receive, send)
+        await _send_pieces(list(self.reply.final()), send)
 
     async def _events(self, responses: AsyncIterator, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -136,6 +138,21 @@ class HTTPAnswer:
         if obj is not None:
             await send({"type": "http.response.body", "body": b"data: " + json.dumps(obj).encode() + b"\n\n",
                         "more_body": True})  # fmt: skip
+
+
+async def _send_pieces(pieces: list[str], send: Send) -> None:
+    """A 200 JSON answer from the pieces of its text (ASCII), sent SEND_BYTES at a time: never
+    joined whole beside them."""
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(sum(map(len, pieces))).encode())]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    run, size = [], 0
+    for piece in pieces:
+        run.append(piece)
+        size += len(piece)
+        if size >= SEND_BYTES:
+            await send({"type": "http.response.body", "body": "".join(run).encode(), "more_body": True})
+            run, size = [], 0
+    await send({"type": "http.response.body", "body": "".join(run).encode(), "more_body": False})
 
 
 def json_response(status: int, obj: dict, headers: dict[str, str] | None = None) -> Response:

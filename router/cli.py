@@ -37,6 +37,8 @@ _HELP = {
     "metrics_port": "Prometheus /metrics port (-1: off; 0: a free one, printed when ready)",
     "max_concurrent_requests": "HTTP requests handled at once; one more is answered 503 with Retry-After at once",
     "max_body_bytes": "the largest HTTP request body, bytes; a larger one is answered 413 (chunked bodies too)",
+    "max_answer_bytes": "the largest non-streamed HTTP answer (its JSON), bytes: one growing past it ends with a 400 "
+    "naming this limit and its requests are cancelled at the nodes; streamed answers are not held and have no limit",
     "http_header_timeout_s": "close an HTTP connection whose request headers are not in this long after it opened or "
     "after its last response, seconds",
     "http_body_timeout_s": "answer 408 to an HTTP request whose body is not in this long after its headers, seconds",

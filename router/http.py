@@ -213,7 +213,7 @@ class HTTPFront:
     async def _tokens(self, request: Request, answer) -> Response | ASGIApp:
         """/tokenize, /detokenize: `answer` (router/tokenize.py) to the body."""
         raw = await self._read_body(request)
-        if not isinstance(raw, bytes):
+        if not isinstance(raw, bytearray):
             return raw
         return _json(*await answer(raw, self.dispatcher.pool, self.dispatcher.prompts))
 
@@ -224,7 +224,7 @@ class HTTPFront:
 
     async def _generate(self, request: Request, chat: bool) -> Response | HTTPAnswer:
         raw = await self._read_body(request)
-        if not isinstance(raw, bytes):
+        if not isinstance(raw, bytearray):
             return raw
         try:
             req = parse_request(raw, chat=chat)
@@ -233,15 +233,20 @@ class HTTPFront:
         served = [m.model for m in self.dispatcher.pool.models()]
         if req.model and served and req.model not in served:
             return _error(grpc.StatusCode.NOT_FOUND, f"model {req.model!r} is not served here", "model")
+        for i, prompt in enumerate(req.prompts):  # (before anything expands them: router/prompts.py)
+            if problem := self.dispatcher.prompts.size_problem(prompt):
+                where = f"prompt[{i}]: " if len(req.prompts) > 1 else ""
+                return _error(grpc.StatusCode.INVALID_ARGUMENT, where + problem, "messages" if chat else "prompt")
         try:
             echo = await echo_texts(req, self.dispatcher.pool, self.dispatcher.prompts)  # (completions' echo)
         except Refused as e:
             return _error(e.code, str(e), e.param)
         routed = Fanout([self.dispatcher.route(r) for r in req.requests()])
         model = req.model or (served[0] if served else "")
-        return HTTPAnswer(routed, Reply(req, routed.rid, model, echo=echo), req.stream)
+        reply = Reply(req, routed.rid, model, echo=echo, max_bytes=self.config.max_answer_bytes)
+        return HTTPAnswer(routed, reply, req.stream)
 
-    async def _read_body(self, request: Request) -> bytes | Response | ASGIApp:
+    async def _read_body(self, request: Request) -> bytearray | Response | ASGIApp:
         """The request body, or the answer instead: 413 over the limit, 408 too slow, none to a
         client that left."""
         limit = self.config.max_body_bytes
@@ -249,20 +254,19 @@ class HTTPFront:
         length = request.headers.get("content-length")  # (h11 checked that it is a number)
         if length is not None and int(length) > limit:
             return _json(413, too_large, {"Connection": "close"})
-        parts, size = [], 0
+        body = bytearray()  # (grown in place: a list of parts joined at the end would hold the body twice)
         try:
             async with asyncio.timeout(self.config.http_body_timeout_s):
                 async for part in request.stream():
-                    size += len(part)
-                    if size > limit:
+                    if len(body) + len(part) > limit:
                         return _json(413, too_large, {"Connection": "close"})
-                    parts.append(part)
+                    body += part
         except ClientDisconnect:
             return _gone
         except TimeoutError:
             message = f"the request body did not arrive within {self.config.http_body_timeout_s:g} s"
             return _json(408, error_body(grpc.StatusCode.DEADLINE_EXCEEDED, message)[1], {"Connection": "close"})
-        return b"".join(parts)
+        return body
 
     def _model_card(self, m: generation_pb2.ModelInfo) -> dict:
         return {

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from common.limits import MAX_CHAT_MESSAGES
 from common.sampling import MAX_CHOICES, MAX_STOP_STRINGS
 from kvbridge.v1 import common_pb2, generation_pb2
 from router.checks import check_cache_salt, check_generate
@@ -170,6 +171,8 @@ def _messages(body: dict) -> common_pb2.Prompt:
     v = body.get("messages")
     if not isinstance(v, list) or not v:
         raise BadRequest(f"messages must be a non-empty list, got {show(v)}", "messages")
+    if len(v) > MAX_CHAT_MESSAGES:  # (before a message of them is looked at)
+        raise BadRequest(f"messages lists {len(v)} messages; at most {MAX_CHAT_MESSAGES}", "messages")
     out = []
     for i, m in enumerate(v):
         if not isinstance(m, dict):
