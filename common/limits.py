@@ -12,6 +12,8 @@ MAX_CLIENT_RID_CHARS = 128  # a request id a client chose (the router's check)
 MAX_RID_CHARS = MAX_CLIENT_RID_CHARS + 32  # at a node: a client's rid and the router's ":retryN"
 RID_CHARS = "A-Za-z0-9._:-"
 _RID = re.compile(f"[{RID_CHARS}]+")
+
+
 def rid_problem(rid: str, limit: int = MAX_RID_CHARS) -> str:
     """Why `rid` is not acceptable ("" when it is): 1..limit characters of [A-Za-z0-9._:-]."""
     if 1 <= len(rid) <= limit and _RID.fullmatch(rid):

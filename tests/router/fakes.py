@@ -99,7 +99,9 @@ class FakeGeneration(generation_pb2_grpc.GenerationServicer):
 
     def GetModelInfo(self, request, context):
         node = self.node
-        return generation_pb2.ModelInfo(model="fake", fingerprint=FINGERPRINT, max_context=node.max_context, role=node.role)
+        return generation_pb2.ModelInfo(
+            model="fake", fingerprint=FINGERPRINT, max_context=node.max_context, role=node.role
+        )
 
 
 class FakePrefill(prefill_pb2_grpc.PrefillServicer):

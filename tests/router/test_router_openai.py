@@ -571,3 +571,44 @@ def test_a_choice_out_of_range_or_missing_is_data_loss():
     with pytest.raises(RouteError) as e:
         reply.check_complete()
     assert e.value.code == grpc.StatusCode.DATA_LOSS and "without choice 1 of 2" in e.value.message
+
+
+def test_a_long_whole_answer_is_the_json_of_every_response():
+    lps = [_lp(9 + i % 7, f"é{i}", -0.5 - i, [(3, "?", -0.25)]) for i in range(700)]  # past 2 x JOIN_EVERY
+    resps = [generation_pb2.GenerateResponse(token_ids=[9], text=f"é{i}\n", logprobs=[lp]) for i, lp in enumerate(lps)]
+    resps.append(generation_pb2.GenerateResponse(finish_reason="stop", usage=common_pb2.Usage(completion_tokens=700)))
+    text = "".join(f"é{i}\n" for i in range(700))
+    out = whole(parse(prompt="q", logprobs=1), resps)
+    assert out["choices"][0]["text"] == text and out["choices"][0]["finish_reason"] == "stop"
+    assert out["choices"][0]["logprobs"] == {
+        "tokens": [lp.token for lp in lps],
+        "token_logprobs": [lp.logprob for lp in lps],
+        "top_logprobs": [{"?": -0.25}] * 700,
+        "text_offset": [sum(len(x.token) for x in lps[:i]) for i in range(700)],
+    }
+    messages = [{"role": "user", "content": "q"}]
+    out = whole(parse(chat=True, messages=messages, logprobs=True, top_logprobs=1), resps)
+    assert out["choices"][0]["message"] == {"role": "assistant", "content": text}
+    assert [e["token"] for e in out["choices"][0]["logprobs"]["content"]] == [lp.token for lp in lps]
+
+
+def test_a_whole_answer_past_max_bytes_is_invalid_argument_naming_the_limit():
+    reply = Reply(parse(prompt="q"), "r", "m", created=1, max_bytes=100)
+    for _ in range(10):  # 10 x 10 bytes: at the limit, not past it
+        reply.add(generation_pb2.GenerateResponse(token_ids=[9], text="abcdefghij"))
+    with pytest.raises(RouteError) as e:
+        reply.add(generation_pb2.GenerateResponse(token_ids=[9], text="k"))
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.message == (
+        'the answer exceeds --max-answer-bytes (100 bytes) of a non-streamed answer; ask for it with "stream": true'
+    )
+    # prompt logprobs count once for every choice that shows them
+    entry = common_pb2.TokenLogprob(token_id=2, token="ab", logprob=-1.0, rank=1)  # 58 bytes of JSON, and ", "
+    one = Reply(parse(prompt=[1, 2], prompt_logprobs=1), "r", "m", created=1, max_bytes=100)
+    one.add(generation_pb2.GenerateResponse(token_ids=[9], prompt_logprobs=[entry]))  # 60 bytes
+    two = Reply(parse(prompt=[1, 2], prompt_logprobs=1, n=2), "r", "m", created=1, max_bytes=100)
+    with pytest.raises(RouteError):
+        two.add(generation_pb2.GenerateResponse(token_ids=[9], prompt_logprobs=[entry]))  # 2 x 60 bytes
+    stream = Reply(parse(prompt="q", stream=True), "r", "m", created=1, max_bytes=100)
+    for _ in range(100):  # (a stream keeps nothing: no limit)
+        assert stream.add(generation_pb2.GenerateResponse(token_ids=[9], text="abcdefghij")) is not None
