@@ -18,6 +18,10 @@ transfer coding), an unknown route (404), another method (405). Limits, each ans
   its previous response is closed (uvicorn has no such timeout: _H11Protocol adds it), so a client
   trickling bytes holds nothing for long; headers over MAX_HEADER_BYTES are refused.
 - A connection idle for http_keep_alive_s after a response is closed.
+- A prompt that cannot fit the longest context a node serves by its size (common/limits.py: a chat
+  over MAX_CHAT_MESSAGES messages, a text or chat over max_context x 32 bytes) gets 400 before it
+  is routed or tokenized; a non-streamed answer growing past max_answer_bytes gets 400 naming the
+  flag (router/reply.py), its routed requests cancelled.
 
 A client that goes away while its request runs (its connection closed, or a write to it failed:
 uvicorn then reports http.disconnect) cancels the request upstream, so the nodes abort it; a task

@@ -78,7 +78,8 @@ def encode(tokenizer: Tokenizer, text: str, add_special_tokens: bool = True) -> 
     """tokenizer.encode(text, add_special_tokens): the same ids, with the GIL let go while the tokenizers library works:
     its batch call lets go of it, its single call (Tokenizer.encode's) holds it throughout, which
     stalls every other thread of the process (an event loop's) for as long (~1 s a MB)."""
-    ids = tokenizer.backend.encode_batch_fast([text], add_special_tokens=False)[0].ids
+    batch = getattr(tokenizer.backend, "encode_batch_fast", tokenizer.backend.encode_batch)  # (_fast: 0.20 on)
+    ids = batch([text], add_special_tokens=False)[0].ids
     if len(ids) >= TRIM_AFTER_TOKENS and _malloc_trim is not None:
         _malloc_trim(0)
     bos = tokenizer.token_id(tokenizer.bos_token) if tokenizer.add_bos and add_special_tokens else None

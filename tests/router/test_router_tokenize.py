@@ -15,7 +15,7 @@ import common
 import kvbridge
 from engine.tokenizer import CHATML_TEMPLATE, Tokenizer
 from kvbridge.v1 import common_pb2
-from serving.convert import prompt_ids
+from serving.convert import TRIM_AFTER_TOKENS, encode, prompt_ids
 from tests.router import fakes
 from tests.router.fakes import wait_until
 
@@ -117,6 +117,18 @@ def test_add_special_tokens_false_leaves_out_the_bos(fleet, handed_out):
     assert tokens(router, {"prompt": "hi", "add_special_tokens": True})[0] == bos
     assert tokens(router, {"prompt": "hi", "add_special_tokens": False}) == byte_level.encode("hi")
     assert text_of(router, [bos, *byte_level.encode("hi")]) == "<|endoftext|>hi"  # special tokens are kept
+
+
+@pytest.mark.parametrize("add_bos", [False, True])
+def test_the_adapters_encode_gives_the_tokenizers_own_ids(add_bos):
+    """serving/convert.py encode (the tokenizers library's batch call: it lets go of the GIL) against
+    Tokenizer.encode (its single call), with and without a BOS, past TRIM_AFTER_TOKENS too."""
+    tok = Tokenizer(fakes.TOKENIZER.backend, CHATML_TEMPLATE, "<|endoftext|>", "<|im_end|>", add_bos=add_bos)
+    long = "".join(TEXTS) * 3000  # ~250,000 ids
+    assert len(tok.encode(long)) > TRIM_AFTER_TOKENS
+    for text in [*TEXTS, "<|endoftext|>starts with the BOS", long]:
+        for special in (True, False):
+            assert encode(tok, text, special) == tok.encode(text, add_special_tokens=special)
 
 
 def test_a_long_prompt_is_tokenized_whole(fleet):
