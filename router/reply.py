@@ -62,7 +62,8 @@ class Reply:
         self.n = req.request.sampling.n or 1
         self.echo = echo or [""] * len(req.prompts)
         self.choices = [ReplyChoice(i // self.n) for i in range(len(req.prompts) * self.n)]
-        self.prompt: list[list] = [[] for _ in req.prompts]  # each prompt's TokenLogprob (prompt_logprobs asked)
+        # each prompt's TokenLogprob (prompt_logprobs asked; of a non-streamed answer only with echo)
+        self.prompt: list[list] = [[] for _ in req.prompts]
         self.prompt_tokens = [0] * len(req.prompts)
         self.cached_tokens = [0] * len(req.prompts)
         self.ended = 0  # choices whose last response came
@@ -105,7 +106,8 @@ class Reply:
             raise RouteError(grpc.StatusCode.DATA_LOSS, message)
         index = prompt * self.n + resp.index
         c = self.choices[index]
-        self.prompt[prompt] += resp.prompt_logprobs
+        if self.body is None or self.req.echo:  # (what a stream's first chunks and echo show again)
+            self.prompt[prompt] += resp.prompt_logprobs
         if self.body is not None and self.req.prompt_logprobs and resp.prompt_logprobs:
             self.body.keep_prompt_logprobs(prompt, prompt_logprobs(resp.prompt_logprobs))
         text, logprobs = resp.text, list(resp.logprobs)

@@ -28,7 +28,7 @@ from common import __version__
 from common.limits import prompt_size_problem
 from engine.tokenizer import Tokenizer
 from kvbridge.v1 import common_pb2, generation_pb2
-from router.openai_api import BadRequest, OpenAIRequest, _messages, _show, _text, error_body, json_body
+from router.openai_api import BadRequest, OpenAIRequest, _messages, _show, _text, error_body
 from router.openai_fields import chat_options
 from router.pool import NodePool
 from router.prompts import Prompts
@@ -77,10 +77,10 @@ async def echo_texts(req: OpenAIRequest, pool: NodePool, prompts: Prompts) -> li
     return texts
 
 
-async def tokenize(raw: bytes, pool: NodePool, prompts: Prompts) -> tuple[int, dict]:
-    """The answer to POST /tokenize with body `raw`."""
+async def tokenize(body: dict, pool: NodePool, prompts: Prompts) -> tuple[int, dict]:
+    """The answer to POST /tokenize with `body` (the JSON object it carries)."""
     try:
-        req = parse_tokenize(raw)
+        req = parse_tokenize(body)
         model = _served(pool, req.model)
         tokenizer = await _tokenizer(prompts, model)
         return 200, await in_worker(_tokenized, req, tokenizer, model.max_context)
@@ -90,10 +90,9 @@ async def tokenize(raw: bytes, pool: NodePool, prompts: Prompts) -> tuple[int, d
         return error_body(e.code, str(e), e.param)
 
 
-async def detokenize(raw: bytes, pool: NodePool, prompts: Prompts) -> tuple[int, dict]:
-    """The answer to POST /detokenize with body `raw`."""
+async def detokenize(body: dict, pool: NodePool, prompts: Prompts) -> tuple[int, dict]:
+    """The answer to POST /detokenize with `body` (the JSON object it carries)."""
     try:
-        body = json_body(raw)
         ids = body.get("tokens")
         if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             raise BadRequest(f"tokens must be a list of token ids, got {_show(ids)}", "tokens")
@@ -108,9 +107,8 @@ async def detokenize(raw: bytes, pool: NodePool, prompts: Prompts) -> tuple[int,
 # ------------------------------------------------------------------ parsing
 
 
-def parse_tokenize(raw: bytes) -> TokenizeRequest:
+def parse_tokenize(body: dict) -> TokenizeRequest:
     """Validate a /tokenize body; BadRequest names the bad field."""
-    body = json_body(raw)
     model = _model(body)
     special = _flag(body, "add_special_tokens")
     strs = bool(_flag(body, "return_token_strs"))

@@ -33,6 +33,14 @@ _libc = ctypes.CDLL(None)
 _malloc_trim = getattr(_libc, "malloc_trim", None)  # (glibc's; absent elsewhere)
 
 
+def release_freed_heap() -> None:
+    """Hand the heap that this process freed back to the system (glibc's malloc_trim, every arena;
+    a no-op elsewhere): after a large transient (a long prompt tokenized, a large body parsed) glibc
+    keeps it otherwise, the more so in the arena of a thread other than the main one."""
+    if _malloc_trim is not None:
+        _malloc_trim(0)
+
+
 async def tokenized(prompt: common_pb2.Prompt, tokenizer: Tokenizer | None, max_context: int | None) -> list[int]:
     """prompt_ids in a worker thread, at most TOKENIZE_THREADS at once (the others queue); the size
     checks that need no tokenizer come first, on the caller's loop, so a refusal waits for no one."""
@@ -80,8 +88,8 @@ def encode(tokenizer: Tokenizer, text: str, add_special_tokens: bool = True) -> 
     stalls every other thread of the process (an event loop's) for as long (~1 s a MB)."""
     batch = getattr(tokenizer.backend, "encode_batch_fast", tokenizer.backend.encode_batch)  # (_fast: 0.20 on)
     ids = batch([text], add_special_tokens=False)[0].ids
-    if len(ids) >= TRIM_AFTER_TOKENS and _malloc_trim is not None:
-        _malloc_trim(0)
+    if len(ids) >= TRIM_AFTER_TOKENS:
+        release_freed_heap()
     bos = tokenizer.token_id(tokenizer.bos_token) if tokenizer.add_bos and add_special_tokens else None
     return ([bos] if bos is not None and ids[:1] != [bos] else []) + ids
 

@@ -3,12 +3,14 @@ answers: `kvbridge router` as a child process (its resident memory read from /pr
 front of one colocated node (`kvbridge serve`, a child process too).
 
     kvbridge bench router_memory [--model tiny-random] [--flood 8] [--answer-prompts 8] [--answer-n 8]
-        [--answer-tokens 500] [--logprobs 20] [--big-answer-bytes 268435456]
+        [--answer-tokens 200] [--logprobs 20] [--max-answer-bytes 4194304] [--big-answer-bytes 268435456]
 
 One JSON line per phase, each with the router's resident memory before it (rss_mb), its peak during
 it (peak_mb: VmHWM, restarted at the phase's start through /proc/PID/clear_refs), after it (after_mb,
-1 s later), the growth at the peak (growth_mb) and the slowest /health answer meanwhile (health_max_ms;
-probes every 20 ms from a process of their own, so that this one's work does not count):
+1 s later), the growth at the peak (growth_mb), the CPU time the router spent (router_cpu_s), and
+the slowest /health answer meanwhile (health_max_ms; probes every 20 ms from a process of their own,
+so that this one's work does not count; a wall-clock figure: load_avg is the machine's 1-minute load
+average at the phase's start):
 
 - text_flood, chat_flood: --flood requests at once, each a body just under the router's body limit
   (4 MiB): one text prompt, or empty chat messages. statuses: what they were answered.
@@ -17,8 +19,9 @@ probes every 20 ms from a process of their own, so that this one's work does not
   --answer-tokens tokens with --logprobs alternatives a token, through a router whose
   --max-answer-bytes is --big-answer-bytes; answer_mb: its size.
 - answer_stream: the same request streamed.
-- answer_refused: the same non-streamed request through a router at the default --max-answer-bytes
-  (16 MiB): its status and how long until it came; node_idle: the node holds no request after.
+- answer_refused: the same non-streamed request through a router whose --max-answer-bytes is
+  --max-answer-bytes (the floods' router): its status and how long until it came; node_idle: the node
+  holds no request and no page after.
 """
 
 from __future__ import annotations
@@ -64,6 +67,12 @@ class RouterProcess:
             line = next(line for line in f if line.startswith(field + ":"))
         return int(line.split()[1]) / 1024
 
+    def cpu_s(self) -> float:
+        """User and system CPU seconds the router has spent (/proc/PID/stat)."""
+        with open(f"/proc/{self.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def reset_peak(self) -> None:
         with open(f"/proc/{self.pid}/clear_refs", "w") as f:
             f.write("5")  # VmHWM starts over from VmRSS
@@ -107,6 +116,7 @@ def phase(name: str, router: RouterProcess, work) -> dict:
     ctx = multiprocessing.get_context("fork")
     stop, (receive, send) = ctx.Event(), ctx.Pipe(duplex=False)
     prober = ctx.Process(target=_probe, args=(router.http_port, stop, send), daemon=True)
+    load, cpu = os.getloadavg()[0], router.cpu_s()
     rss = router.memory_mb()
     router.reset_peak()
     prober.start()
@@ -128,6 +138,8 @@ def phase(name: str, router: RouterProcess, work) -> dict:
         "peak_mb": round(peak, 1),
         "growth_mb": round(peak - rss, 1),
         "after_mb": round(router.memory_mb(), 1),
+        "router_cpu_s": round(router.cpu_s() - cpu, 2),
+        "load_avg": round(load, 1),
         "health_max_ms": round(1000 * max(s for s, _ in probes), 1),
         "health_probes": len(probes),
         "health_statuses": sorted({status for _, status in probes}),
@@ -163,9 +175,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--flood", type=int, default=8, help="requests at once in the floods")
     parser.add_argument("--answer-prompts", type=int, default=8)
     parser.add_argument("--answer-n", type=int, default=8)
-    parser.add_argument("--answer-tokens", type=int, default=500)
+    parser.add_argument("--answer-tokens", type=int, default=200)
     parser.add_argument("--logprobs", type=int, default=20)
-    parser.add_argument("--big-answer-bytes", type=int, default=256 << 20, help="--max-answer-bytes of answer_whole")
+    parser.add_argument("--max-answer-bytes", type=int, default=4 << 20, help="the floods' and answer_refused's router")
+    parser.add_argument("--big-answer-bytes", type=int, default=256 << 20, help="answer_whole's and answer_stream's")
     args = parser.parse_args(argv)
 
     cores = set(os.sched_getaffinity(0))
@@ -173,9 +186,11 @@ def main(argv: list[str] | None = None) -> int:
     routers: list[RouterProcess] = []
     try:
         node.wait_ready()
-        default = RouterProcess(node.address, [])
-        routers.append(default)
-        big = RouterProcess(node.address, ["--max-answer-bytes", str(args.big_answer_bytes)])
+        limited = RouterProcess(node.address, ["--max-answer-bytes", str(args.max_answer_bytes)])
+        routers.append(limited)
+        big = RouterProcess(
+            node.address, ["--max-answer-bytes", str(args.big_answer_bytes), "--request-timeout-s", "3600"]
+        )
         routers.append(big)
         for r in routers:  # warm: the node's model reported, the tokenizer fetched, the KV index synced
             deadline = time.monotonic() + 60
@@ -189,12 +204,12 @@ def main(argv: list[str] | None = None) -> int:
         chat = {"messages": [empty] * ((BODY_LIMIT - 64) // (len(json.dumps(empty)) + 2)), "max_tokens": 2}
         many = {"messages": [empty] * 32_000, "max_tokens": 2}
         phases = [
-            ("text_flood", default, flood(default, "/v1/completions", json.dumps(text).encode(), args.flood)),
-            ("chat_flood", default, flood(default, "/v1/chat/completions", json.dumps(chat).encode(), args.flood)),
-            ("chat_32000", default, flood(default, "/v1/chat/completions", json.dumps(many).encode(), args.flood)),
+            ("text_flood", limited, flood(limited, "/v1/completions", json.dumps(text).encode(), args.flood)),
+            ("chat_flood", limited, flood(limited, "/v1/chat/completions", json.dumps(chat).encode(), args.flood)),
+            ("chat_32000", limited, flood(limited, "/v1/chat/completions", json.dumps(many).encode(), args.flood)),
             ("answer_whole", big, answer(big, answer_body(args, stream=False))),
             ("answer_stream", big, answer(big, answer_body(args, stream=True))),
-            ("answer_refused", default, answer(default, answer_body(args, stream=False))),
+            ("answer_refused", limited, answer(limited, answer_body(args, stream=False))),
         ]
         for name, router, work in phases:
             row = phase(name, router, work)
