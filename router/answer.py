@@ -23,6 +23,7 @@ from router.failures import RouteError
 from router.openai_api import error_body
 from router.reply import Reply
 from router.routed import CLIENT_CANCELLED, Routed
+from serving.convert import release_freed_heap
 
 SEND_BYTES = 1 << 20  # a whole answer goes out in writes of about this many bytes
 
@@ -112,7 +113,9 @@ class HTTPAnswer:
         except RouteError as e:
             await error(e.code, e.message)(scope, receive, send)
             return
-        await _send_pieces(list(self.reply.final()), send)
+        pieces = list(self.reply.final())
+        self.reply.body = None  # (the pieces hold its text now)
+        await _send_pieces(pieces, send)
 
     async def _events(self, responses: AsyncIterator, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -142,8 +145,9 @@ class HTTPAnswer:
 
 async def _send_pieces(pieces: list[str], send: Send) -> None:
     """A 200 JSON answer from the pieces of its text (ASCII), sent SEND_BYTES at a time: never
-    joined whole beside them."""
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(sum(map(len, pieces))).encode())]
+    joined whole beside them. Consumes `pieces`; after a large answer, the heap it freed goes back."""
+    total = sum(map(len, pieces))
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(total).encode())]
     await send({"type": "http.response.start", "status": 200, "headers": headers})
     run, size = [], 0
     for piece in pieces:
@@ -152,7 +156,10 @@ async def _send_pieces(pieces: list[str], send: Send) -> None:
         if size >= SEND_BYTES:
             await send({"type": "http.response.body", "body": "".join(run).encode(), "more_body": True})
             run, size = [], 0
+    pieces.clear()
     await send({"type": "http.response.body", "body": "".join(run).encode(), "more_body": False})
+    if total >= SEND_BYTES:
+        release_freed_heap()
 
 
 def json_response(status: int, obj: dict, headers: dict[str, str] | None = None) -> Response:

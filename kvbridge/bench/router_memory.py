@@ -3,7 +3,7 @@ answers: `kvbridge router` as a child process (its resident memory read from /pr
 front of one colocated node (`kvbridge serve`, a child process too).
 
     kvbridge bench router_memory [--model tiny-random] [--flood 8] [--answer-prompts 8] [--answer-n 8]
-        [--answer-tokens 200] [--logprobs 20] [--max-answer-bytes 4194304] [--big-answer-bytes 268435456]
+        [--answer-tokens 200] [--logprobs 20] [--max-answer-bytes 1048576] [--big-answer-bytes 268435456]
 
 One JSON line per phase, each with the router's resident memory before it (rss_mb), its peak during
 it (peak_mb: VmHWM, restarted at the phase's start through /proc/PID/clear_refs), after it (after_mb,
@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--answer-n", type=int, default=8)
     parser.add_argument("--answer-tokens", type=int, default=200)
     parser.add_argument("--logprobs", type=int, default=20)
-    parser.add_argument("--max-answer-bytes", type=int, default=4 << 20, help="the floods' and answer_refused's router")
+    parser.add_argument("--max-answer-bytes", type=int, default=1 << 20, help="the floods' and answer_refused's router")
     parser.add_argument("--big-answer-bytes", type=int, default=256 << 20, help="answer_whole's and answer_stream's")
     args = parser.parse_args(argv)
 
