@@ -71,14 +71,18 @@ def prompt_bytes_limit(max_context: int) -> int:
 
 
 def prompt_size_problem(prompt: common_pb2.Prompt, max_context: int | None) -> str:
-    """Why a text or chat prompt is refused before it is rendered or tokenized ("" when it is not):
-    a chat of over MAX_CHAT_MESSAGES messages, or a text or chat (its contents and roles) over
-    prompt_bytes_limit(max_context) UTF-8 bytes. `max_context` None (not known yet): the count only."""
+    """Why a prompt is refused by its size, before it is rendered, tokenized or looked at token by
+    token ("" when it is not): a chat of over MAX_CHAT_MESSAGES messages, a text or chat (its
+    contents and roles) over prompt_bytes_limit(max_context) UTF-8 bytes, token ids that fill the
+    context (as the engine says it). `max_context` None (not known yet): the message count only."""
     kind = prompt.WhichOneof("kind")
     if kind == "chat" and len(prompt.chat.messages) > MAX_CHAT_MESSAGES:
         return f"prompt.chat has {len(prompt.chat.messages)} messages; at most {MAX_CHAT_MESSAGES}"
-    if max_context is None or kind not in ("text", "chat"):
+    if max_context is None or kind is None:
         return ""
+    if kind == "token_ids":
+        n = len(prompt.token_ids.ids)
+        return f"prompt has {n} tokens; the context holds {max_context}" if n >= max_context else ""
     if kind == "text":
         size = len(prompt.text.encode())
     else:

@@ -106,10 +106,11 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
 
 def run_router(args: argparse.Namespace) -> int:
     """Serve until SIGINT or SIGTERM. Bad flag values: one line on stderr, exit status 2."""
-    from common import rpc, security
+    from common import heap, rpc, security
     from common.logs import setup as setup_logs
     from router.server import start_router
 
+    heap.map_large_blocks()  # (a body of a few MiB goes back to the system when it is freed)
     try:
         rpc.configure(security.from_flags(args, api_key_file=args.api_key_file))
         setup_logs(args.log_level)

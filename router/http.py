@@ -55,6 +55,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import STATUS_PHRASES, H11Protocol
 
 from common import __version__, rpc
+from common.heap import release_freed_heap
 from common.limits import prompt_size_problem
 from common.security import check_bearer
 from kvbridge.v1 import generation_pb2
@@ -67,7 +68,6 @@ from router.openai_api import BadRequest, OpenAIRequest, error_body, json_body, 
 from router.reply import Reply
 from router.routed import DRAINING
 from router.tokenize import Refused, detokenize, echo_texts, tokenize, version
-from serving.convert import release_freed_heap
 
 MAX_HEADER_BYTES = 64 << 10  # request line and headers (h11's limit on an incomplete event)
 RETRY_AFTER_S = 1  # what a 503 for the concurrency limit tells the client to wait

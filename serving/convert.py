@@ -13,11 +13,11 @@ client's prompt expanding at once.
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import json
 import os
 from concurrent.futures import ThreadPoolExecutor
 
+from common.heap import release_freed_heap
 from common.limits import prompt_size_problem, rendered_size_problem
 from common.rpc import shown
 from engine.tokenizer import TEMPLATE_VARIABLES, Tokenizer
@@ -29,16 +29,6 @@ TOKENIZE_THREADS = min(4, os.cpu_count() or 1)  # prompts tokenized at once in o
 # tokenizers library's transient ~200 bytes a token stay in glibc's free lists otherwise
 TRIM_AFTER_TOKENS = 1 << 16
 _pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="kvbridge-tokenize")
-_libc = ctypes.CDLL(None)
-_malloc_trim = getattr(_libc, "malloc_trim", None)  # (glibc's; absent elsewhere)
-
-
-def release_freed_heap() -> None:
-    """Hand the heap that this process freed back to the system (glibc's malloc_trim, every arena;
-    a no-op elsewhere): after a large transient (a long prompt tokenized, a large body parsed) glibc
-    keeps it otherwise, the more so in the arena of a thread other than the main one."""
-    if _malloc_trim is not None:
-        _malloc_trim(0)
 
 
 async def tokenized(prompt: common_pb2.Prompt, tokenizer: Tokenizer | None, max_context: int | None) -> list[int]:
