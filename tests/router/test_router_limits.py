@@ -62,7 +62,7 @@ def test_32000_empty_chat_messages_are_refused_by_their_count_before_anything_ru
     )
 
 
-def test_a_prompt_that_cannot_fit_the_context_by_its_bytes_is_refused_at_the_router(fleet):
+def test_a_prompt_that_cannot_fit_the_context_by_its_size_is_refused_at_the_router(fleet):
     router, nodes = fleet(colocated=1, kv_events=True)  # a context of 64 tokens: prompts up to 2048 bytes
     node = nodes["colocated"][0]
     over = "prompt.text has 2049 bytes; a prompt that fits the context of 64 tokens has at most 2048"
@@ -74,6 +74,10 @@ def test_a_prompt_that_cannot_fit_the_context_by_its_bytes_is_refused_at_the_rou
         "prompt.chat has 2400 bytes; a prompt that fits the context of 64 tokens has at most 2048", "messages"
     )
     assert grpc_refusal(router, common_pb2.Prompt(text="x" * 2049)) == (grpc.StatusCode.INVALID_ARGUMENT, over)
+    full = "prompt has 64 tokens; the context holds 64"  # (token ids: counted before anything per token)
+    assert post(router, "/v1/completions", {"prompt": [7] * 64, "max_tokens": 2}) == bad_request(full, "prompt")
+    ids = common_pb2.Prompt(token_ids=common_pb2.TokenIds(ids=[7] * 64))
+    assert grpc_refusal(router, ids) == (grpc.StatusCode.INVALID_ARGUMENT, full)
     assert (node.requests, node.tokenizer_calls) == ([], 0)
     status, answer = post(router, "/v1/completions", {"prompt": "x" * 2048, "max_tokens": 2})
     assert (status, answer["choices"][0]["text"], len(node.requests)) == (200, "t0 t1 ", 1)
