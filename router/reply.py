@@ -29,7 +29,7 @@ from router.failures import RouteError
 from router.openai_api import OpenAIRequest
 from router.openai_fields import chat_logprobs, completion_logprobs, prompt_logprobs
 
-JOIN_EVERY = 256  # pieces of a kept answer's list or text joined into one string at a time
+JOIN_EVERY = 32  # pieces of a kept answer's list or text joined into one string at a time
 CHAT_LOGPROBS = ("content",)  # the lists of a chat choice's logprobs object
 COMPLETION_LOGPROBS = ("tokens", "token_logprobs", "top_logprobs", "text_offset")  # of a completion choice's
 
@@ -195,7 +195,9 @@ class Joined:
 
     def pieces(self) -> Iterator[str]:
         for i, part in enumerate(self.parts):
-            yield self.sep + part if i else part
+            if i and self.sep:
+                yield self.sep
+            yield part  # (as kept: never copied)
 
     def array(self) -> Iterator[str]:
         """As a JSON array of the pieces (each an item's JSON)."""

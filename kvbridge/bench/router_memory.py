@@ -15,10 +15,11 @@ average at the phase's start):
 - text_flood, chat_flood: --flood requests at once, each a body just under the router's body limit
   (4 MiB): one text prompt, or empty chat messages. statuses: what they were answered.
 - chat_32000: --flood requests at once of 32,000 empty chat messages each (128,000 bytes).
-- answer_whole: one non-streamed completion of --answer-prompts prompts x --answer-n choices x
+- answer_stream: one streamed completion of --answer-prompts prompts x --answer-n choices x
   --answer-tokens tokens with --logprobs alternatives a token, through a router whose
-  --max-answer-bytes is --big-answer-bytes; answer_mb: its size.
-- answer_stream: the same request streamed.
+  --max-answer-bytes is --big-answer-bytes; answer_mb: the size of its events.
+- answer_whole: the same request not streamed (after answer_stream: the memory that the streams
+  themselves take is in rss_mb already); answer_mb: its size.
 - answer_refused: the same non-streamed request through a router whose --max-answer-bytes is
   --max-answer-bytes (the floods' router): its status and how long until it came; node_idle: the node
   holds no request and no page after.
@@ -207,8 +208,8 @@ def main(argv: list[str] | None = None) -> int:
             ("text_flood", limited, flood(limited, "/v1/completions", json.dumps(text).encode(), args.flood)),
             ("chat_flood", limited, flood(limited, "/v1/chat/completions", json.dumps(chat).encode(), args.flood)),
             ("chat_32000", limited, flood(limited, "/v1/chat/completions", json.dumps(many).encode(), args.flood)),
-            ("answer_whole", big, answer(big, answer_body(args, stream=False))),
             ("answer_stream", big, answer(big, answer_body(args, stream=True))),
+            ("answer_whole", big, answer(big, answer_body(args, stream=False))),
             ("answer_refused", limited, answer(limited, answer_body(args, stream=False))),
         ]
         for name, router, work in phases:
