@@ -6,14 +6,12 @@ from __future__ import annotations
 import re
 
 from common.rpc import shown
+from kvbridge.v1 import common_pb2
 
 MAX_CLIENT_RID_CHARS = 128  # a request id a client chose (the router's check)
 MAX_RID_CHARS = MAX_CLIENT_RID_CHARS + 32  # at a node: a client's rid and the router's ":retryN"
 RID_CHARS = "A-Za-z0-9._:-"
 _RID = re.compile(f"[{RID_CHARS}]+")
-# a text or chat prompt over max_context * this many UTF-8 bytes cannot fit the context: it is
-# refused before the tokenizer spends time on it (real text runs at 2-8 bytes per token)
-PROMPT_BYTES_PER_TOKEN = 32
 
 
 def rid_problem(rid: str, limit: int = MAX_RID_CHARS) -> str:
@@ -54,3 +52,55 @@ def room_tag(room: int) -> str:
 def listed_room(room: int, full: bool) -> int:
     """A room in an Admin listing: whole where Admin needs the admin key (`full`), else its low 24 bits."""
     return room if full else room & ((1 << ROOM_SHOWN_BITS) - 1)
+
+
+# ---------------------------------------------------------------- prompt sizes
+# What a text or chat prompt may cost before it is expanded (rendered by the chat template,
+# tokenized): checked on its size alone, by the router and by every node's front alike.
+
+# a text or chat prompt over max_context * this many UTF-8 bytes cannot fit the context: it is
+# refused before the tokenizer spends time on it (real text runs at 2-8 bytes per token)
+PROMPT_BYTES_PER_TOKEN = 32
+MAX_CHAT_MESSAGES = 4096  # messages of one chat prompt; more are refused before any is rendered
+
+
+def prompt_bytes_limit(max_context: int) -> int:
+    """The most UTF-8 bytes of a text or chat prompt (and of a chat as its template renders it)
+    that could fit a context of `max_context` tokens."""
+    return max_context * PROMPT_BYTES_PER_TOKEN
+
+
+def prompt_size_problem(prompt: common_pb2.Prompt, max_context: int | None) -> str:
+    """Why a prompt is refused by its size, before it is rendered, tokenized or looked at token by
+    token ("" when it is not): a chat of over MAX_CHAT_MESSAGES messages, a text or chat (its
+    contents and roles) over prompt_bytes_limit(max_context) UTF-8 bytes, token ids that fill the
+    context (as the engine says it). `max_context` None (not known yet): the message count only."""
+    kind = prompt.WhichOneof("kind")
+    if kind == "chat" and len(prompt.chat.messages) > MAX_CHAT_MESSAGES:
+        return f"prompt.chat has {len(prompt.chat.messages)} messages; at most {MAX_CHAT_MESSAGES}"
+    if max_context is None or kind is None:
+        return ""
+    if kind == "token_ids":
+        n = len(prompt.token_ids.ids)
+        return f"prompt has {n} tokens; the context holds {max_context}" if n >= max_context else ""
+    if kind == "text":
+        size = len(prompt.text.encode())
+    else:
+        size = sum(len(m.content.encode()) + len(m.role.encode()) for m in prompt.chat.messages)
+    return _over(f"prompt.{kind} has {size} bytes", size, max_context)
+
+
+def rendered_size_problem(text: str, max_context: int | None) -> str:
+    """Why a chat as the chat template rendered it is refused before it is tokenized ("" when it is
+    not): over prompt_bytes_limit(max_context) UTF-8 bytes (the template adds to every message)."""
+    if max_context is None:
+        return ""
+    size = len(text.encode())
+    return _over(f"prompt.chat renders to {size} bytes through the chat template", size, max_context)
+
+
+def _over(what: str, size: int, max_context: int) -> str:
+    limit = prompt_bytes_limit(max_context)
+    if size <= limit:
+        return ""
+    return f"{what}; a prompt that fits the context of {max_context} tokens has at most {limit}"

@@ -199,7 +199,7 @@ class DecodeGenerationService(generation_pb2_grpc.GenerationServicer):
         secret = secrets.token_hex(ROOM_SECRET_BYTES)
         entry = (stub, route.room, backend, secret)  # until rank 0 preallocated the pages (see _register)
         try:
-            ids = front.prompt_ids(request.prompt)
+            ids = await front.prompt_ids(request.prompt)
             params = replace(sampling.from_proto(request.sampling), prompt_logprobs=None)  # (P computes the prompt)
             sources = [(s.rank, s.layer_start, s.layer_end) for s in kv_wire.sources_of(layout)]
             if self.pending.setdefault(rid, entry) is not entry:  # (the front would refuse it too, but later)

@@ -219,11 +219,22 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
-BENCHES = ("engine", "consensus", "pp", "kv_transfer", "soak", "serve", "prefix", "sampling", "choices")
+BENCHES = (
+    "engine",
+    "consensus",
+    "pp",
+    "kv_transfer",
+    "soak",
+    "serve",
+    "prefix",
+    "sampling",
+    "choices",
+    "router_memory",
+)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from kvbridge.bench import choices, consensus, engine, kv_transfer, pp, prefix, sampling, serve, soak  # (torch)
+    from kvbridge.bench import choices, consensus, engine, kv_transfer, pp, prefix, router_memory, sampling, serve, soak
 
     mains = {
         "engine": engine,
@@ -235,6 +246,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "prefix": prefix,
         "sampling": sampling,
         "choices": choices,
+        "router_memory": router_memory,
     }
     return mains[args.name].main(args.rest)
 

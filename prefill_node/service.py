@@ -31,7 +31,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
                 grpc.StatusCode.INVALID_ARGUMENT, f"rid and room are required, got {shown(request.rid)} {request.room}"
             )
         try:
-            ids = front.prompt_ids(request.prompt)
+            ids = await front.prompt_ids(request.prompt)
             params = sampling.from_proto(request.sampling)
             if params.n > 1:
                 raise ValueError(

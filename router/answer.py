@@ -18,11 +18,14 @@ import grpc
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from common.heap import release_freed_heap
 from kvbridge.v1 import generation_pb2
 from router.failures import RouteError
 from router.openai_api import error_body
 from router.reply import Reply
 from router.routed import CLIENT_CANCELLED, Routed
+
+SEND_BYTES = 1 << 20  # a whole answer goes out in writes of about this many bytes
 
 
 class Fanout:
@@ -112,12 +115,14 @@ class HTTPAnswer:
     async def _whole(self, responses: AsyncIterator, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             async for prompt, resp in responses:
-                self.reply.add(resp, prompt)
+                self.reply.add(resp, prompt)  # (RouteError past --max-answer-bytes: the 400 below)
             self.reply.check_complete()
         except RouteError as e:
             await error(e.code, e.message)(scope, receive, send)
             return
-        await json_response(200, self.reply.final())(scope, receive, send)
+        pieces = list(self.reply.final())
+        self.reply.body = None  # (the pieces hold its text now)
+        await _send_pieces(pieces, send)
 
     async def _events(self, responses: AsyncIterator, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -143,6 +148,25 @@ class HTTPAnswer:
         if obj is not None:
             await send({"type": "http.response.body", "body": b"data: " + json.dumps(obj).encode() + b"\n\n",
                         "more_body": True})  # fmt: skip
+
+
+async def _send_pieces(pieces: list[str], send: Send) -> None:
+    """A 200 JSON answer from the pieces of its text (ASCII), sent SEND_BYTES at a time: never
+    joined whole beside them. Consumes `pieces`; after a large answer, the heap it freed goes back."""
+    total = sum(map(len, pieces))
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(total).encode())]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    run, size = [], 0
+    for piece in pieces:
+        run.append(piece)
+        size += len(piece)
+        if size >= SEND_BYTES:
+            await send({"type": "http.response.body", "body": "".join(run).encode(), "more_body": True})
+            run, size = [], 0
+    pieces.clear()
+    await send({"type": "http.response.body", "body": "".join(run).encode(), "more_body": False})
+    if total >= SEND_BYTES:
+        release_freed_heap()
 
 
 def json_response(status: int, obj: dict, headers: dict[str, str] | None = None) -> Response:

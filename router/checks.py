@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from common import sampling
 from common.blocks import salt_problem
-from common.limits import MAX_CLIENT_RID_CHARS, rid_problem
+from common.limits import MAX_CLIENT_RID_CHARS, prompt_size_problem, rid_problem
 from kvbridge.v1 import generation_pb2
 
 CHAT_ROLES = ("system", "user", "assistant")
@@ -37,6 +37,8 @@ def check_prompt(req: generation_pb2.GenerateRequest) -> None:
     if kind == "chat":
         if not prompt.chat.messages:
             raise ValueError("prompt.chat has no messages")
+        if problem := prompt_size_problem(prompt, None):  # (the message count: its bytes need the context)
+            raise ValueError(problem)
         for i, m in enumerate(prompt.chat.messages):
             if m.role not in CHAT_ROLES:
                 raise ValueError(f"prompt.chat.messages[{i}].role must be system, user or assistant, got {m.role!r}")

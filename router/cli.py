@@ -38,6 +38,8 @@ _HELP = {
     "metrics_port": "Prometheus /metrics port (-1: off; 0: a free one, printed when ready)",
     "max_concurrent_requests": "HTTP requests handled at once; one more is answered 503 with Retry-After at once",
     "max_body_bytes": "the largest HTTP request body, bytes; a larger one is answered 413 (chunked bodies too)",
+    "max_answer_bytes": "the largest non-streamed HTTP answer (its JSON), bytes: one growing past it ends with a 400 "
+    "naming this limit and its requests are cancelled at the nodes; streamed answers are not held and have no limit",
     "http_header_timeout_s": "close an HTTP connection whose request headers are not in this long after it opened or "
     "after its last response, seconds",
     "http_body_timeout_s": "answer 408 to an HTTP request whose body is not in this long after its headers, seconds",
@@ -104,10 +106,11 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
 
 def run_router(args: argparse.Namespace) -> int:
     """Serve until SIGINT or SIGTERM. Bad flag values: one line on stderr, exit status 2."""
-    from common import rpc, security
+    from common import heap, rpc, security
     from common.logs import setup as setup_logs
     from router.server import start_router
 
+    heap.map_large_blocks()  # (a body of a few MiB goes back to the system when it is freed)
     try:
         rpc.configure(security.from_flags(args, api_key_file=args.api_key_file))
         setup_logs(args.log_level)

@@ -35,6 +35,9 @@ class RouterConfig:
     max_concurrent_requests: int = 4096  # HTTP requests handled at once; one more is answered 503 at once
     # the largest HTTP request body; a larger one is answered 413 (its prompt must fit one 8 MiB gRPC message)
     max_body_bytes: int = 4 << 20
+    # the largest non-streamed HTTP answer (its JSON, about); past it the request ends with a 400 naming this
+    # limit and is cancelled at the nodes (a stream's answer is not held: it has no limit)
+    max_answer_bytes: int = 16 << 20
     http_header_timeout_s: float = 10.0  # a request's headers must be in this long after connect / the last response
     http_body_timeout_s: float = 30.0  # a request body must be in this long after its headers, else 408
     http_keep_alive_s: float = 5.0  # an HTTP connection idle this long after a response is closed
@@ -93,7 +96,7 @@ class RouterConfig:
             raise ValueError(f"max_migrations must be >= 0, got {self.max_migrations}")
         if not self.startup_wait_s >= 0:
             raise ValueError(f"startup_wait_s must be >= 0, got {self.startup_wait_s}")
-        for name in ("max_concurrent_requests", "max_body_bytes"):
+        for name in ("max_concurrent_requests", "max_body_bytes", "max_answer_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_body_bytes > 7 << 20:  # a body's prompt goes to the nodes in one gRPC message of at most 8 MiB

@@ -21,6 +21,10 @@ HTTP/1.0: `_Connection`). Limits, each answered at once:
   its previous response is closed (uvicorn has no such timeout: _H11Protocol adds it), so a client
   trickling bytes holds nothing for long; headers over MAX_HEADER_BYTES are refused.
 - A connection idle for http_keep_alive_s after a response is closed.
+- A prompt that cannot fit the longest context a node serves by its size (common/limits.py: a chat
+  over MAX_CHAT_MESSAGES messages, a text or chat over max_context x 32 bytes) gets 400 before it
+  is routed or tokenized; a non-streamed answer growing past max_answer_bytes gets 400 naming the
+  flag (router/reply.py), its routed requests cancelled.
 
 A client that goes away while its request runs (its connection closed, or a write to it failed:
 uvicorn then reports http.disconnect) cancels the request upstream, so the nodes abort it; a task
@@ -39,6 +43,8 @@ import re
 import socket
 import ssl
 import sys
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import h11
@@ -52,6 +58,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import STATUS_PHRASES, H11Protocol
 
 from common import __version__, rpc
+from common.heap import release_freed_heap
+from common.limits import prompt_size_problem
 from common.security import check_bearer
 from kvbridge.v1 import generation_pb2
 from router.answer import Fanout, HTTPAnswer
@@ -59,7 +67,7 @@ from router.answer import error as _error
 from router.answer import json_response as _json
 from router.config import RouterConfig
 from router.dispatch import Dispatcher
-from router.openai_api import BadRequest, error_body, parse_request
+from router.openai_api import BadRequest, OpenAIRequest, error_body, json_body, parse_request
 from router.reply import Reply
 from router.routed import DRAINING
 from router.tokenize import Refused, detokenize, echo_texts, tokenize, version
@@ -71,6 +79,8 @@ _KEYED = ("/v1/", "/tokenize", "/detokenize")  # paths that need the API key whe
 _REQUEST_ID = re.compile(rb"[!-~]{1,128}")  # an X-Request-Id that is echoed
 _HEADERS_TOO_LARGE = error_body(grpc.StatusCode.INVALID_ARGUMENT, f"request headers over {MAX_HEADER_BYTES} bytes")[1]
 SERVER = f"kvbridge-router/{__version__}".encode()
+INLINE_BODY_BYTES = 64 << 10  # a body up to this size is parsed on the loop; a larger one in _parser
+_parser = ThreadPoolExecutor(1, thread_name_prefix="kvbridge-parse")  # larger bodies, one at a time
 log = logging.getLogger("kvbridge.router")
 
 
@@ -216,9 +226,13 @@ class HTTPFront:
     async def _tokens(self, request: Request, answer) -> Response | ASGIApp:
         """/tokenize, /detokenize: `answer` (router/tokenize.py) to the body."""
         raw = await self._read_body(request)
-        if not isinstance(raw, bytes):
+        if not isinstance(raw, bytearray):
             return raw
-        return _json(*await answer(raw, self.dispatcher.pool, self.dispatcher.prompts))
+        try:
+            body = await _parsed(json_body, raw)
+        except BadRequest as e:
+            return _error(grpc.StatusCode.INVALID_ARGUMENT, str(e), e.param)
+        return _json(*await answer(body, self.dispatcher.pool, self.dispatcher.prompts))
 
     async def _version(self, request: Request) -> Response:
         return _json(200, version())
@@ -227,10 +241,10 @@ class HTTPFront:
 
     async def _generate(self, request: Request, chat: bool) -> Response | HTTPAnswer:
         raw = await self._read_body(request)
-        if not isinstance(raw, bytes):
+        if not isinstance(raw, bytearray):
             return raw
         try:
-            req = parse_request(raw, chat=chat)
+            req = await _parsed(_generation, raw, chat, self.dispatcher.prompts.max_context())
         except BadRequest as e:
             return _error(grpc.StatusCode.INVALID_ARGUMENT, str(e), e.param)
         served = [m.model for m in self.dispatcher.pool.models()]
@@ -242,9 +256,10 @@ class HTTPFront:
             return _error(e.code, str(e), e.param)
         routed = Fanout([self.dispatcher.route(r) for r in req.requests()])
         model = req.model or (served[0] if served else "")
-        return HTTPAnswer(routed, Reply(req, routed.rid, model, echo=echo), req.stream)
+        reply = Reply(req, routed.rid, model, echo=echo, max_bytes=self.config.max_answer_bytes)
+        return HTTPAnswer(routed, reply, req.stream)
 
-    async def _read_body(self, request: Request) -> bytes | Response | ASGIApp:
+    async def _read_body(self, request: Request) -> bytearray | Response | ASGIApp:
         """The request body, or the answer instead: 413 over the limit, 408 too slow, none to a
         client that left."""
         limit = self.config.max_body_bytes
@@ -252,20 +267,19 @@ class HTTPFront:
         length = request.headers.get("content-length")  # (h11 checked that it is a number)
         if length is not None and int(length) > limit:
             return _json(413, too_large, {"Connection": "close"})
-        parts, size = [], 0
+        body = bytearray()  # (grown in place: a list of parts joined at the end would hold the body twice)
         try:
             async with asyncio.timeout(self.config.http_body_timeout_s):
                 async for part in request.stream():
-                    size += len(part)
-                    if size > limit:
+                    if len(body) + len(part) > limit:
                         return _json(413, too_large, {"Connection": "close"})
-                    parts.append(part)
+                    body += part
         except ClientDisconnect:
             return _gone
         except TimeoutError:
             message = f"the request body did not arrive within {self.config.http_body_timeout_s:g} s"
             return _json(408, error_body(grpc.StatusCode.DEADLINE_EXCEEDED, message)[1], {"Connection": "close"})
-        return b"".join(parts)
+        return body
 
     def _model_card(self, m: generation_pb2.ModelInfo) -> dict:
         return {
@@ -275,6 +289,33 @@ class HTTPFront:
             "owned_by": "kvbridge",
             "max_model_len": m.max_context,
         }
+
+
+async def _parsed(parse: Callable, raw: bytearray, *args):
+    """parse(raw, *args): on the loop for a body of up to INLINE_BODY_BYTES (well under a ms), in the
+    one parser thread for a larger one. One at a time: a body's objects take ~10 times its size while
+    they are checked (4 MiB of empty chat messages: ~35 MB, ~0.1 s); the loop runs meanwhile."""
+    if len(raw) <= INLINE_BODY_BYTES:
+        return parse(raw, *args)
+    return await asyncio.get_running_loop().run_in_executor(_parser, _released, parse, raw, *args)
+
+
+def _released(parse: Callable, raw: bytearray, *args):
+    try:
+        return parse(raw, *args)
+    finally:
+        release_freed_heap()  # (the parse's transient objects)
+
+
+def _generation(raw: bytearray, chat: bool, max_context: int | None) -> OpenAIRequest:
+    """parse_request, and BadRequest for a prompt that cannot fit `max_context` by its size
+    (router/prompts.py): before anything expands it."""
+    req = parse_request(raw, chat=chat)
+    for i, prompt in enumerate(req.prompts):
+        if problem := prompt_size_problem(prompt, max_context):
+            where = f"prompt[{i}]: " if len(req.prompts) > 1 else ""
+            raise BadRequest(where + problem, "messages" if chat else "prompt")
+    return req
 
 
 class _Outgoing:

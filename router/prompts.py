@@ -7,7 +7,11 @@ and turns prompts into ids with the nodes' own adapter (serving/convert.py promp
 tokenizer could be fetched (every fetch failed; the next try is health_retry_s later), text and
 chat prompts have no blocks and are routed least-loaded ("no_index"), as are those that came while
 a fetch took longer than TOKENIZER_WAIT_S; token-id prompts need no tokenizer.
-Tokenizing, and hashing long prompts, run in a worker thread: the loop never waits on them.
+A text or chat prompt is tokenized only within the size that could fit the longest context a node
+serves (`size_problem`, common/limits.py: the HTTP and gRPC fronts refuse a larger one before
+routing it). Tokenizing, and hashing long prompts, run in the bounded worker threads of
+serving/convert.py: the loop never waits on them, and no more than TOKENIZE_THREADS prompts expand
+at once.
 """
 
 from __future__ import annotations
@@ -20,11 +24,12 @@ from dataclasses import dataclass
 import grpc
 
 from common.blocks import block_hashes
+from common.limits import prompt_size_problem
 from common.logs import log_event
 from engine.tokenizer import Tokenizer
 from kvbridge.v1 import generation_pb2, kv_events_pb2, kv_events_pb2_grpc
 from router.pool import Node, NodePool
-from serving.convert import prompt_ids
+from serving.convert import in_worker, tokenized
 
 TOKENIZER_DEADLINE_S = 5.0  # one GetTokenizer call
 TOKENIZER_WAIT_S = 3.0  # a request waits this long at most for a fetch (which goes on without it)
@@ -57,16 +62,26 @@ class Prompts:
         prompt, salt = request.prompt, request.cache_salt
         if prompt.WhichOneof("kind") == "token_ids":
             ids = list(prompt.token_ids.ids)
-            if len(ids) <= INLINE_TOKENS:
-                return _hashed(ids, page_sizes, salt)
-            return await asyncio.to_thread(_hashed, ids, page_sizes, salt)
-        tokenizer = await self.tokenizer()
-        if tokenizer is None:
-            return None
-        try:
-            return await asyncio.to_thread(lambda: _hashed(prompt_ids(prompt, tokenizer), page_sizes, salt))
-        except Exception:  # ValueError, or a template's own error: the node refuses it with the reason
-            return None
+        else:
+            tokenizer = await self.tokenizer()
+            if tokenizer is None:
+                return None
+            try:
+                ids = await tokenized(prompt, tokenizer, self.max_context())
+            except Exception:  # ValueError, or a template's own error: the node refuses it with the reason
+                return None
+        if len(ids) <= INLINE_TOKENS:
+            return _hashed(ids, page_sizes, salt)
+        return await in_worker(_hashed, ids, page_sizes, salt)
+
+    def max_context(self) -> int | None:
+        """The longest context a healthy node serves (None while none has reported its model)."""
+        return max((m.max_context for m in self.pool.models()), default=None)
+
+    def size_problem(self, prompt) -> str:
+        """Why the router refuses `prompt` by its size before anything expands it ("" when it does
+        not): too many chat messages, or too many bytes for the longest context a node serves."""
+        return prompt_size_problem(prompt, self.max_context())
 
     async def tokenizer(self) -> Tokenizer | None:
         """The tokenizer of the fleet's model, fetched once (None while fetching fails)."""

@@ -41,6 +41,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             check_generate(request)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if problem := self.dispatcher.prompts.size_problem(request.prompt):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         routed = self.dispatcher.route(request, timeout_s=context.time_remaining())
         try:
             # write() rather than yield: every await stays in this task, so a client that leaves

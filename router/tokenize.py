@@ -20,19 +20,19 @@ model not served, 503 while no node serves one or no tokenizer could be fetched 
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass
 
 import grpc
 
 from common import __version__
+from common.limits import prompt_size_problem
 from engine.tokenizer import Tokenizer
 from kvbridge.v1 import common_pb2, generation_pb2
-from router.openai_api import BadRequest, OpenAIRequest, _messages, _show, _text, error_body, json_body
+from router.openai_api import BadRequest, OpenAIRequest, _messages, _show, _text, error_body
 from router.openai_fields import chat_options
 from router.pool import NodePool
 from router.prompts import Prompts
-from serving.convert import prompt_ids
+from serving.convert import encode, in_worker, prompt_ids
 
 # The chat-only fields whose error a ValueError of prompt_ids names, in the order they are looked for.
 _CHAT_FIELDS = ("chat_template_kwargs", "continue_final_message", "add_generation_prompt")
@@ -70,35 +70,34 @@ async def echo_texts(req: OpenAIRequest, pool: NodePool, prompts: Prompts) -> li
             continue
         try:
             tokenizer = tokenizer or await _tokenizer(prompts, _served(pool, req.model))
-            texts.append((await asyncio.to_thread(_detokenized, list(prompt.token_ids.ids), tokenizer))["prompt"])
+            texts.append((await in_worker(_detokenized, list(prompt.token_ids.ids), tokenizer))["prompt"])
         except BadRequest as e:
             param = "prompt" if e.param == "tokens" else e.param
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e), param) from None
     return texts
 
 
-async def tokenize(raw: bytes, pool: NodePool, prompts: Prompts) -> tuple[int, dict]:
-    """The answer to POST /tokenize with body `raw`."""
+async def tokenize(body: dict, pool: NodePool, prompts: Prompts) -> tuple[int, dict]:
+    """The answer to POST /tokenize with `body` (the JSON object it carries)."""
     try:
-        req = parse_tokenize(raw)
+        req = parse_tokenize(body)
         model = _served(pool, req.model)
         tokenizer = await _tokenizer(prompts, model)
-        return 200, await asyncio.to_thread(_tokenized, req, tokenizer, model.max_context)
+        return 200, await in_worker(_tokenized, req, tokenizer, model.max_context)
     except BadRequest as e:
         return error_body(grpc.StatusCode.INVALID_ARGUMENT, str(e), e.param)
     except Refused as e:
         return error_body(e.code, str(e), e.param)
 
 
-async def detokenize(raw: bytes, pool: NodePool, prompts: Prompts) -> tuple[int, dict]:
-    """The answer to POST /detokenize with body `raw`."""
+async def detokenize(body: dict, pool: NodePool, prompts: Prompts) -> tuple[int, dict]:
+    """The answer to POST /detokenize with `body` (the JSON object it carries)."""
     try:
-        body = json_body(raw)
         ids = body.get("tokens")
         if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             raise BadRequest(f"tokens must be a list of token ids, got {_show(ids)}", "tokens")
         tokenizer = await _tokenizer(prompts, _served(pool, _model(body)))
-        return 200, await asyncio.to_thread(_detokenized, ids, tokenizer)
+        return 200, await in_worker(_detokenized, ids, tokenizer)
     except BadRequest as e:
         return error_body(grpc.StatusCode.INVALID_ARGUMENT, str(e), e.param)
     except Refused as e:
@@ -108,9 +107,8 @@ async def detokenize(raw: bytes, pool: NodePool, prompts: Prompts) -> tuple[int,
 # ------------------------------------------------------------------ parsing
 
 
-def parse_tokenize(raw: bytes) -> TokenizeRequest:
+def parse_tokenize(body: dict) -> TokenizeRequest:
     """Validate a /tokenize body; BadRequest names the bad field."""
-    body = json_body(raw)
     model = _model(body)
     special = _flag(body, "add_special_tokens")
     strs = bool(_flag(body, "return_token_strs"))
@@ -179,9 +177,11 @@ def _tokenized(req: TokenizeRequest, tokenizer: Tokenizer, max_context: int) -> 
     """(in a worker thread)"""
     try:
         if req.add_special_tokens:
-            ids = prompt_ids(req.prompt, tokenizer)  # exactly as the node
+            ids = prompt_ids(req.prompt, tokenizer, max_context)  # exactly as the node (its size checks too)
+        elif problem := prompt_size_problem(req.prompt, max_context):
+            raise ValueError(problem)
         else:
-            ids = tokenizer.encode(req.prompt.text, add_special_tokens=False)
+            ids = encode(tokenizer, req.prompt.text, add_special_tokens=False)
     except ValueError as e:
         chat = req.prompt.WhichOneof("kind") == "chat"
         param = next((f for f in _CHAT_FIELDS if chat and f in str(e)), "messages" if chat else "prompt")

@@ -31,7 +31,7 @@ class ColocatedGeneration(generation_pb2_grpc.GenerationServicer):
         front = self.server.node.front
         rid = request.rid or uuid.uuid4().hex
         try:
-            ids = front.prompt_ids(request.prompt)
+            ids = await front.prompt_ids(request.prompt)
             params = sampling.from_proto(request.sampling)
             deltas = front.submit(ids, params, rid, cache_salt=request.cache_salt, resumed=request.resume_ids)
         except ValueError as e:

@@ -2,21 +2,61 @@
 
 Every function raises ValueError naming the bad field and value; services turn that into
 INVALID_ARGUMENT.
+
+Tokenizing a prompt (`prompt_ids`) is the one adapter whose work grows with the client's input: its
+size is checked first (common/limits.py: the chat's message count, its bytes, the rendered chat's
+bytes, against the context), and an event loop runs it through `tokenized`: in one of
+TOKENIZE_THREADS worker threads, so that a long prompt neither stalls the loop nor has every
+client's prompt expanding at once.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+from concurrent.futures import ThreadPoolExecutor
 
+from common.heap import release_freed_heap
+from common.limits import prompt_size_problem, rendered_size_problem
 from common.rpc import shown
 from engine.tokenizer import TEMPLATE_VARIABLES, Tokenizer
 from kvbridge.v1 import common_pb2
 
 MAX_TEMPLATE_KWARGS_BYTES = 8 << 10  # prompt.chat.chat_template_kwargs, as UTF-8
+TOKENIZE_THREADS = min(4, os.cpu_count() or 1)  # prompts tokenized at once in one process (router or node front)
+# after a prompt of at least this many tokens, freed heap goes back to the system (malloc_trim): the
+# tokenizers library's transient ~200 bytes a token stay in glibc's free lists otherwise
+TRIM_AFTER_TOKENS = 1 << 16
+_pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="kvbridge-tokenize")
 
 
-def prompt_ids(prompt: common_pb2.Prompt, tokenizer: Tokenizer | None) -> list[int]:
-    """The prompt's token ids: text is tokenized, chat goes through the model's chat template."""
+async def tokenized(prompt: common_pb2.Prompt, tokenizer: Tokenizer | None, max_context: int | None) -> list[int]:
+    """prompt_ids in a worker thread, at most TOKENIZE_THREADS at once (the others queue); the size
+    checks that need no tokenizer come first, on the caller's loop, so a refusal waits for no one."""
+    if problem := prompt_size_problem(prompt, max_context):
+        raise ValueError(problem)
+    if prompt.WhichOneof("kind") in ("token_ids", None):
+        return _ids(prompt, tokenizer, max_context)
+    return await in_worker(_ids, prompt, tokenizer, max_context)
+
+
+async def in_worker(fn, *args):
+    """fn(*args) in one of the TOKENIZE_THREADS worker threads (tokenizing, detokenizing)."""
+    return await asyncio.get_running_loop().run_in_executor(_pool, fn, *args)
+
+
+def prompt_ids(prompt: common_pb2.Prompt, tokenizer: Tokenizer | None, max_context: int | None = None) -> list[int]:
+    """The prompt's token ids: text is tokenized, chat goes through the model's chat template.
+    With `max_context`, a prompt that cannot fit it by its size (common/limits.py) is refused before
+    the template or the tokenizer runs; without, only a chat's message count is bounded."""
+    if problem := prompt_size_problem(prompt, max_context):
+        raise ValueError(problem)
+    return _ids(prompt, tokenizer, max_context)
+
+
+def _ids(prompt: common_pb2.Prompt, tokenizer: Tokenizer | None, max_context: int | None) -> list[int]:
+    """prompt_ids past the size checks of the prompt itself."""
     kind = prompt.WhichOneof("kind")
     if kind == "token_ids":
         return list(prompt.token_ids.ids)
@@ -25,8 +65,23 @@ def prompt_ids(prompt: common_pb2.Prompt, tokenizer: Tokenizer | None) -> list[i
     if tokenizer is None:
         raise ValueError(f"this model has no tokenizer; send prompt.token_ids instead of prompt.{kind}")
     if kind == "text":
-        return tokenizer.encode(prompt.text)
-    return tokenizer.encode(chat_text(prompt.chat, tokenizer))
+        return encode(tokenizer, prompt.text)
+    text = chat_text(prompt.chat, tokenizer)
+    if problem := rendered_size_problem(text, max_context):
+        raise ValueError(problem)
+    return encode(tokenizer, text)
+
+
+def encode(tokenizer: Tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
+    """tokenizer.encode(text, add_special_tokens): the same ids, with the GIL let go while the tokenizers library works:
+    its batch call lets go of it, its single call (Tokenizer.encode's) holds it throughout, which
+    stalls every other thread of the process (an event loop's) for as long (~1 s a MB)."""
+    batch = getattr(tokenizer.backend, "encode_batch_fast", tokenizer.backend.encode_batch)  # (_fast: 0.20 on)
+    ids = batch([text], add_special_tokens=False)[0].ids
+    if len(ids) >= TRIM_AFTER_TOKENS:
+        release_freed_heap()
+    bos = tokenizer.token_id(tokenizer.bos_token) if tokenizer.add_bos and add_special_tokens else None
+    return ([bos] if bos is not None and ids[:1] != [bos] else []) + ids
 
 
 def chat_text(chat: common_pb2.ChatMessages, tokenizer: Tokenizer) -> str:

@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 from common import blocks
-from common.limits import PROMPT_BYTES_PER_TOKEN, rid_problem
+from common.limits import rid_problem
 from common.metrics import outcome_of
 from common.rpc import EventLoop, shown
 from common.sampling import SamplingParams
@@ -106,23 +106,11 @@ class NodeFront:
 
     # ------------------------------------------------------------------ on the loop
 
-    def prompt_ids(self, prompt: common_pb2.Prompt) -> list[int]:
-        """The prompt's token ids; ValueError for one that cannot fit the context, found before
-        the tokenizer runs on it (its UTF-8 bytes against max_context * PROMPT_BYTES_PER_TOKEN)."""
-        limit = self.ranks.max_context * PROMPT_BYTES_PER_TOKEN
-        kind = prompt.WhichOneof("kind")
-        if kind == "text":
-            size = len(prompt.text.encode())
-        elif kind == "chat":
-            size = sum(len(m.content.encode()) + len(m.role.encode()) for m in prompt.chat.messages)
-        else:
-            size = 0
-        if size > limit:
-            raise ValueError(
-                f"prompt.{kind} has {size} bytes; a prompt that fits the context of {self.ranks.max_context} "
-                f"tokens has at most {limit}"
-            )
-        return convert.prompt_ids(prompt, self.tokenizer)
+    async def prompt_ids(self, prompt: common_pb2.Prompt) -> list[int]:
+        """The prompt's token ids, tokenized off the loop (serving/convert.py `tokenized`); ValueError
+        for one that cannot fit the context by its size, found before the template or the tokenizer
+        runs on it (common/limits.py)."""
+        return await convert.tokenized(prompt, self.tokenizer, self.ranks.max_context)
 
     def submit(
         self,

@@ -3,6 +3,8 @@ each gets its own status, and the node goes on serving."""
 
 from __future__ import annotations
 
+import http.client
+import json
 import secrets
 import time
 from dataclasses import replace
@@ -24,6 +26,8 @@ from kvbridge.v1 import (
     prefill_pb2,
     prefill_pb2_grpc,
 )
+from router.config import RouterConfig
+from router.server import start_router
 from tests.conftest import make_llm
 from tests.pd import (
     TINY,
@@ -118,6 +122,61 @@ def test_a_prompt_too_long_for_the_context_is_refused_before_it_is_tokenized(col
         list(generation_pb2_grpc.GenerationStub(rpc.make_channel(colocated.address)).Generate(req, timeout=30))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert e.value.details().startswith("prompt.text has 1000000 bytes; a prompt that fits the context of ")
+
+
+@pytest.mark.parametrize("node", ["colocated", "p", "d"])
+def test_32000_empty_chat_messages_straight_to_a_node_are_refused_by_their_count(fleet, colocated, node):
+    p, d = fleet
+    prompt = common_pb2.Prompt(chat=common_pb2.ChatMessages(messages=[common_pb2.ChatMessage(role="user")] * 32_000))
+    rid, room = secrets.token_hex(8), secrets.randbits(62) + 1
+    with pytest.raises(grpc.RpcError) as e:
+        if node == "p":
+            req = prefill_pb2.PrefillRequest(rid=rid, room=room, prompt=prompt, sampling=sampling())
+            prefill_pb2_grpc.PrefillStub(rpc.make_channel(p.address)).Prefill(req, timeout=30)
+        else:
+            addr = d.address if node == "d" else colocated.address
+            req = generation_pb2.GenerateRequest(rid=rid, prompt=prompt, sampling=sampling())
+            if node == "d":
+                req.prefill.CopyFrom(generation_pb2.PrefillRoute(room=room, prefill_addr=p.address))
+            list(generation_pb2_grpc.GenerationStub(rpc.make_channel(addr)).Generate(req, timeout=30))
+    assert (e.value.code(), e.value.details()) == (
+        grpc.StatusCode.INVALID_ARGUMENT, "prompt.chat has 32000 messages; at most 4096"
+    )  # fmt: skip
+
+
+def test_a_chat_that_its_template_renders_past_the_context_bytes_is_refused_before_it_is_tokenized(colocated):
+    messages = [common_pb2.ChatMessage(role="user", content="0123456789")] * 4096  # 57,344 bytes of content and roles
+    req = generation_pb2.GenerateRequest(prompt=common_pb2.Prompt(chat=common_pb2.ChatMessages(messages=messages)))
+    with pytest.raises(grpc.RpcError) as e:
+        list(generation_pb2_grpc.GenerationStub(rpc.make_channel(colocated.address)).Generate(req, timeout=30))
+    assert (e.value.code(), e.value.details()) == (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "prompt.chat renders to 155670 bytes through the chat template; a prompt that fits the context of 4096 "
+        "tokens has at most 131072",
+    )  # (ChatML: 38 bytes a message, and the reply's 22)
+
+
+def test_a_non_streamed_answer_past_max_answer_bytes_leaves_the_node_idle_and_the_router_empty(colocated):
+    router = start_router(
+        RouterConfig(port=0, http_port=0, colocated=(colocated.address,), health_retry_s=0.1, max_answer_bytes=20_000)
+    )
+    try:
+        body = {"prompt": [list(range(5, 37))] * 2, "n": 2, "max_tokens": 400, "ignore_eos": True, "logprobs": 5}
+        conn = http.client.HTTPConnection("127.0.0.1", router.http_port, timeout=60)
+        conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        answer = json.loads(resp.read())
+        conn.close()
+        message = (
+            "the answer exceeds --max-answer-bytes (20000 bytes) of a non-streamed answer; "
+            'ask for it with "stream": true'
+        )
+        assert (resp.status, answer["error"]["message"]) == (400, message)
+        st = wait_idle(colocated.address)
+        assert [r.kv_pages_used for r in st.ranks] == [0, 0] and st.requests_in_flight == 0, st
+        assert router.dispatcher.num_in_flight() == 0
+    finally:
+        router.stop(grace_s=0)
 
 
 def start_pair(p, d):

@@ -98,7 +98,10 @@ class FakeGeneration(generation_pb2_grpc.GenerationServicer):
         )
 
     def GetModelInfo(self, request, context):
-        return generation_pb2.ModelInfo(model="fake", fingerprint=FINGERPRINT, max_context=64, role=self.node.role)
+        node = self.node
+        return generation_pb2.ModelInfo(
+            model="fake", fingerprint=FINGERPRINT, max_context=node.max_context, role=node.role
+        )
 
 
 class FakePrefill(prefill_pb2_grpc.PrefillServicer):
@@ -230,7 +233,7 @@ class FakeKVEvents(kv_events_pb2_grpc.KVEventsServicer):
             tokenizer_json=TOKENIZER.to_json(),
             model_fingerprint=FINGERPRINT,
             page_size=node.kv.page_size,
-            max_context=64,
+            max_context=node.max_context,
         )
 
 
@@ -256,9 +259,11 @@ class FakeNode:
         first_s: float = 0.0,
         kv_events: bool = False,
         page_size: int = 4,
+        max_context: int = 64,
     ):
         self.role, self.rooms = role, rooms
         self.tokens, self.token_s, self.first_s = tokens, token_s, first_s  # tokens per request, seconds
+        self.max_context = max_context  # what GetModelInfo and GetTokenizer say (the router bounds prompts by it)
         self.requests: list = []  # every request received, in order
         self.arrived: list[float] = []  # time.monotonic() of each Generate's arrival
         self.cancelled: list[str] = []  # rids whose call ended before its last message (cancel, deadline, abort)

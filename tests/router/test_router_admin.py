@@ -394,6 +394,7 @@ def test_status_and_config_describe_the_router_and_its_fleet(nodes, make_router)
         "metrics_port": -1,
         "max_concurrent_requests": 4096,
         "max_body_bytes": 4 << 20,
+        "max_answer_bytes": 16 << 20,
         "http_header_timeout_s": 10.0,
         "http_body_timeout_s": 30.0,
         "http_keep_alive_s": 5.0,

@@ -20,6 +20,14 @@ def parse(chat: bool = False, **body):
     return parse_request(json.dumps(body).encode(), chat=chat)
 
 
+def whole(req, resps, prompts=None, **kw) -> dict:
+    """The non-streamed answer to `req` (stream unset) made of `resps` (of prompt 0, or `prompts`)."""
+    reply = Reply(req, "r", "m", created=1, **kw)
+    for i, r in enumerate(resps):
+        assert reply.add(r, prompts[i] if prompts else 0) is None  # (kept, not a chunk)
+    return json.loads("".join(reply.final()))
+
+
 def test_completion_fields_map_to_the_request():
     r = parse(
         model="m",
@@ -340,8 +348,8 @@ def responses(*texts: str, finish: str = "length", cached: int = 0) -> list[gene
 
 
 def test_chat_stream_chunks_then_usage():
-    reply = Reply(parse(chat=True, messages=[{"role": "user", "content": "q"}], stream_options={"include_usage": True}),
-                  "r", "m", created=1)  # fmt: skip
+    reply = Reply(parse(chat=True, messages=[{"role": "user", "content": "q"}], stream=True,
+                        stream_options={"include_usage": True}), "r", "m", created=1)  # fmt: skip
     chunks = [c for c in (reply.add(r) for r in responses("He", "", "llo")) if c is not None]
     deltas = [c["choices"][0]["delta"] for c in chunks]
     assert deltas == [{"role": "assistant", "content": "He"}, {"content": "llo"}, {}]
@@ -351,7 +359,8 @@ def test_chat_stream_chunks_then_usage():
     assert reply.usage_chunk()["usage"] == {
         "prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6, "prompt_tokens_details": {"cached_tokens": 0}
     }  # fmt: skip
-    assert reply.final()["choices"][0]["message"] == {"role": "assistant", "content": "Hello"}
+    out = whole(parse(chat=True, messages=[{"role": "user", "content": "q"}]), responses("He", "", "llo"))
+    assert out["choices"][0]["message"] == {"role": "assistant", "content": "Hello"}
 
 
 def test_completion_final_body():
@@ -359,7 +368,7 @@ def test_completion_final_body():
     for r in responses("a", "b", finish="stop", cached=2):
         reply.add(r)
     assert reply.usage_chunk() is None
-    assert reply.final() == {
+    assert json.loads("".join(reply.final())) == {
         "id": "cmpl-r",
         "object": "text_completion",
         "created": 1,
@@ -454,8 +463,8 @@ def test_logprobs_in_chat_and_completion_answers():
     first = generation_pb2.GenerateResponse(token_ids=[7], text="Hé", logprobs=[a])
     last = generation_pb2.GenerateResponse(token_ids=[9], text="!", logprobs=[b], finish_reason="length")
 
-    chat = Reply(parse(chat=True, messages=[{"role": "user", "content": "q"}], logprobs=True, top_logprobs=2),
-                 "r", "m", created=1)  # fmt: skip
+    chat_req = {"messages": [{"role": "user", "content": "q"}], "logprobs": True, "top_logprobs": 2}
+    chat = Reply(parse(chat=True, stream=True, **chat_req), "r", "m", created=1)
     c1, c2 = chat.add(first), chat.add(last)
     entry_a = {
         "token": "Hé",
@@ -470,22 +479,23 @@ def test_logprobs_in_chat_and_completion_answers():
         {"token": "?", "logprob": -0.5, "bytes": [63]}, {"token": "!", "logprob": -1.5, "bytes": [33]}]}  # fmt: skip
     assert c1["choices"][0]["logprobs"] == {"content": [entry_a], "refusal": None}
     assert c2["choices"][0]["logprobs"] == {"content": [entry_b], "refusal": None}
-    assert chat.final()["choices"][0]["logprobs"] == {"content": [entry_a, entry_b], "refusal": None}
+    assert whole(parse(chat=True, **chat_req), [first, last])["choices"][0]["logprobs"] == {
+        "content": [entry_a, entry_b], "refusal": None
+    }  # fmt: skip
 
-    stream = Reply(parse(prompt="q", logprobs=2), "r", "m", created=1)
+    stream = Reply(parse(prompt="q", logprobs=2, stream=True), "r", "m", created=1)
     s1, s2 = stream.add(first), stream.add(last)
     assert s1["choices"][0]["logprobs"] == {
         "tokens": ["Hé"], "token_logprobs": [-0.25], "top_logprobs": [{"Hé": -0.25, "x": -2.0}], "text_offset": [0]
     }  # fmt: skip
     assert s2["choices"][0]["logprobs"]["text_offset"] == [2]  # after "Hé"
-    whole = Reply(parse(prompt="q", logprobs=2), "r", "m", created=1)
-    whole.add(first), whole.add(last)
-    assert whole.final()["choices"][0]["logprobs"] == {
+    assert whole(parse(prompt="q", logprobs=2), [first, last])["choices"][0]["logprobs"] == {
         "tokens": ["Hé", "!"], "token_logprobs": [-0.25, -1.5],
         "top_logprobs": [{"Hé": -0.25, "x": -2.0}, {"?": -0.5, "!": -1.5}], "text_offset": [0, 2],
     }  # fmt: skip
-    plain = Reply(parse(prompt="q"), "r", "m", created=1)
+    plain = Reply(parse(prompt="q", stream=True), "r", "m", created=1)
     assert plain.add(first)["choices"][0]["logprobs"] is None
+    assert whole(parse(prompt="q"), [first, last])["choices"][0]["logprobs"] is None
 
 
 def test_echo_puts_the_prompt_and_its_logprobs_first():
@@ -495,18 +505,21 @@ def test_echo_puts_the_prompt_and_its_logprobs_first():
     resp = generation_pb2.GenerateResponse(
         token_ids=[9], text="!", logprobs=[out], prompt_logprobs=[head, second], finish_reason="length"
     )
-    req = parse(prompt="Hi you", echo=True, logprobs=1, max_tokens=1)
+    body = {"prompt": "Hi you", "echo": True, "logprobs": 1, "max_tokens": 1}
+    req = parse(**body, stream=True)
     assert (req.echo, req.request.sampling.prompt_logprobs, req.request.sampling.logprobs) == (True, 1, 1)
     reply = Reply(req, "r", "m", created=1, echo=["Hi you"])
     chunk = reply.add(resp)
     assert chunk["choices"][0]["text"] == "Hi you!"
-    assert chunk["choices"][0]["logprobs"] == {
+    want = {
         "tokens": ["Hi", " you", "!"], "token_logprobs": [None, -3.0, -1.5],
         "top_logprobs": [None, {" there": -1.0}, {"!": -1.5}], "text_offset": [0, 2, 6],
     }  # fmt: skip
-    assert reply.final()["choices"][0]["text"] == "Hi you!"
+    assert chunk["choices"][0]["logprobs"] == want
+    out = whole(parse(**body), [resp], echo=["Hi you"])["choices"][0]
+    assert (out["text"], out["logprobs"]) == ("Hi you!", want)
     assert not parse(prompt="Hi", echo=True).request.sampling.HasField("prompt_logprobs")  # (text only)
-    plain = Reply(parse(prompt="Hi", echo=True), "r", "m", created=1, echo=["Hi"])
+    plain = Reply(parse(prompt="Hi", echo=True, stream=True), "r", "m", created=1, echo=["Hi"])
     assert plain.add(generation_pb2.GenerateResponse(token_ids=[9], text="!"))["choices"][0]["text"] == "Hi!"
 
 
@@ -521,16 +534,17 @@ def test_prompt_logprobs_as_vllm_shows_them():
     assert req.request.sampling.prompt_logprobs == 2 and not req.request.sampling.HasField("logprobs")
     want = [None, {"2": {"logprob": -3.0, "rank": 2, "decoded_token": " you"},
                    "5": {"logprob": -1.0, "rank": 1, "decoded_token": " there"}}]  # fmt: skip
-    stream = Reply(req, "r", "m", created=1)
+    stream = Reply(parse(prompt=[1, 2], prompt_logprobs=2, stream=True), "r", "m", created=1)
     assert stream.add(resp)["choices"][0]["prompt_logprobs"] == want
-    assert stream.final()["choices"][0]["prompt_logprobs"] == want
-    assert stream.final()["choices"][0]["logprobs"] is None and stream.final()["choices"][0]["text"] == "!"
-    assert "prompt_logprobs" not in Reply(parse(prompt="q"), "r", "m", created=1).final()["choices"][0]
+    out = whole(req, [resp])["choices"][0]
+    assert (out["prompt_logprobs"], out["logprobs"], out["text"]) == (want, None, "!")
+    assert "prompt_logprobs" not in whole(parse(prompt="q"), [resp])["choices"][0]
 
 
 def test_choices_of_a_prompt_list_are_numbered_prompt_times_n_plus_index():
-    reply = Reply(parse(prompt=["a", "b"], n=2, logprobs=1), "r", "m", created=1)
+    reply = Reply(parse(prompt=["a", "b"], n=2, logprobs=1, stream=True), "r", "m", created=1)
     lp = _lp(9, "!", -1.5, [(9, "!", -1.5)])
+    resps, prompts = [], []
     for prompt, index, text, completion in ((1, 1, "D", 3), (0, 0, "A", 1), (1, 0, "C", 2), (0, 1, "B", 4)):
         resp = generation_pb2.GenerateResponse(index=index, token_ids=[9], text=text, logprobs=[lp],
                                                finish_reason="length")  # fmt: skip
@@ -538,8 +552,10 @@ def test_choices_of_a_prompt_list_are_numbered_prompt_times_n_plus_index():
         resp.usage.cached_tokens = 4 if index == 0 else 0
         chunk = reply.add(resp, prompt)
         assert chunk["choices"][0]["index"] == prompt * 2 + index and chunk["choices"][0]["text"] == text
+        resps.append(resp)
+        prompts.append(prompt)
     reply.check_complete()
-    out = reply.final()
+    out = whole(parse(prompt=["a", "b"], n=2, logprobs=1), resps, prompts)
     assert [(c["index"], c["text"]) for c in out["choices"]] == [(0, "A"), (1, "B"), (2, "C"), (3, "D")]
     assert out["usage"] == {"prompt_tokens": 11, "completion_tokens": 10, "total_tokens": 21,
                             "prompt_tokens_details": {"cached_tokens": 8}}  # fmt: skip
@@ -555,3 +571,44 @@ def test_a_choice_out_of_range_or_missing_is_data_loss():
     with pytest.raises(RouteError) as e:
         reply.check_complete()
     assert e.value.code == grpc.StatusCode.DATA_LOSS and "without choice 1 of 2" in e.value.message
+
+
+def test_a_long_whole_answer_is_the_json_of_every_response():
+    lps = [_lp(9 + i % 7, f"é{i}", -0.5 - i, [(3, "?", -0.25)]) for i in range(700)]  # past 2 x JOIN_EVERY
+    resps = [generation_pb2.GenerateResponse(token_ids=[9], text=f"é{i}\n", logprobs=[lp]) for i, lp in enumerate(lps)]
+    resps.append(generation_pb2.GenerateResponse(finish_reason="stop", usage=common_pb2.Usage(completion_tokens=700)))
+    text = "".join(f"é{i}\n" for i in range(700))
+    out = whole(parse(prompt="q", logprobs=1), resps)
+    assert out["choices"][0]["text"] == text and out["choices"][0]["finish_reason"] == "stop"
+    assert out["choices"][0]["logprobs"] == {
+        "tokens": [lp.token for lp in lps],
+        "token_logprobs": [lp.logprob for lp in lps],
+        "top_logprobs": [{"?": -0.25}] * 700,
+        "text_offset": [sum(len(x.token) for x in lps[:i]) for i in range(700)],
+    }
+    messages = [{"role": "user", "content": "q"}]
+    out = whole(parse(chat=True, messages=messages, logprobs=True, top_logprobs=1), resps)
+    assert out["choices"][0]["message"] == {"role": "assistant", "content": text}
+    assert [e["token"] for e in out["choices"][0]["logprobs"]["content"]] == [lp.token for lp in lps]
+
+
+def test_a_whole_answer_past_max_bytes_is_invalid_argument_naming_the_limit():
+    reply = Reply(parse(prompt="q"), "r", "m", created=1, max_bytes=100)
+    for _ in range(10):  # 10 x 10 bytes: at the limit, not past it
+        reply.add(generation_pb2.GenerateResponse(token_ids=[9], text="abcdefghij"))
+    with pytest.raises(RouteError) as e:
+        reply.add(generation_pb2.GenerateResponse(token_ids=[9], text="k"))
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.message == (
+        'the answer exceeds --max-answer-bytes (100 bytes) of a non-streamed answer; ask for it with "stream": true'
+    )
+    # prompt logprobs count once for every choice that shows them
+    entry = common_pb2.TokenLogprob(token_id=2, token="ab", logprob=-1.0, rank=1)  # 58 bytes of JSON, and ", "
+    one = Reply(parse(prompt=[1, 2], prompt_logprobs=1), "r", "m", created=1, max_bytes=100)
+    one.add(generation_pb2.GenerateResponse(token_ids=[9], prompt_logprobs=[entry]))  # 60 bytes
+    two = Reply(parse(prompt=[1, 2], prompt_logprobs=1, n=2), "r", "m", created=1, max_bytes=100)
+    with pytest.raises(RouteError):
+        two.add(generation_pb2.GenerateResponse(token_ids=[9], prompt_logprobs=[entry]))  # 2 x 60 bytes
+    stream = Reply(parse(prompt="q", stream=True), "r", "m", created=1, max_bytes=100)
+    for _ in range(100):  # (a stream keeps nothing: no limit)
+        assert stream.add(generation_pb2.GenerateResponse(token_ids=[9], text="abcdefghij")) is not None

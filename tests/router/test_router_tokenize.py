@@ -15,7 +15,7 @@ import common
 import kvbridge
 from engine.tokenizer import CHATML_TEMPLATE, Tokenizer
 from kvbridge.v1 import common_pb2
-from serving.convert import prompt_ids
+from serving.convert import TRIM_AFTER_TOKENS, encode, prompt_ids
 from tests.router import fakes
 from tests.router.fakes import wait_until
 
@@ -119,12 +119,48 @@ def test_add_special_tokens_false_leaves_out_the_bos(fleet, handed_out):
     assert text_of(router, [bos, *byte_level.encode("hi")]) == "<|endoftext|>hi"  # special tokens are kept
 
 
+@pytest.mark.parametrize("add_bos", [False, True])
+def test_the_adapters_encode_gives_the_tokenizers_own_ids(add_bos):
+    """serving/convert.py encode (the tokenizers library's batch call: it lets go of the GIL) against
+    Tokenizer.encode (its single call), with and without a BOS, past TRIM_AFTER_TOKENS too."""
+    tok = Tokenizer(fakes.TOKENIZER.backend, CHATML_TEMPLATE, "<|endoftext|>", "<|im_end|>", add_bos=add_bos)
+    long = "".join(TEXTS) * 3000  # ~250,000 ids
+    assert len(tok.encode(long)) > TRIM_AFTER_TOKENS
+    for text in [*TEXTS, "<|endoftext|>starts with the BOS", long]:
+        for special in (True, False):
+            assert encode(tok, text, special) == tok.encode(text, add_special_tokens=special)
+
+
 def test_a_long_prompt_is_tokenized_whole(fleet):
-    router, _ = fleet(colocated=1, kv_events=True)
+    router, _ = fleet(colocated=1, kv_events=True, max_context=1 << 14)  # prompts up to 512 KiB
     text = "the quick brown fox " * 20_000  # 400 KB (its ids as JSON: about 2 MB)
     status, answer = call(router, "POST", "/tokenize", {"prompt": text})
-    assert (status, answer["count"], answer["max_model_len"]) == (200, len(text), 64)  # (one id per byte)
+    assert (status, answer["count"], answer["max_model_len"]) == (200, len(text), 1 << 14)  # (one id per byte)
     assert text_of(router, answer["tokens"]) == text
+
+
+@pytest.mark.parametrize("special", [True, False])
+def test_a_text_that_cannot_fit_the_context_by_its_bytes_is_not_tokenized(fleet, special):
+    router, _ = fleet(colocated=1, kv_events=True)  # a context of 64 tokens: prompts up to 64 x 32 bytes
+    assert call(router, "POST", "/tokenize", {"prompt": "x" * 2048, "add_special_tokens": special})[0] == 200
+    status, answer = call(router, "POST", "/tokenize", {"prompt": "x" * 2049, "add_special_tokens": special})
+    message = "prompt.text has 2049 bytes; a prompt that fits the context of 64 tokens has at most 2048"
+    assert (status, answer) == (400, error(message, "prompt"))
+
+
+def test_a_chat_that_cannot_fit_the_context_by_its_bytes_or_its_rendered_bytes_is_not_tokenized(fleet):
+    router, _ = fleet(colocated=1, kv_events=True)  # prompts up to 2048 bytes, as sent and as rendered
+    empty = {"role": "user", "content": ""}  # 4 bytes; rendered by the fakes' ChatML template: 28
+    status, answer = call(router, "POST", "/tokenize", {"messages": [empty] * 600})
+    message = "prompt.chat has 2400 bytes; a prompt that fits the context of 64 tokens has at most 2048"
+    assert (status, answer) == (400, error(message, "messages"))
+    status, answer = call(router, "POST", "/tokenize", {"messages": [empty] * 100})  # 100 x 28 + the reply's 22
+    message = (
+        "prompt.chat renders to 2822 bytes through the chat template; a prompt that fits the context of 64 "
+        "tokens has at most 2048"
+    )
+    assert (status, answer) == (400, error(message, "messages"))
+    assert len(tokens(router, {"messages": [empty] * 72})) == 72 * 8 + 11  # (2038 bytes rendered: tokenized)
 
 
 # ---------------------------------------------------------------- refusals
