@@ -219,11 +219,24 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
-BENCHES = ("engine", "consensus", "pp", "kv_transfer", "soak", "serve", "prefix", "sampling", "choices")
+BENCHES = (
+    "engine", "consensus", "pp", "kv_transfer", "soak", "serve", "prefix", "sampling", "choices", "hostile_sampling",
+)  # fmt: skip
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from kvbridge.bench import choices, consensus, engine, kv_transfer, pp, prefix, sampling, serve, soak  # (torch)
+    from kvbridge.bench import (
+        choices,
+        consensus,
+        engine,
+        hostile_sampling,
+        kv_transfer,
+        pp,
+        prefix,
+        sampling,
+        serve,
+        soak,
+    )
 
     mains = {
         "engine": engine,
@@ -235,6 +248,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "prefix": prefix,
         "sampling": sampling,
         "choices": choices,
+        "hostile_sampling": hostile_sampling,
     }
     return mains[args.name].main(args.rest)
 
