@@ -39,7 +39,7 @@ def test_the_trie_bans_what_a_scan_of_every_word_bans(words, outputs, vocab):
 
 
 def test_the_walk_reads_at_most_the_longest_head_of_the_outputs():
-    words = tuple((7,) * n + (9,) for n in range(1, 6)) + ((3, 4),)  # heads of up to 5 tokens
+    words = (*((7,) * n + (9,) for n in range(1, 6)), (3, 4))  # heads of up to 5 tokens
     read = []
 
     def newest_first():
