@@ -160,22 +160,24 @@ def process(logits: torch.Tensor, requests: list[Request], eos_token_ids: tuple[
     if not rows:
         return logits
     logits = logits.clone()  # (the model's output may be an inference-mode tensor: no in-place writes)
-    vocab = logits.shape[-1]
     for i, req in rows:
         p, row = req.params, logits[i]
         if req.controls is None:
-            req.controls = Controls(p, eos_token_ids, vocab)
+            req.controls = Controls(p, eos_token_ids, row)
         c = req.controls
         if req.grammar is not None:
             req.grammar.mask(row)
         if c.disallowed is not None:
-            row.masked_fill_(c.disallowed.to(row.device), float("-inf"))
+            row.masked_fill_(c.disallowed, float("-inf"))
         if c.bias_ids is not None:
-            row.index_add_(0, c.bias_ids.to(row.device), c.bias_values.to(row.device, row.dtype))
-        banned = c.bad_words.banned(_recent(req)) if c.bad_words is not None else []
-        if req.num_sampled < p.min_tokens:
-            banned += c.held_back
-        if banned:
+            row.index_add_(0, c.bias_ids, c.bias_values)
+        bans = []
+        if c.bad_words is not None and (words := c.bad_words.banned(_recent(req))):
+            bans.append(torch.tensor(words, dtype=torch.long, device=row.device))
+        if c.held_back is not None and req.num_sampled < p.min_tokens:
+            bans.append(c.held_back)
+        if bans:
+            banned = torch.cat(bans)
             kept = row[banned].clone()
             row[banned] = float("-inf")
             if not torch.isfinite(row).any():  # they leave nothing (e.g. the grammar allows only EOS): undone
@@ -188,19 +190,23 @@ def process(logits: torch.Tensor, requests: list[Request], eos_token_ids: tuple[
 class Controls:
     """A request's masks as the sampling rank applies them, built once (its first step there), so a
     step's work does not grow with the sizes the client chose: `disallowed` ([vocab] bool: the ids
-    outside allowed_token_ids), logit_bias as ids and values, the stop tokens min_tokens holds back,
-    and bad_words as a trie (BadWords). Ids outside the vocabulary are dropped (a node refuses them
-    in allowed_token_ids and logit_bias; stop_token_ids come unchecked)."""
+    outside allowed_token_ids), logit_bias as ids and values, the stop tokens min_tokens holds back
+    (ids), and bad_words as a trie (BadWords); tensors on the device and in the dtype of `row` (a
+    row of the request's logits). Ids outside the vocabulary are dropped (a node refuses them in
+    allowed_token_ids and logit_bias; stop_token_ids come unchecked)."""
 
-    def __init__(self, p: SamplingParams, eos_token_ids: tuple[int, ...], vocab: int):
+    def __init__(self, p: SamplingParams, eos_token_ids: tuple[int, ...], row: torch.Tensor):
+        vocab, device = row.shape[-1], row.device
         self.disallowed: torch.Tensor | None = None
         if p.allowed_token_ids:
             self.disallowed = torch.ones(vocab, dtype=torch.bool)
             self.disallowed[[t for t in p.allowed_token_ids if t < vocab]] = False
+            self.disallowed = self.disallowed.to(device)
         biased = [(t, b) for t, b in p.logit_bias if t < vocab]
-        self.bias_ids = torch.tensor([t for t, _ in biased], dtype=torch.long) if biased else None
-        self.bias_values = torch.tensor([b for _, b in biased]) if biased else None
-        self.held_back = held_back_ids(p, eos_token_ids, vocab)
+        self.bias_ids = torch.tensor([t for t, _ in biased], dtype=torch.long, device=device) if biased else None
+        self.bias_values = torch.tensor([b for _, b in biased], dtype=row.dtype, device=device) if biased else None
+        held = held_back_ids(p, eos_token_ids, vocab)
+        self.held_back = torch.tensor(held, dtype=torch.long, device=device) if held else None
         self.bad_words = BadWords(p.bad_words_ids, vocab) if p.bad_words_ids else None
 
 
