@@ -199,8 +199,8 @@ class Controls:
         vocab, device = row.shape[-1], row.device
         self.disallowed: torch.Tensor | None = None
         if p.allowed_token_ids:
-            self.disallowed = torch.ones(vocab, dtype=torch.bool)
-            self.disallowed[[t for t in p.allowed_token_ids if t < vocab]] = False
+            allowed = torch.tensor(p.allowed_token_ids, dtype=torch.long)
+            self.disallowed = torch.ones(vocab, dtype=torch.bool).index_fill_(0, allowed[allowed < vocab], False)
             self.disallowed = self.disallowed.to(device)
         biased = [(t, b) for t, b in p.logit_bias if t < vocab]
         self.bias_ids = torch.tensor([t for t, _ in biased], dtype=torch.long, device=device) if biased else None

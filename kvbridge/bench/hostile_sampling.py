@@ -1,27 +1,28 @@
 """What one client's largest sampling controls cost everyone else: inter-token latency (ITL) of
-normal streams alone, then beside a client that sends the largest stop strings, bad words,
-logit_bias, allowed_token_ids and stop_token_ids the limits allow (common/sampling.py), again and
-again; on one colocated node, side by side in one run.
+normal streams alone, beside a client sending plain sampled requests, and beside a client that
+sends the largest stop strings, bad words, logit_bias, allowed_token_ids and stop_token_ids the
+limits allow (common/sampling.py), again and again; on one colocated node, in one run.
 
     kvbridge bench hostile_sampling [--model smollm2-135m-instruct] [--streams 8] [--tokens 64]
         [--hostile 1] [--hostile-tokens 32] [--repeats 2]
 
 Each run sends --streams greedy streams at once (--prompt-tokens seeded random ids, ignore_eos,
---tokens tokens each, gRPC Generate straight to the node) and times the gaps between each
-stream's responses, per token (a response carrying k tokens counts its gap k times, divided by k).
-"quiet" runs the streams alone; "hostile" runs them while --hostile clients each send requests of
-`at_the_limits` (every size at its limit, --hostile-tokens tokens, sampled) back to back: the
-streams start once a first one is through, and the clients stop when the streams end. The runs
-alternate, --repeats times, after one uncounted warm-up of each. One JSON line per run kind (ITL
-p50/p99/max in ms over every gap of its runs, tokens and gaps counted exactly, the hostile
-requests completed), then a summary with the ratios hostile / quiet (issue 25's bound: p99 within
-1.5x). Progress on stderr.
+--tokens tokens each, gRPC Generate straight to the node) and times the gap before each of their
+tokens but the first. Run kinds: "quiet", the streams alone; "plain", beside --hostile clients
+each sending requests of --hostile-tokens sampled tokens back to back; "hostile", the same with
+every size of `at_the_limits` at its limit. The streams start once a client's first request is
+through, and the clients stop when the streams end. The kinds alternate, --repeats times, after
+one uncounted warm-up of each. One JSON line per kind (ITL p50/p99/max in ms over every gap of its
+runs, tokens and gaps counted exactly, the clients' requests), then a summary: hostile over quiet
+(issue 25's bound: p99 within 1.5x) and over plain (what the sizes cost beyond one more sampled
+request). Progress on stderr.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import statistics
 import sys
@@ -31,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from common import rpc
+from common import logs, rpc
 from common.progress import Progress
 from common.sampling import (
     MAX_ALLOWED_TOKEN_IDS,
@@ -49,7 +50,7 @@ from kvbridge.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from serving.config import NodeConfig
 
 SEED = 1234
-KINDS = ("quiet", "hostile")
+KINDS = ("quiet", "plain", "hostile")
 
 
 def at_the_limits(vocab: int, max_new_tokens: int, seed: int = 0) -> common_pb2.SamplingParams:
@@ -95,8 +96,8 @@ def stream(stub, prompt: list[int], tokens: int) -> tuple[list[float], int]:
     return gaps, got
 
 
-class Hostile:
-    """--hostile clients, each sending at_the_limits requests back to back until stop()."""
+class Client:
+    """--hostile clients beside the streams, each sending requests of `params` back to back until stop()."""
 
     def __init__(self, stub, prompt: list[int], params: common_pb2.SamplingParams, clients: int):
         self.stub, self.prompt, self.params = stub, prompt, params
@@ -129,7 +130,7 @@ class Hostile:
             t.join()
 
 
-def run(stub, prompts: list[list[int]], tokens: int, hostile: Hostile | None) -> dict:
+def run(stub, prompts: list[list[int]], tokens: int) -> dict:
     """The streams at once: every gap, and the tokens of each."""
     with ThreadPoolExecutor(len(prompts)) as pool:
         results = list(pool.map(lambda p: stream(stub, p, tokens), prompts))
@@ -141,9 +142,9 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered)) - 1))]
 
 
-def row_of(kind: str, runs: list[dict], header: dict, hostile: dict | None) -> dict:
+def row_of(kind: str, runs: list[dict], header: dict, client: dict) -> dict:
     gaps = [g for r in runs for g in r["gaps"]]
-    row = {
+    return {
         **header,
         "run": kind,
         "runs": len(runs),
@@ -152,10 +153,54 @@ def row_of(kind: str, runs: list[dict], header: dict, hostile: dict | None) -> d
         "itl_p50_ms": round(1e3 * statistics.median(gaps), 3),
         "itl_p99_ms": round(1e3 * percentile(gaps, 0.99), 3),
         "itl_max_ms": round(1e3 * max(gaps), 3),
+        **client,
     }
-    if hostile is not None:
-        row |= hostile
-    return row
+
+
+def sizes_of(params: common_pb2.SamplingParams) -> dict:
+    return {
+        "stop": [len(params.stop), sum(map(len, params.stop))],
+        "bad_words": [len(params.bad_words), sum(map(len, params.bad_words))],
+        "logit_bias": len(params.logit_bias),
+        "allowed_token_ids": len(params.allowed_token_ids),
+        "stop_token_ids": len(params.stop_token_ids),
+    }
+
+
+def measure(args: argparse.Namespace, node) -> tuple[dict[str, list[dict]], dict[str, dict], common_pb2.SamplingParams]:
+    """Every run of each kind: (runs by kind, the clients' requests, tokens and errors by kind, the
+    hostile params)."""
+    stub = generation_pb2_grpc.GenerationStub(rpc.make_channel(node.address))
+    # ids both the tokenizer's and the logits' (a model may pad its logits past its tokenizer)
+    vocab = min(node.node.front.tokenizer.vocab_size, node.node.ranks.model.config.vocab_size)
+    rng = random.Random(SEED)
+    prompts = [[rng.randrange(min(100, vocab // 4), vocab) for _ in range(args.prompt_tokens)]
+               for _ in range(args.streams + 1)]  # fmt: skip
+    hostile = at_the_limits(vocab, args.hostile_tokens, SEED)
+    plain = common_pb2.SamplingParams(max_new_tokens=args.hostile_tokens, temperature=1.0, seed=SEED, ignore_eos=True)
+    params = {"plain": plain, "hostile": hostile}
+    runs: dict[str, list[dict]] = {k: [] for k in KINDS}
+    clients = {k: {"client_requests": 0, "client_tokens": 0, "client_errors": []} for k in params}
+    with Progress("bench hostile_sampling", (args.repeats + 1) * len(KINDS)) as bar:
+        for i in range(args.repeats + 1):  # the first round warms up, uncounted
+            for kind in KINDS:
+                client = Client(stub, prompts[-1], params[kind], args.hostile) if kind in params else None
+                try:
+                    if client is not None:
+                        client.wait_first()
+                    result = run(stub, prompts[: args.streams], args.tokens)
+                finally:
+                    if client is not None:
+                        client.stop()
+                if i:
+                    runs[kind].append(result)
+                if i and client is not None:
+                    c = clients[kind]
+                    c["client_requests"] += client.done
+                    c["client_tokens"] += client.tokens
+                    c["client_errors"] = sorted(set(c["client_errors"] + client.errors))
+                bar.advance()
+    return runs, clients, hostile
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -164,8 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--streams", type=int, default=8, help="normal greedy streams at once")
     ap.add_argument("--tokens", type=int, default=64, help="tokens of each normal stream")
     ap.add_argument("--prompt-tokens", type=int, default=32)
-    ap.add_argument("--hostile", type=int, default=1, help="hostile clients, each one request at a time")
-    ap.add_argument("--hostile-tokens", type=int, default=32, help="tokens of each hostile request")
+    ap.add_argument("--hostile", type=int, default=1, help="clients beside the streams, each one request at a time")
+    ap.add_argument("--hostile-tokens", type=int, default=32, help="tokens of each of their requests")
     ap.add_argument("--repeats", type=int, default=2, help="runs of each kind (after one warm-up of each)")
     args = ap.parse_args(argv)
     for name, lo, hi in (("streams", 1, 64), ("tokens", 2, 1 << 16), ("prompt_tokens", 1, 1 << 14),
@@ -175,56 +220,29 @@ def main(argv: list[str] | None = None) -> int:
             print(f"kvbridge bench hostile_sampling: error: {flag} must be in [{lo}, {hi}], got {getattr(args, name)}",
                   file=sys.stderr)  # fmt: skip
             return 2
+    logs.setup("warning")  # (the node's warnings and errors in logfmt; not a line per request phase)
     node = start_node("colocated", NodeConfig(EngineConfig(model=args.model), PPConfig()), progress=True)
     try:
-        stub = generation_pb2_grpc.GenerationStub(rpc.make_channel(node.address))
-        # ids both the tokenizer's and the logits' (a model may pad its logits past its tokenizer)
-        vocab = min(node.node.front.tokenizer.vocab_size, node.node.ranks.model.config.vocab_size)
-        rng = random.Random(SEED)
-        prompts = [[rng.randrange(min(100, vocab // 4), vocab) for _ in range(args.prompt_tokens)]
-                   for _ in range(args.streams + 1)]  # fmt: skip
-        params = at_the_limits(vocab, args.hostile_tokens, SEED)
-        runs: dict[str, list[dict]] = {k: [] for k in KINDS}
-        done = tokens = 0
-        errors: list[str] = []
-        with Progress("bench hostile_sampling", (args.repeats + 1) * len(KINDS)) as bar:
-            for i in range(args.repeats + 1):  # the first round warms up, uncounted
-                for kind in KINDS:
-                    hostile = Hostile(stub, prompts[-1], params, args.hostile) if kind == "hostile" else None
-                    try:
-                        if hostile is not None:
-                            hostile.wait_first()
-                        result = run(stub, prompts[: args.streams], args.tokens, hostile)
-                    finally:
-                        if hostile is not None:
-                            hostile.stop()
-                    if i and hostile is not None:
-                        done, tokens, errors = done + hostile.done, tokens + hostile.tokens, errors + hostile.errors
-                    if i:
-                        runs[kind].append(result)
-                    bar.advance()
+        runs, clients, hostile = measure(args, node)
     finally:
         node.stop()
     header = {"bench": "hostile_sampling", "model": args.model, "streams": args.streams, "tokens": args.tokens,
-              "prompt_tokens": args.prompt_tokens, "repeats": args.repeats}  # fmt: skip
-    limits = {
-        "stop": [len(params.stop), sum(map(len, params.stop))],
-        "bad_words": [len(params.bad_words), sum(map(len, params.bad_words))],
-        "logit_bias": len(params.logit_bias),
-        "allowed_token_ids": len(params.allowed_token_ids),
-        "stop_token_ids": len(params.stop_token_ids),
+              "prompt_tokens": args.prompt_tokens, "repeats": args.repeats, "clients": args.hostile}  # fmt: skip
+    rows = {
+        "quiet": row_of("quiet", runs["quiet"], header, {}),
+        "plain": row_of("plain", runs["plain"], header, clients["plain"]),
+        "hostile": row_of("hostile", runs["hostile"], header, clients["hostile"] | {"sizes": sizes_of(hostile)}),
     }
-    hostile_info = {"hostile_clients": args.hostile, "hostile_requests": done, "hostile_tokens": tokens,
-                    "hostile_errors": sorted(set(errors)), "hostile_sizes": limits}  # fmt: skip
-    quiet, loud = row_of("quiet", runs["quiet"], header, None), row_of("hostile", runs["hostile"], header, hostile_info)
-    print(json.dumps(quiet))
-    print(json.dumps(loud))
-    summary = {**header, "summary": True, "ratio_of": "hostile/quiet"}
-    for stat in ("itl_p50_ms", "itl_p99_ms", "itl_max_ms"):
-        summary[stat.replace("_ms", "_ratio")] = round(loud[stat] / quiet[stat], 3) if quiet[stat] else None
-    summary["p99_within_1_5x"] = summary["itl_p99_ratio"] is not None and summary["itl_p99_ratio"] <= 1.5
+    for row in rows.values():
+        print(json.dumps(row))
+    summary = {**header, "summary": True}
+    for over in ("quiet", "plain"):
+        for stat in ("itl_p50_ms", "itl_p99_ms", "itl_max_ms"):
+            base = rows[over][stat]
+            summary[f"hostile_over_{over}_{stat[:-3]}"] = round(rows["hostile"][stat] / base, 3) if base else None
+    summary["p99_within_1_5x"] = (summary["hostile_over_quiet_itl_p99"] or math.inf) <= 1.5
     print(json.dumps(summary))
-    return 0 if not errors else 1
+    return 0 if not any(c["client_errors"] for c in clients.values()) else 1
 
 
 if __name__ == "__main__":

@@ -21,36 +21,41 @@ from common.sampling import (
 from kvbridge import cli
 from kvbridge.bench import hostile_sampling
 
-RUN_KEYS = {"bench", "model", "streams", "tokens", "prompt_tokens", "repeats", "run", "runs", "stream_tokens", "gaps",
-            "itl_p50_ms", "itl_p99_ms", "itl_max_ms"}  # fmt: skip
-HOSTILE_KEYS = {"hostile_clients", "hostile_requests", "hostile_tokens", "hostile_errors", "hostile_sizes"}
+RUN_KEYS = {"bench", "model", "streams", "tokens", "prompt_tokens", "repeats", "clients", "run", "runs",
+            "stream_tokens", "gaps", "itl_p50_ms", "itl_p99_ms", "itl_max_ms"}  # fmt: skip
+CLIENT_KEYS = {"client_requests", "client_tokens", "client_errors"}
 
 
-def test_quiet_and_hostile_runs_on_tiny_random(capsys):
+def test_quiet_plain_and_hostile_runs_on_tiny_random(capsys):
     argv = ["--model", "tiny-random", "--streams", "3", "--tokens", "6", "--hostile-tokens", "4", "--repeats", "2"]
     assert hostile_sampling.main(argv) == 0
-    quiet, hostile, summary = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert set(quiet) == RUN_KEYS and set(hostile) == RUN_KEYS | HOSTILE_KEYS
-    for row, kind in ((quiet, "quiet"), (hostile, "hostile")):
+    quiet, plain, hostile, summary = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert (set(quiet), set(plain), set(hostile)) == (
+        RUN_KEYS,
+        RUN_KEYS | CLIENT_KEYS,
+        RUN_KEYS | CLIENT_KEYS | {"sizes"},
+    )
+    for row, kind in ((quiet, "quiet"), (plain, "plain"), (hostile, "hostile")):
         assert (row["bench"], row["model"], row["run"], row["runs"]) == ("hostile_sampling", "tiny-random", kind, 2)
         assert (row["stream_tokens"], row["gaps"]) == (
             2 * 3 * 6,
             2 * 3 * 5,
         )  # every token; a gap before each but the first
         assert 0 <= row["itl_p50_ms"] <= row["itl_p99_ms"] <= row["itl_max_ms"]
-    # at least one hostile request a counted run (the streams wait for the first), each its 4 tokens, none refused
-    assert hostile["hostile_requests"] >= 2 and hostile["hostile_tokens"] == 4 * hostile["hostile_requests"]
-    assert hostile["hostile_errors"] == [] and hostile["hostile_clients"] == 1
-    assert hostile["hostile_sizes"] == {
+    for row in (plain, hostile):  # at least one request a counted run (the streams wait for it), each its 4 tokens
+        assert row["client_requests"] >= 2 and row["client_tokens"] == 4 * row["client_requests"]
+        assert row["client_errors"] == [] and row["clients"] == 1
+    assert hostile["sizes"] == {
         "stop": [MAX_STOP_STRINGS, MAX_STOP_CHARS],
         "bad_words": [MAX_BAD_WORDS, MAX_BAD_WORDS_CHARS],
         "logit_bias": 259,  # tiny-random's text vocabulary: 256 bytes and 3 special tokens
         "allowed_token_ids": MAX_ALLOWED_TOKEN_IDS,
         "stop_token_ids": MAX_STOP_TOKEN_IDS,
     }
-    assert summary["summary"] is True and summary["ratio_of"] == "hostile/quiet"
-    assert summary["itl_p99_ratio"] == round(hostile["itl_p99_ms"] / quiet["itl_p99_ms"], 3)
-    assert summary["p99_within_1_5x"] == (summary["itl_p99_ratio"] <= 1.5)
+    assert summary["summary"] is True
+    assert summary["hostile_over_quiet_itl_p99"] == round(hostile["itl_p99_ms"] / quiet["itl_p99_ms"], 3)
+    assert summary["hostile_over_plain_itl_p50"] == round(hostile["itl_p50_ms"] / plain["itl_p50_ms"], 3)
+    assert summary["p99_within_1_5x"] == (summary["hostile_over_quiet_itl_p99"] <= 1.5)
 
 
 def test_the_hostile_request_is_at_every_limit_and_passes_them():
