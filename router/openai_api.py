@@ -35,7 +35,7 @@ from common.sampling import MAX_CHOICES
 from kvbridge.v1 import common_pb2, generation_pb2
 from router.checks import check_cache_salt, check_prompt
 from router.openai_fields import BadRequest, chat_options, check_sampling, flag, sampling_controls, show
-from router.openai_fields import text as _text
+from router.openai_fields import utf8_text as _text
 
 __all__ = ["BadRequest", "OpenAIRequest", "error_body", "parse_request"]
 _show = show  # (router/tokenize.py's name for it)

@@ -28,7 +28,7 @@ class BadRequest(ValueError):
         self.param = param
 
 
-def text(v: str, name: str, param: str | None = None) -> str:
+def utf8_text(v: str, name: str, param: str | None = None) -> str:
     """A string bound for a protobuf field: it must be encodable as UTF-8 (JSON can carry lone surrogates)."""
     try:
         v.encode("utf-8")
@@ -118,7 +118,7 @@ def _strings(body: dict, name: str) -> list[str]:
         return []
     if not isinstance(v, list) or not all(isinstance(s, str) and s.strip() for s in v):
         raise BadRequest(f"{name} must be a list of non-empty strings, got {show(v)}", name)
-    return [text(s, f"{name}[{i}]", name) for i, s in enumerate(v)]
+    return [utf8_text(s, f"{name}[{i}]", name) for i, s in enumerate(v)]
 
 
 def _allowed(body: dict) -> list[int]:
