@@ -6,18 +6,98 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 from kvbridge.v1 import common_pb2
 
 # Smallest non-greedy temperature: the sampler divides the logits by it, and below this a large
 # logit overflows float32 (inf, then NaN probabilities). 0 is greedy.
 MIN_TEMPERATURE = 1e-5
-MAX_STOP_STRINGS = 16  # a stop string is searched for in every token's new text
 MAX_TOP_LOGPROBS = 20  # alternatives returned per position (OpenAI's limit)
-MAX_BAD_WORDS = 128
-MAX_LOGIT_BIAS = 1024  # entries (OpenAI allows 300)
 MAX_SCHEMA_CHARS = 64 * 1024
 MAX_CHOICES = 16  # n: completions of one prompt, sampled apart and sharing its pages
+
+# The sizes a client chooses (`check_sizes`), refused before anything is built from them: at the
+# router, and at each node (from_proto checks the wire's counts before it copies them). The work a
+# token costs does not grow with them (stop strings: one automaton step a character, engine/detok.py;
+# bad words: a trie walk as deep as the longest word, masks built once a request, engine/logits.py);
+# they bound what a request costs to check and to set up. Real clients stay far below (OpenAI allows
+# 4 stop strings and 300 logit_bias entries).
+MAX_STOP_STRINGS = 16  # stop strings of a request
+MAX_STOP_STRING_CHARS = 1024  # one stop string
+MAX_STOP_CHARS = 4096  # all of a request's stop strings together
+MAX_STOP_TOKEN_IDS = 1024
+MAX_BAD_WORDS = 128  # bad_words of a request
+MAX_BAD_WORD_CHARS = 128  # one bad word
+MAX_BAD_WORDS_CHARS = 2048  # all of a request's bad words together
+# bad_words as the node's tokenizer encodes them (each word alone and after a space): a byte-level
+# tokenizer (one token a UTF-8 byte, 4 a character) never reaches these
+MAX_BAD_WORD_TOKENS = 4 * MAX_BAD_WORD_CHARS + 2  # one token sequence (the banned-token walk's depth)
+MAX_BAD_WORDS_TOKENS = 2 * (4 * MAX_BAD_WORDS_CHARS + 2 * MAX_BAD_WORDS)  # all of them
+MAX_LOGIT_BIAS = 1024  # logit_bias entries
+MAX_ALLOWED_TOKEN_IDS = 65536  # allowed_token_ids (duplicates count)
+
+
+class SamplingError(ValueError):
+    """A bad sampling field: `field` is its name in SamplingParams (and on the wire), `problem` the
+    message without the "sampling." a node's status puts before it (from_proto)."""
+
+    def __init__(self, field: str, problem: str, prefix: str = ""):
+        super().__init__(prefix + problem)
+        self.field, self.problem = field, problem
+
+
+def _utf8_problem(name: str, texts) -> str:
+    """Why a text of `texts` cannot be sent as UTF-8 ("" when all can): JSON may carry lone surrogates."""
+    for i, text in enumerate(texts):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            return f"{name}[{i}] is not valid Unicode: unpaired surrogate {text[e.start]!r} at index {e.start}"
+    return ""
+
+
+def check_sizes(stop=(), stop_token_ids=(), bad_words=(), logit_bias=(), allowed_token_ids=()) -> None:
+    """The sizes a client chose, within the limits above: SamplingError naming the field and the
+    limit. Takes the wire's containers as well as tuples: counts come first (len only), then the
+    lengths of at most MAX_STOP_STRINGS and MAX_BAD_WORDS strings."""
+    counts = (
+        ("stop", stop, "strings", MAX_STOP_STRINGS),
+        ("stop_token_ids", stop_token_ids, "ids", MAX_STOP_TOKEN_IDS),
+        ("bad_words", bad_words, "words", MAX_BAD_WORDS),
+        ("logit_bias", logit_bias, "entries", MAX_LOGIT_BIAS),
+        ("allowed_token_ids", allowed_token_ids, "ids", MAX_ALLOWED_TOKEN_IDS),
+    )
+    for name, values, unit, most in counts:
+        if len(values) > most:
+            raise SamplingError(name, f"{name} has {len(values)} {unit}; at most {most}")
+    for name, texts, one, total in (
+        ("stop", stop, MAX_STOP_STRING_CHARS, MAX_STOP_CHARS),
+        ("bad_words", bad_words, MAX_BAD_WORD_CHARS, MAX_BAD_WORDS_CHARS),
+    ):
+        if odd := [i for i, t in enumerate(texts) if not isinstance(t, str)]:
+            raise SamplingError(name, f"{name}[{odd[0]}] must be a string")
+        lengths = [len(t) for t in texts]
+        long = [i for i, n in enumerate(lengths) if n > one]
+        if long:
+            raise SamplingError(name, f"{name}[{long[0]}] is {lengths[long[0]]} characters; at most {one}")
+        if sum(lengths) > total:
+            raise SamplingError(name, f"{name}: total length {sum(lengths)} characters; at most {total}")
+        if problem := _utf8_problem(name, texts):
+            raise SamplingError(name, problem)
+
+
+def check_bad_words_ids(seqs: tuple[tuple[int, ...], ...]) -> None:
+    """bad_words' token sequences within their limits (the node's tokenizer made them)."""
+    lengths = [len(s) for s in seqs]
+    if len(seqs) > 2 * MAX_BAD_WORDS:
+        raise SamplingError("bad_words", f"bad_words has {len(seqs)} token sequences; at most {2 * MAX_BAD_WORDS}")
+    if max(lengths, default=0) > MAX_BAD_WORD_TOKENS:
+        raise SamplingError("bad_words", f"bad_words: a word is {max(lengths)} tokens; at most {MAX_BAD_WORD_TOKENS}")
+    if sum(lengths) > MAX_BAD_WORDS_TOKENS:
+        raise SamplingError("bad_words", f"bad_words: {sum(lengths)} tokens in all; at most {MAX_BAD_WORDS_TOKENS}")
+    if any(not s for s in seqs):
+        raise SamplingError("bad_words", "bad_words holds an empty token sequence")
 
 
 @dataclass(frozen=True)
@@ -56,53 +136,66 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
-        """ValueError naming the first bad field and its value."""
+        """SamplingError naming the first bad field and its value (sizes first: check_sizes)."""
+        check_sizes(self.stop, self.stop_token_ids, self.bad_words, self.logit_bias, self.allowed_token_ids)
+        check_bad_words_ids(self.bad_words_ids)
+        if problem := self._problem():
+            raise SamplingError(*problem)
+
+    def _problem(self) -> tuple[str, str] | None:
+        """(field, message) of the first bad value, or None."""
         if self.max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 1 (or 0: the rest of the context), got {self.max_new_tokens}")
+            return (
+                "max_new_tokens",
+                f"max_new_tokens must be >= 1 (or 0: the rest of the context), got {self.max_new_tokens}",
+            )
         if self.min_tokens < 0 or (self.max_new_tokens and self.min_tokens > self.max_new_tokens):
-            raise ValueError(f"min_tokens must be in [0, max_new_tokens={self.max_new_tokens}], got {self.min_tokens}")
+            return (
+                "min_tokens",
+                f"min_tokens must be in [0, max_new_tokens={self.max_new_tokens}], got {self.min_tokens}",
+            )
         t = self.temperature
         if not t >= 0:  # (NaN too)
-            raise ValueError(f"temperature must be >= 0, got {t}")
+            return "temperature", f"temperature must be >= 0, got {t}"
         if t > 0 and not MIN_TEMPERATURE <= t < math.inf:
-            raise ValueError(f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE:g}, got {t}")
+            return "temperature", f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE:g}, got {t}"
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            return "top_p", f"top_p must be in (0, 1], got {self.top_p}"
         if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if len(self.stop) > MAX_STOP_STRINGS:
-            raise ValueError(f"stop has {len(self.stop)} strings; at most {MAX_STOP_STRINGS}")
+            return "top_k", f"top_k must be >= 0, got {self.top_k}"
         empty = [i for i, s in enumerate(self.stop) if not s]
         if empty:
-            raise ValueError(f"stop[{empty[0]}] is empty (it would match at once)")
+            return "stop", f"stop[{empty[0]}] is empty (it would match at once)"
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
-                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+                return name, f"{name} must be in [-2, 2], got {getattr(self, name)}"
         if not 0 < self.repetition_penalty <= 2:
-            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+            return "repetition_penalty", f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}"
         if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if len(self.logit_bias) > MAX_LOGIT_BIAS:
-            raise ValueError(f"logit_bias has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS}")
+            return "min_p", f"min_p must be in [0, 1], got {self.min_p}"
         for token, bias in self.logit_bias:
             if not -100 <= bias <= 100:  # (NaN too)
-                raise ValueError(f"logit_bias[{token}] must be in [-100, 100], got {bias}")
-        if len(self.bad_words) > MAX_BAD_WORDS:
-            raise ValueError(f"bad_words has {len(self.bad_words)} words; at most {MAX_BAD_WORDS}")
+                return "logit_bias", f"logit_bias[{token}] must be in [-100, 100], got {bias}"
         if any(not w.strip() for w in self.bad_words):
-            raise ValueError("bad_words holds an empty word")
+            return "bad_words", "bad_words holds an empty word"
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(self, name)
             if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
-                raise ValueError(f"{name} must be in [0, {MAX_TOP_LOGPROBS}], got {k}")
+                return name, f"{name} must be in [0, {MAX_TOP_LOGPROBS}], got {k}"
         if not 1 <= self.n <= MAX_CHOICES:
-            raise ValueError(f"n must be in [1, {MAX_CHOICES}], got {self.n}")
+            return "n", f"n must be in [1, {MAX_CHOICES}], got {self.n}"
         if self.json_schema and self.json_object:
-            raise ValueError("json_schema and json_object are exclusive")
+            return "structured", "json_schema and json_object are exclusive"
         if self.structured and self.ignore_eos:
-            raise ValueError("ignore_eos cannot be combined with structured output (it ends with EOS)")
+            return "ignore_eos", "ignore_eos cannot be combined with structured output (it ends with EOS)"
         if len(self.json_schema) > MAX_SCHEMA_CHARS:
-            raise ValueError(f"json_schema is {len(self.json_schema)} characters; at most {MAX_SCHEMA_CHARS}")
+            return "structured", f"json_schema is {len(self.json_schema)} characters; at most {MAX_SCHEMA_CHARS}"
+        return None
+
+    @cached_property
+    def stop_token_set(self) -> frozenset[int]:
+        """stop_token_ids as a set (made once: a sampled token is looked up in it)."""
+        return frozenset(self.stop_token_ids)
 
     @property
     def greedy(self) -> bool:
@@ -125,14 +218,17 @@ class SamplingParams:
         return replace(self, n=1, seed=seed, prompt_logprobs=self.prompt_logprobs if i == 0 else None)
 
     def with_bad_words_ids(self, encode) -> SamplingParams:
-        """bad_words as token sequences, as vLLM makes them: each word alone and after a space."""
-        seqs = []
+        """bad_words as token sequences, as vLLM makes them: each word alone and after a space.
+        SamplingError ("sampling.bad_words: ...") when they pass their token limits."""
+        seqs: dict[tuple[int, ...], None] = {}  # (ordered, without repeats)
         for word in self.bad_words:
             for text in (word.lstrip(), " " + word.lstrip()):
-                ids = tuple(encode(text))
-                if ids and ids not in seqs:
-                    seqs.append(ids)
-        return replace(self, bad_words_ids=tuple(seqs))
+                if ids := tuple(encode(text)):
+                    seqs[ids] = None
+        try:
+            return replace(self, bad_words_ids=tuple(seqs))
+        except SamplingError as e:
+            raise SamplingError(e.field, e.problem, "sampling.") from None
 
     def resolved(self, prompt_tokens: int, max_context: int, max_default_tokens: int) -> SamplingParams:
         """With max_new_tokens unset (0): the rest of the context after the prompt, at most
@@ -146,8 +242,10 @@ class SamplingParams:
 
 
 def from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
-    """The wire's sampling parameters, checked; ValueError names the field ("sampling.top_p ...")."""
+    """The wire's sampling parameters, checked; SamplingError names the field ("sampling.top_p ...").
+    The sizes a client chose are checked on the message itself, before anything is copied out of it."""
     try:
+        check_sizes(msg.stop, msg.stop_token_ids, msg.bad_words, msg.logit_bias, msg.allowed_token_ids)
         return SamplingParams(
             max_new_tokens=msg.max_new_tokens,  # 0: unset, the node resolves it (SamplingParams.resolved)
             temperature=msg.temperature,
@@ -173,8 +271,8 @@ def from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
             include_stop_str_in_output=msg.include_stop_str_in_output,
             n=msg.n or 1,  # 0: unset
         )
-    except ValueError as e:
-        raise ValueError(f"sampling.{e}") from None
+    except SamplingError as e:
+        raise SamplingError(e.field, e.problem, "sampling.") from None
 
 
 def to_proto(p: SamplingParams) -> common_pb2.SamplingParams:

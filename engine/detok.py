@@ -11,10 +11,10 @@
   complete character (invalid bytes, not a split character) it cuts where the text is final
   and keeps the last KEEP tokens back. `tokens_decoded` counts the ids passed to the
   tokenizer's decode, at most MAX_WORK_PER_TOKEN per push whatever the output length.
-- `StopMatcher`: stop strings in a growing text, searched in the newest characters only
-  (the new piece plus max_stop_len - 1 before it), so a stop string split across tokens is
-  found when its last character arrives; `num_held()` is how much of the text could still
-  become the start of a stop string.
+- `StopMatcher`: stop strings in a growing text, found by an automaton that reads each new
+  character once (Aho-Corasick), so a stop string split across tokens is found when its last
+  character arrives and a token costs the same whatever the stop strings' number and length;
+  `num_held()` is how much of the text could still become the start of a stop string.
 - `StopChecker`: both, for rank 0's scheduler (one per request with stop strings): where
   the output text ends and that text, cut before the stop string (or right after it).
 - `TextStream`: the front's interface (serving.front.TextStream: `push(token)` the text
@@ -128,47 +128,76 @@ class IncrementalDetokenizer:
 
 
 class StopMatcher:
-    """Finds stop strings in a growing text, looking only at its newest characters."""
+    """Finds stop strings in a growing text: an Aho-Corasick automaton over the stop strings, one
+    step a character, so a token's cost is its new characters' (amortized), whatever the stop
+    strings' number and length. Its state is the longest end of the text that begins a stop string."""
 
     def __init__(self, stops: tuple[str, ...], include: bool = False):
         assert all(stops), "empty stop strings are refused by SamplingParams"
         self.stops = tuple(stops)
         self.include = include  # the text ends right after the stop string, not before it
         self.max_len = max(map(len, self.stops), default=0)
-        self._tail = ""  # the last max_len - 1 characters seen
         self.num_chars = 0  # characters seen so far
+        self.moves = 0  # automaton moves so far (the work done): at most 2 a character
+        self._state = 0
+        # the trie of the stop strings, state 0 its root; per state: its children, its failure link
+        # (the state of its longest proper suffix in the trie), `longest`: the length of the longest
+        # stop string that ends it (0: none), and `held`: the length of its longest suffix that is a
+        # proper prefix of a stop string (a state with children is one)
+        self._next: list[dict[str, int]] = [{}]
+        self._depth = [0]
+        whole = [False]  # the state spells a stop string
+        for stop in self.stops:
+            state = 0
+            for ch in stop:
+                if ch not in self._next[state]:
+                    self._next[state][ch] = len(self._next)
+                    self._next.append({})
+                    self._depth.append(self._depth[state] + 1)
+                    whole.append(False)
+                state = self._next[state][ch]
+            whole[state] = True
+        self._fail = [0] * len(self._next)
+        self._longest = [0] * len(self._next)
+        self._held = [0] * len(self._next)
+        order = list(self._next[0].values())  # breadth first: a state's failure link is shallower
+        for state in order:
+            for ch, child in self._next[state].items():
+                self._fail[child] = self._step(self._fail[state], ch)
+                order.append(child)
+        for state in order:
+            fail = self._fail[state]
+            self._longest[state] = self._depth[state] if whole[state] else self._longest[fail]
+            self._held[state] = self._depth[state] if self._next[state] else self._held[fail]
+
+    def _step(self, state: int, ch: str) -> int:
+        while state and ch not in self._next[state]:
+            state = self._fail[state]
+        return self._next[state].get(ch, 0)
 
     def push(self, new: str, match: bool = True) -> int | None:
         """Take the next piece of text. Returns where, in the whole text, the text ends by a stop
         string that ends inside `new`: where the earliest starting one starts, or with `include`
         where the earliest ending one ends; None if none does. match=False only remembers the
         piece (before min_tokens no stop string may end the request)."""
-        window = self._tail + new
-        base = self.num_chars - len(self._tail)  # offset of window[0] in the whole text
-        self.num_chars += len(new)
-        self._tail = window[max(0, len(window) - self.max_len + 1) :]
-        if not match or not new:
-            return None
-        hits = []
-        for s in self.stops:
-            # a match must end in `new`: it starts in the last len(new) + len(s) - 1 characters
-            i = window.find(s, max(0, len(window) - len(new) - len(s) + 1))
-            if i >= 0:
-                hits.append(i + len(s) if self.include else i)
-        return base + min(hits) if hits else None
+        state, cut = self._state, None
+        for end, ch in enumerate(new, start=self.num_chars + 1):
+            while state and ch not in self._next[state]:  # (each such move shortens the state: amortized O(1))
+                state = self._fail[state]
+                self.moves += 1
+            state = self._next[state].get(ch, 0)
+            self.moves += 1
+            if match and self._longest[state]:
+                # the longest stop string ending here starts first; with `include` the first end wins
+                at = end if self.include else end - self._longest[state]
+                cut = at if cut is None else min(cut, at)
+        self._state, self.num_chars = state, self.num_chars + len(new)
+        return cut
 
     def num_held(self) -> int:
         """Characters at the end of the text that are the start of a stop string (not sendable yet;
         with `include` none: that text is in the output whether the stop string completes or not)."""
-        if self.include:
-            return 0
-        held = 0
-        for s in self.stops:
-            for k in range(min(len(self._tail), len(s) - 1), held, -1):
-                if self._tail.endswith(s[:k]):
-                    held = k
-                    break
-        return held
+        return 0 if self.include else self._held[self._state]
 
 
 class StopChecker:

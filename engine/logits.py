@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from common.sampling import SamplingParams
 from engine.batch import ForwardBatch, logit_rows
 from engine.request import Request
 from kvbridge.v1 import common_pb2
@@ -159,22 +160,24 @@ def process(logits: torch.Tensor, requests: list[Request], eos_token_ids: tuple[
     if not rows:
         return logits
     logits = logits.clone()  # (the model's output may be an inference-mode tensor: no in-place writes)
-    vocab = logits.shape[-1]
     for i, req in rows:
         p, row = req.params, logits[i]
+        if req.controls is None:
+            req.controls = Controls(p, eos_token_ids, row)
+        c = req.controls
         if req.grammar is not None:
             req.grammar.mask(row)
-        if p.allowed_token_ids:
-            keep = torch.tensor([t for t in p.allowed_token_ids if t < vocab], dtype=torch.long)
-            masked = torch.full_like(row, float("-inf"))
-            masked[keep] = row[keep]
-            row.copy_(masked)
-        if p.logit_bias:
-            ids = torch.tensor([t for t, _ in p.logit_bias], dtype=torch.long)
-            row.index_add_(0, ids, torch.tensor([b for _, b in p.logit_bias], dtype=row.dtype))
-        banned = _banned(p.bad_words_ids, outputs_of(req), vocab) if p.bad_words_ids else []
-        banned += held_back(req, eos_token_ids, vocab)
-        if banned:
+        if c.disallowed is not None:
+            row.masked_fill_(c.disallowed, float("-inf"))
+        if c.bias_ids is not None:
+            row.index_add_(0, c.bias_ids, c.bias_values)
+        bans = []
+        if c.bad_words is not None and (words := c.bad_words.banned(_recent(req))):
+            bans.append(torch.tensor(words, dtype=torch.long, device=row.device))
+        if c.held_back is not None and req.num_sampled < p.min_tokens:
+            bans.append(c.held_back)
+        if bans:
+            banned = torch.cat(bans)
             kept = row[banned].clone()
             row[banned] = float("-inf")
             if not torch.isfinite(row).any():  # they leave nothing (e.g. the grammar allows only EOS): undone
@@ -182,6 +185,29 @@ def process(logits: torch.Tensor, requests: list[Request], eos_token_ids: tuple[
         if p.repetition_penalty != 1 or p.frequency_penalty or p.presence_penalty:
             _penalize(row, req)
     return logits
+
+
+class Controls:
+    """A request's masks as the sampling rank applies them, built once (its first step there), so a
+    step's work does not grow with the sizes the client chose: `disallowed` ([vocab] bool: the ids
+    outside allowed_token_ids), logit_bias as ids and values, the stop tokens min_tokens holds back
+    (ids), and bad_words as a trie (BadWords); tensors on the device and in the dtype of `row` (a
+    row of the request's logits). Ids outside the vocabulary are dropped (a node refuses them in
+    allowed_token_ids and logit_bias; stop_token_ids come unchecked)."""
+
+    def __init__(self, p: SamplingParams, eos_token_ids: tuple[int, ...], row: torch.Tensor):
+        vocab, device = row.shape[-1], row.device
+        self.disallowed: torch.Tensor | None = None
+        if p.allowed_token_ids:
+            allowed = torch.tensor(p.allowed_token_ids, dtype=torch.long)
+            self.disallowed = torch.ones(vocab, dtype=torch.bool).index_fill_(0, allowed[allowed < vocab], False)
+            self.disallowed = self.disallowed.to(device)
+        biased = [(t, b) for t, b in p.logit_bias if t < vocab]
+        self.bias_ids = torch.tensor([t for t, _ in biased], dtype=torch.long, device=device) if biased else None
+        self.bias_values = torch.tensor([b for _, b in biased], dtype=row.dtype, device=device) if biased else None
+        held = held_back_ids(p, eos_token_ids, vocab)
+        self.held_back = torch.tensor(held, dtype=torch.long, device=device) if held else None
+        self.bad_words = BadWords(p.bad_words_ids, vocab) if p.bad_words_ids else None
 
 
 def _controlled(req: Request) -> bool:
@@ -198,24 +224,53 @@ def _controlled(req: Request) -> bool:
     )
 
 
-def held_back(req: Request, eos_token_ids: tuple[int, ...], vocab_size: int) -> list[int]:
-    """The ids `req` may not sample as its next token: its stop tokens, before min_tokens are out."""
-    p = req.params
-    if req.num_sampled >= p.min_tokens:
-        return []
+def held_back_ids(p: SamplingParams, eos_token_ids: tuple[int, ...], vocab_size: int) -> list[int]:
+    """The ids a request may not sample before min_tokens are out: its stop tokens (and EOS unless ignore_eos)."""
     ids = set(p.stop_token_ids) if p.ignore_eos else set(p.stop_token_ids).union(eos_token_ids)
     ids = sorted(t for t in ids if 0 <= t < vocab_size)  # stop_token_ids come from clients, unchecked
     return ids if len(ids) < vocab_size else []  # (all of them: nothing could be sampled; they stop it at once)
 
 
-def _banned(words: tuple[tuple[int, ...], ...], outputs: list[int], vocab: int) -> list[int]:
-    """The last token of every bad word whose other tokens are the end of the outputs."""
-    banned = set()
-    for word in words:
-        head = list(word[:-1])
-        if not head or outputs[len(outputs) - len(head) :] == head:
-            banned.add(word[-1])
-    return sorted(t for t in banned if t < vocab)
+def held_back(req: Request, eos_token_ids: tuple[int, ...], vocab_size: int) -> list[int]:
+    """The ids `req` may not sample as its next token: its stop tokens, before min_tokens are out."""
+    return held_back_ids(req.params, eos_token_ids, vocab_size) if req.num_sampled < req.params.min_tokens else []
+
+
+class BadWords:
+    """bad_words_ids as a trie of each word's head (its tokens but the last) read backwards, each
+    node holding the last tokens of the words whose head it spells: the banned next tokens are found
+    by walking it from the newest output token back, at most as deep as the longest word."""
+
+    def __init__(self, words: tuple[tuple[int, ...], ...], vocab: int):
+        self.root: _Trie = ({}, [])
+        for word in words:
+            if word[-1] >= vocab:
+                continue  # (no row to ban)
+            node = self.root
+            for token in reversed(word[:-1]):
+                node = node[0].setdefault(token, ({}, []))
+            node[1].append(word[-1])
+
+    def banned(self, recent) -> list[int]:
+        """The banned next tokens after outputs whose newest tokens, newest first, are `recent`."""
+        node, out = self.root, list(self.root[1])
+        for token in recent:
+            node = node[0].get(token)
+            if node is None:
+                break
+            out += node[1]
+        return out
+
+
+_Trie = tuple[dict, list]  # (children by token, last tokens of the words whose head ends here)
+
+
+def _recent(req: Request):
+    """The request's outputs (resumed ones too: outputs_of), newest first, without copying them."""
+    yield from reversed(req.output_ids)
+    if req.resumed:
+        ids = req.prompt_ids
+        yield from (ids[i] for i in range(len(ids) - 1, len(ids) - 1 - req.resumed, -1))
 
 
 def _penalize(row: torch.Tensor, req: Request) -> None:

@@ -15,6 +15,7 @@ from engine.pages import PageTable
 if TYPE_CHECKING:
     from engine.detok import StopChecker
     from engine.grammar import Matcher
+    from engine.logits import Controls
 
 
 class Phase(str, Enum):
@@ -83,6 +84,7 @@ class Request:
     # attempt streamed to the client; they are computed as prompt and count as outputs (num_outputs)
     resumed: int = 0
     grammar: Matcher | None = None  # structured output: at the sampling rank, the grammar's state
+    controls: Controls | None = None  # at the sampling rank: its masks, built on its first step there
     logprobs: list = field(default_factory=list)  # engine/llm.py: its outputs' engine.logits.Logprob
     prompt_logprobs: list = field(default_factory=list)  # engine/llm.py: its prompt tokens' (from the second)
     # choice i > 0 of an n > 1 request: choice 0, whose full prompt pages it starts from (Scheduler._fork)

@@ -271,7 +271,7 @@ class Scheduler:
         stop_token_ids cannot be sampled before then (sampler.py). A stop token's text is searched
         only with include_stop_str_in_output (as vLLM: else the token leaves no text)."""
         p = req.params
-        by_token = tok in p.stop_token_ids or (tok in self.eos and not p.ignore_eos)
+        by_token = tok in p.stop_token_set or (tok in self.eos and not p.ignore_eos)
         if p.stop and self.tokenizer is not None and (p.include_stop_str_in_output or not by_token):
             if req.stop_checker is None:
                 req.stop_checker = StopChecker.for_params(self.tokenizer, p)

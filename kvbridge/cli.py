@@ -220,21 +220,25 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 BENCHES = (
-    "engine",
-    "consensus",
-    "pp",
-    "kv_transfer",
-    "soak",
-    "serve",
-    "prefix",
-    "sampling",
-    "choices",
+    "engine", "consensus", "pp", "kv_transfer", "soak", "serve", "prefix", "sampling", "choices", "hostile_sampling",
     "router_memory",
-)
+)  # fmt: skip
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from kvbridge.bench import choices, consensus, engine, kv_transfer, pp, prefix, router_memory, sampling, serve, soak
+    from kvbridge.bench import (
+        choices,
+        consensus,
+        engine,
+        hostile_sampling,
+        kv_transfer,
+        pp,
+        prefix,
+        router_memory,
+        sampling,
+        serve,
+        soak,
+    )
 
     mains = {
         "engine": engine,
@@ -246,6 +250,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "prefix": prefix,
         "sampling": sampling,
         "choices": choices,
+        "hostile_sampling": hostile_sampling,
         "router_memory": router_memory,
     }
     return mains[args.name].main(args.rest)

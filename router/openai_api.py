@@ -32,10 +32,11 @@ from dataclasses import dataclass
 import grpc
 
 from common.limits import MAX_CHAT_MESSAGES
-from common.sampling import MAX_CHOICES, MAX_STOP_STRINGS
+from common.sampling import MAX_CHOICES
 from kvbridge.v1 import common_pb2, generation_pb2
-from router.checks import check_cache_salt, check_generate
-from router.openai_fields import BadRequest, chat_options, flag, sampling_controls, show
+from router.checks import check_cache_salt, check_prompt
+from router.openai_fields import BadRequest, chat_options, check_sampling, flag, sampling_controls, show
+from router.openai_fields import utf8_text as _text
 
 __all__ = ["BadRequest", "OpenAIRequest", "error_body", "parse_request"]
 _show = show  # (router/tokenize.py's name for it)
@@ -90,16 +91,6 @@ class OpenAIRequest:
             req.prompt.CopyFrom(prompt)
             out.append(req)
         return out
-
-
-def _text(v: str, name: str, param: str | None = None) -> str:
-    """A string bound for a protobuf field: it must be encodable as UTF-8 (JSON can carry lone surrogates)."""
-    try:
-        v.encode("utf-8")
-    except UnicodeEncodeError as e:
-        bad = f"unpaired surrogate {v[e.start]!r} at index {e.start}"
-        raise BadRequest(f"{name} is not valid Unicode: {bad}", param or name) from None
-    return v
 
 
 def _int(body: dict, name: str, low: int, high: int) -> int | None:
@@ -193,9 +184,7 @@ def _stop(body: dict) -> list[str]:
     stops = [v] if isinstance(v, str) else v
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
         raise BadRequest(f"stop must be a non-empty string or a list of them, got {show(v)}", "stop")
-    if len(stops) > MAX_STOP_STRINGS:
-        raise BadRequest(f"stop has {len(stops)} strings; at most {MAX_STOP_STRINGS}", "stop")
-    return [_text(s, "stop") for s in stops]
+    return [_text(s, f"stop[{i}]" if isinstance(v, list) else "stop", "stop") for i, s in enumerate(stops)]
 
 
 def _kind(v) -> str:
@@ -332,6 +321,7 @@ def parse_request(raw: bytes, chat: bool) -> OpenAIRequest:
     if ignore_eos is not None and not isinstance(ignore_eos, bool):
         raise BadRequest(f"ignore_eos must be a boolean, got {show(ignore_eos)}", "ignore_eos")
     sampling.ignore_eos = bool(ignore_eos)
+    check_sampling(sampling)  # (the sizes chosen, every value: before the prompts are read)
 
     salt = body.get("cache_salt")
     if salt is not None and not (isinstance(salt, str) and salt):
@@ -350,10 +340,10 @@ def parse_request(raw: bytes, chat: bool) -> OpenAIRequest:
         check_cache_salt(request)
     except ValueError as e:
         raise BadRequest(str(e), "cache_salt") from None
-    for p in prompts:  # (the rest as the first: their prompts' checks only)
+    for p in prompts:  # (the sampling parameters and the salt are checked above, once)
         request.prompt.CopyFrom(p)
         try:
-            check_generate(request)
+            check_prompt(request)
         except ValueError as e:
             raise BadRequest(str(e)) from None
     request.prompt.CopyFrom(prompt)

@@ -1,7 +1,9 @@
 """The OpenAI (and vLLM) request fields beyond the greedy core, read into kvbridge.v1 messages:
 logprobs, penalties, token masks, detokenization options, structured output and the chat
-template's options. Each function raises BadRequest naming the field and the bad value; the
-ranges are the nodes' own (common/sampling.py), so what passes here every node takes.
+template's options. Each function raises BadRequest naming the field and the bad value. The
+sizes a client chooses (stop strings, bad words, logit_bias, token id lists) are checked once the
+request is built, by the nodes' own rules (`check_sampling`: common/sampling.py), so what passes
+here every node takes.
 
 And the logprobs of a response as OpenAI shows them (`chat_logprobs`, `completion_logprobs`).
 """
@@ -10,7 +12,8 @@ from __future__ import annotations
 
 import json
 
-from common.sampling import MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_SCHEMA_CHARS, MAX_TOP_LOGPROBS
+from common import sampling as rules
+from common.sampling import MAX_SCHEMA_CHARS, MAX_TOP_LOGPROBS
 from kvbridge.v1 import common_pb2
 from serving.convert import MAX_TEMPLATE_KWARGS_BYTES as MAX_TEMPLATE_KWARGS_CHARS  # (sent as ASCII JSON)
 
@@ -23,6 +26,16 @@ class BadRequest(ValueError):
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
         self.param = param
+
+
+def utf8_text(v: str, name: str, param: str | None = None) -> str:
+    """A string bound for a protobuf field: it must be encodable as UTF-8 (JSON can carry lone surrogates)."""
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = f"unpaired surrogate {v[e.start]!r} at index {e.start}"
+        raise BadRequest(f"{name} is not valid Unicode: {bad}", param or name) from None
+    return v
 
 
 def show(value) -> str:
@@ -83,8 +96,8 @@ def _logit_bias(body: dict) -> dict[int, float]:
     v = body.get("logit_bias")
     if v is None:
         return {}
-    if not isinstance(v, dict) or len(v) > MAX_LOGIT_BIAS:
-        raise BadRequest(f"logit_bias must be an object of at most {MAX_LOGIT_BIAS} token ids, got {show(v)}")
+    if not isinstance(v, dict):
+        raise BadRequest(f"logit_bias must be an object of token ids, got {show(v)}", "logit_bias")
     out = {}
     for key, bias in v.items():
         try:
@@ -99,13 +112,13 @@ def _logit_bias(body: dict) -> dict[int, float]:
     return out
 
 
-def _strings(body: dict, name: str, most: int) -> list[str]:
+def _strings(body: dict, name: str) -> list[str]:
     v = body.get(name)
     if v is None:
         return []
-    if not isinstance(v, list) or len(v) > most or not all(isinstance(s, str) and s.strip() for s in v):
-        raise BadRequest(f"{name} must be a list of at most {most} non-empty strings, got {show(v)}", name)
-    return v
+    if not isinstance(v, list) or not all(isinstance(s, str) and s.strip() for s in v):
+        raise BadRequest(f"{name} must be a list of non-empty strings, got {show(v)}", name)
+    return [utf8_text(s, f"{name}[{i}]", name) for i, s in enumerate(v)]
 
 
 def _allowed(body: dict) -> list[int]:
@@ -158,7 +171,7 @@ def sampling_controls(body: dict, chat: bool, sampling: common_pb2.SamplingParam
     if (x := _number(body, "min_p", 0, 1)) is not None:
         sampling.min_p = x
     sampling.logit_bias.update(_logit_bias(body))
-    sampling.bad_words.extend(_strings(body, "bad_words", MAX_BAD_WORDS))
+    sampling.bad_words.extend(_strings(body, "bad_words"))
     sampling.allowed_token_ids.extend(_allowed(body))
     if (skip := flag(body, "skip_special_tokens")) is not None:
         sampling.skip_special_tokens = skip
@@ -166,6 +179,19 @@ def sampling_controls(body: dict, chat: bool, sampling: common_pb2.SamplingParam
     sampling.include_stop_str_in_output = any(keep)
     if (structured := response_format(body)) is not None:
         sampling.structured.CopyFrom(structured)
+
+
+# SamplingParams' fields that OpenAI's API names otherwise
+OPENAI_PARAMS = {"max_new_tokens": "max_tokens", "structured": "response_format"}
+
+
+def check_sampling(sampling: common_pb2.SamplingParams) -> None:
+    """The request's sampling parameters by the nodes' rules (common/sampling.py: the sizes a client
+    chose, then every value): BadRequest naming the field and its limit."""
+    try:
+        rules.from_proto(sampling)
+    except rules.SamplingError as e:
+        raise BadRequest(e.problem, OPENAI_PARAMS.get(e.field, e.field)) from None
 
 
 def chat_options(body: dict, chat: common_pb2.ChatMessages) -> None:

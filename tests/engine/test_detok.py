@@ -6,8 +6,10 @@ from __future__ import annotations
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from common.sampling import SamplingParams
+from common.sampling import MAX_STOP_CHARS, MAX_STOP_STRING_CHARS, SamplingParams
 from engine.detok import (
     MAX_WORK_PER_TOKEN,
     IncrementalDetokenizer,
@@ -124,7 +126,7 @@ def test_special_tokens_are_skipped_without_widening_the_window(tiny_model):
 # ---------------------------------------------------------------- stop strings
 
 
-def test_stop_matcher_searches_only_the_new_tail():
+def test_stop_matcher_finds_stop_strings_ending_in_the_new_text():
     m = StopMatcher(("STOP", "xy"))
     assert m.push("aaST") is None and m.num_held() == 2  # "ST" may become "STOP"
     assert m.push("O") is None and m.num_held() == 3
@@ -134,7 +136,56 @@ def test_stop_matcher_searches_only_the_new_tail():
     assert m.push("b") is None  # "xy" ended before this piece: never found again
     assert m.push("x") is None and m.num_held() == 1
     assert m.push("y") == 4  # the second "xy" of "axybxy"
-    assert len(m._tail) <= 1  # only max_len - 1 characters are kept
+
+
+def naive_cut(before: str, new: str, stops: tuple[str, ...], include: bool) -> int | None:
+    """A full search of before + new: where the earliest starting stop string that ends inside `new`
+    starts (with `include`: where the earliest ending one ends)."""
+    text, cuts = before + new, []
+    for s in stops:
+        for i in range(max(0, len(before) - len(s) + 1), len(text) - len(s) + 1):
+            if text.startswith(s, i):
+                cuts.append(i + len(s) if include else i)
+    return min(cuts, default=None)
+
+
+def naive_held(text: str, stops: tuple[str, ...]) -> int:
+    """The longest end of `text` that is a proper prefix of a stop string."""
+    return max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+
+
+SMALL_ALPHABET = st.sampled_from("abé😀")  # few letters: matches and near-matches are common
+
+
+@settings(max_examples=400, deadline=None, derandomize=True, database=None)
+@given(
+    stops=st.lists(st.text(SMALL_ALPHABET, min_size=1, max_size=6), min_size=1, max_size=5),
+    pieces=st.lists(st.tuples(st.text(SMALL_ALPHABET, max_size=5), st.booleans()), max_size=25),
+    include=st.booleans(),
+)
+def test_stop_matcher_equals_a_full_search_after_every_piece(stops, pieces, include):
+    m = StopMatcher(tuple(stops), include)
+    text = ""
+    for new, match in pieces:
+        assert m.push(new, match) == (naive_cut(text, new, tuple(stops), include) if match else None)
+        text += new
+        assert m.num_held() == (0 if include else naive_held(text, tuple(stops)))
+        assert m.num_chars == len(text)
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_matcher_work_per_character_is_bounded_whatever_the_stop_strings(include):
+    """4 stop strings of 1024 characters (the limits: one string's, and all strings' together) that
+    the text keeps almost matching: each character still costs at most 2 moves on the whole (the
+    old window search cost ~190 ms a token with 32,000-character stop strings)."""
+    stops = tuple("ab" * 511 + f"{i:02d}" for i in range(4))
+    assert len(stops[0]) == MAX_STOP_STRING_CHARS and sum(map(len, stops)) == MAX_STOP_CHARS
+    m = StopMatcher(stops, include)
+    text = ("ab" * 700 + "x") * 6 + "ab" * 511 + "03"
+    cuts = [m.push(text[i : i + 3]) for i in range(0, len(text), 3)]
+    assert m.moves <= 2 * len(text)
+    hits = [c for c in cuts if c is not None]
+    assert hits == [len(text) if include else len(text) - 1024]
 
 
 def test_the_earliest_starting_stop_string_wins_as_in_a_full_search():

@@ -369,6 +369,17 @@ def fresh_rooms(top: int = 2**62 - 1):
 _ROOMS = itertools.count(secrets.randbits(40) + 1024)
 
 
+def _runs(lengths: list[int], max_size: int):
+    """Lists of strings each one character repeated a given number of times (near the size limits)."""
+    run = st.builds(lambda n, ch: ch * n, st.sampled_from(lengths), st.sampled_from(["s", "é", " x", "😀"]))
+    return st.lists(run, min_size=1, max_size=max_size)
+
+
+def _ids(counts: list[int], top: int):
+    """Lists of exactly one of `counts` ids below `top` (near the count limits)."""
+    return st.sampled_from(counts).map(lambda n: [i % top for i in range(n)])
+
+
 @st.composite
 def sampling_params(draw) -> common_pb2.SamplingParams:
     msg = common_pb2.SamplingParams(
@@ -385,13 +396,39 @@ def sampling_params(draw) -> common_pb2.SamplingParams:
                 st.lists(st.text(min_size=1, max_size=5), max_size=3),
                 st.lists(st.one_of(st.just(""), TEXT), max_size=3),
                 st.lists(st.text(min_size=1, max_size=2), min_size=17, max_size=20),
+                _runs([1023, 1024, 1025], 5),  # one string's limit (1024), all strings' (4096)
             )
         ),
         stop_token_ids=draw(
-            mostly(st.lists(st.integers(0, VOCAB - 1), max_size=3), st.lists(st.integers(0, 2**32 - 1)))
+            mostly(
+                st.lists(st.integers(0, VOCAB - 1), max_size=3),
+                st.lists(st.integers(0, 2**32 - 1)),
+                _ids([1024, 1025], 2**32 - 1),
+            )
         ),
         ignore_eos=draw(st.booleans()),
+        bad_words=draw(
+            mostly(
+                st.just([]) | st.lists(st.text(min_size=1, max_size=6), max_size=3),
+                st.lists(st.sampled_from([" ", "\t", "ok"]), min_size=1, max_size=2),  # (blank words)
+                _runs([128, 129], 17),  # one word's limit (128), all words' (2048)
+                st.sampled_from([128, 129]).map(lambda n: [f"w{i}" for i in range(n)]),
+            )
+        ),
+        allowed_token_ids=draw(
+            mostly(
+                st.just([]) | st.lists(st.integers(0, VOCAB - 1), max_size=5),
+                st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=3),
+                _ids([65536, 65537], VOCAB),
+            )
+        ),
     )
+    bias = mostly(
+        st.just({}) | st.dictionaries(st.integers(0, VOCAB - 1), st.sampled_from([-100.0, -1.5, 0.0, 3.0, 100.0])),
+        st.dictionaries(st.integers(0, 2**32 - 1), st.sampled_from([101.0, -1e9, math.nan, 1.0]), min_size=1),
+        st.sampled_from([1024, 1025]).map(lambda n: {i: 1.0 for i in range(n)}),
+    )
+    msg.logit_bias.update(draw(bias))
     seed = draw(st.one_of(st.none(), st.sampled_from([0, 2**63, 2**64 - 1]), st.integers(0, 2**64 - 1)))
     if seed is not None:
         msg.seed = seed
@@ -492,6 +529,9 @@ def node_expect(f: Fleet, prompt: common_pb2.Prompt, s: common_pb2.SamplingParam
         oov = [t for t in prompt.token_ids.ids if t >= VOCAB] if kind == "token_ids" else []
         if oov:
             e.add(bad, f"token id {oov[0]}")
+    for name, ids in (("allowed_token_ids", s.allowed_token_ids), ("logit_bias", s.logit_bias)):
+        if any(t >= VOCAB for t in ids):  # (what the router cannot know: the node's vocabulary)
+            e.add(bad, f"sampling.{name} holds token id")
     sampling_expect(s, e)
     return e
 
@@ -506,8 +546,26 @@ def sampling_expect(s: common_pb2.SamplingParams, e: Expect) -> Expect:
         e.add(bad, "top_p")
     if len(s.stop) > 16:
         e.add(bad, "stop has")
-    if "" in s.stop:
+    if "" in s.stop or any(len(t) > 1024 for t in s.stop):
         e.add(bad, "stop[")
+    if sum(map(len, s.stop)) > 4096:
+        e.add(bad, "stop: total length")
+    if len(s.stop_token_ids) > 1024:
+        e.add(bad, "stop_token_ids has")
+    if len(s.bad_words) > 128:
+        e.add(bad, "bad_words has")
+    if any(len(w) > 128 for w in s.bad_words):
+        e.add(bad, "bad_words[")
+    if sum(map(len, s.bad_words)) > 2048:
+        e.add(bad, "bad_words: total length")
+    if any(not w.strip() for w in s.bad_words):
+        e.add(bad, "bad_words holds an empty word")
+    if len(s.logit_bias) > 1024:
+        e.add(bad, "logit_bias has")
+    if any(not -100 <= b <= 100 for b in s.logit_bias.values()):
+        e.add(bad, "logit_bias[")
+    if len(s.allowed_token_ids) > 65536:
+        e.add(bad, "allowed_token_ids has")
     return e
 
 

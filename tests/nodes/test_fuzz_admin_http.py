@@ -193,7 +193,21 @@ SAMPLING_FIELDS = {
     "top_p": st.one_of(st.sampled_from([0, 0.5, 1, 1.5, -0.1]), JSON),
     "top_k": st.one_of(st.sampled_from([-2, -1, 0, 5, 2**32]), JSON),
     "seed": st.one_of(st.sampled_from([0, -1, 2**64, 2**64 - 1, 1.5]), JSON),
-    "stop": st.one_of(st.text(max_size=4), st.lists(st.text(max_size=4), max_size=18), JSON),
+    "stop": st.one_of(
+        st.text(max_size=4),
+        st.lists(st.text(max_size=4), max_size=18),
+        st.lists(st.sampled_from(["\ud800", "ok", "s" * 1025, "s" * 1024]), max_size=5),  # (surrogates, limits)
+        JSON,
+    ),
+    "bad_words": st.one_of(
+        st.lists(st.text(max_size=4), max_size=3),
+        st.lists(st.sampled_from(["\udfff", "ok", " ", "b" * 129, "b" * 128]), max_size=17),
+        st.sampled_from([128, 129]).map(lambda n: [f"w{i}" for i in range(n)]),
+        JSON,
+    ),
+    "allowed_token_ids": st.one_of(
+        st.lists(st.integers(-1, VOCAB), max_size=3), st.sampled_from([65536, 65537]).map(lambda n: [1] * n), JSON
+    ),
     "stop_token_ids": st.one_of(st.lists(st.integers(-1, 2**33), max_size=3), JSON),
     "ignore_eos": st.one_of(st.booleans(), JSON),
     "n": st.one_of(st.sampled_from([1, 2, 0, 1.0]), JSON),
@@ -202,7 +216,13 @@ SAMPLING_FIELDS = {
     "echo": st.one_of(st.booleans(), JSON),
     "logprobs": st.one_of(st.none(), st.booleans(), st.integers(0, 5)),
     "presence_penalty": st.one_of(st.sampled_from([0, 0.5]), JSON),
-    "logit_bias": st.one_of(st.just({}), st.just({"5": 1}), JSON),
+    "logit_bias": st.one_of(
+        st.just({}),
+        st.just({"5": 1}),
+        st.just({"\ud800": 1}),
+        st.sampled_from([1024, 1025]).map(lambda n: {str(i % VOCAB): 1 for i in range(n)}),
+        JSON,
+    ),
     "response_format": st.one_of(st.just({"type": "text"}), st.just({"type": "json_object"}), JSON),
     "unknown_field": JSON,
 }
@@ -265,6 +285,7 @@ def test_http_bodies(fleet, scale):
     @example(body=("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\udfff"}], "max_tokens": 2}'))
     @example(body=("/v1/completions", b'{"prompt": "hi", "max_tokens": 2, "stop": ["\\ud800"]}'))
     @example(body=("/v1/completions", b'{"prompt": "\\ud800", "max_tokens": 2}'))
+    @example(body=("/v1/completions", b'{"prompt": "hi", "max_tokens": 2, "bad_words": ["\\ud800"]}'))  # (was a 500)
     @example(body=("/v1/completions", b"[" * 100_000))
     @example(body=("/v1/completions", b'{"max_tokens": 2, "prompt": "' + b"a" * 2_000_000 + b'"}'))
     @example(body=("/v1/completions", b"\xff\xfe\x00{"))

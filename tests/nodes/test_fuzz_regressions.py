@@ -1,8 +1,10 @@
-"""Regression tests for bugs the bad-input fuzzers (tests/nodes/test_fuzz_*.py) found, since fixed: room
-and rid collisions on the decode and prefill nodes, a reserve larger than the pool, huge values
+"""Regression tests for bugs the bad-input fuzzers (tests/nodes/test_fuzz_*.py) found, since fixed:
+room and rid collisions on the decode and prefill nodes, a reserve larger than the pool, huge values
 echoed in status messages, page tokens that broke int(), non-JSON HTTP errors, and a first token
-outside the vocabulary. They run on the shared fleet of tests/nodes/fuzz_fleet.py, plus a small decode
-node of their own (`scratch`) that the prefill side of each test is played into by FakePrefill.
+outside the vocabulary, and the sampling sizes of issue 25 (huge bad_words and stop strings, a
+million stop_token_ids, a lone surrogate in bad_words). They run on the shared fleet of
+tests/nodes/fuzz_fleet.py, plus a small decode node of their own (`scratch`) that the prefill side
+of each test is played into by FakePrefill.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import replace
 import grpc
 import pytest
 
+from common.sampling import MAX_BAD_WORD_CHARS, MAX_BAD_WORDS, MAX_STOP_STRING_CHARS, MAX_STOP_TOKEN_IDS
 from engine.config import PPConfig
 from kvbridge.nodes import start_node
 from kvbridge.v1 import (
@@ -36,7 +39,9 @@ from tests.nodes.fuzz_fleet import (
     client,
     drain_stream,
     fleet_fixture,
+    generate,
     greedy_request,
+    http_request,
     overlap_of,
     parse_raw,
     raw_http,
@@ -44,6 +49,7 @@ from tests.nodes.fuzz_fleet import (
     tried,
 )
 from tests.pd import TINY, signed_route, token_prompt
+from tests.sampling_bounds import sampling_of
 
 fleet = fleet_fixture()
 
@@ -274,3 +280,60 @@ def test_a_first_token_outside_the_vocabulary_is_refused(fleet, scratch, via):
     assert refused is None or refused.code() == C.INVALID_ARGUMENT, refused
     assert error is not None and error.code() == C.DATA_LOSS, error
     assert "outside the vocabulary" in error.details(), error.details()
+
+
+ISSUE_25 = {  # what cost a node ~190 ms a token, 240 s, and 10x: each refused before anything is built from it
+    "bad_words-3.7MB": (
+        {"bad_words": ["ab" * 14_500] * 128},
+        "bad_words",
+        f"bad_words[0] is 29000 characters; at most {MAX_BAD_WORD_CHARS}",
+    ),
+    "bad_words-many": (
+        {"bad_words": [f"w{i}" for i in range(300_000)]},
+        "bad_words",
+        f"bad_words has 300000 words; at most {MAX_BAD_WORDS}",
+    ),
+    "stop-32000": (
+        {"stop": ["x" * 32_000] * 4},
+        "stop",
+        f"stop[0] is 32000 characters; at most {MAX_STOP_STRING_CHARS}",
+    ),
+    "stop_token_ids-1.3M": (
+        {"stop_token_ids": [7] * 1_300_000},
+        "stop_token_ids",
+        f"stop_token_ids has 1300000 ids; at most {MAX_STOP_TOKEN_IDS}",
+    ),
+}
+
+
+@pytest.mark.parametrize("where", ["http", "router", "colocated", "prefill"])
+@pytest.mark.parametrize("case", list(ISSUE_25))
+def test_the_sampling_sizes_of_issue_25_are_refused_at_every_boundary(fleet, case, where):
+    tried("scenarios")
+    fields, param, problem = ISSUE_25[case]
+    if where == "http":
+        body = json.dumps({"prompt": [1, 2, 3], "max_tokens": 4, **fields}).encode()
+        status_, _, data = http_request(fleet.router.http_port, "POST", "/v1/completions", body)
+        error = json.loads(data)["error"]
+        assert (status_, error["message"], error["param"]) == (400, problem, param)
+        return
+    sampling = sampling_of(fields)
+    if where == "prefill":
+        req = prefill_pb2.PrefillRequest(rid="issue-25", room=secrets.randbits(62) + 1, sampling=sampling)
+        req.prompt.CopyFrom(token_prompt([1, 2, 3]))
+        with pytest.raises(grpc.RpcError) as err:
+            client(prefill_pb2_grpc.PrefillStub, fleet.p.address).Prefill(req, timeout=CALL_S)
+        code, details = err.value.code(), err.value.details()
+    else:
+        req = generation_pb2.GenerateRequest(prompt=token_prompt([1, 2, 3]), sampling=sampling)
+        code, details, _ = generate(fleet.router_addr if where == "router" else fleet.c.address, req)
+    assert (code, details) == (C.INVALID_ARGUMENT, "sampling." + problem)
+
+
+def test_a_lone_surrogate_in_bad_words_is_a_400_not_a_500(fleet):
+    tried("scenarios")
+    body = b'{"prompt": "hi", "max_tokens": 2, "bad_words": ["ok", "\\ud800"]}'
+    status_, _, data = http_request(fleet.router.http_port, "POST", "/v1/completions", body)
+    error = json.loads(data)["error"]
+    assert (status_, error["param"]) == (400, "bad_words")
+    assert error["message"] == "bad_words[1] is not valid Unicode: unpaired surrogate '\\ud800' at index 0"

@@ -239,7 +239,7 @@ def test_chat_messages_and_content_parts():
             False,
             {"prompt": "x", "bad_words": ["ok", ""]},
             "bad_words",
-            'bad_words must be a list of at most 128 non-empty strings, got ["ok", ""]',
+            'bad_words must be a list of non-empty strings, got ["ok", ""]',
         ),
         (
             False,
