@@ -73,15 +73,11 @@ def _ids(prompt: common_pb2.Prompt, tokenizer: Tokenizer | None, max_context: in
 
 
 def encode(tokenizer: Tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
-    """tokenizer.encode(text, add_special_tokens): the same ids, with the GIL let go while the tokenizers library works:
-    its batch call lets go of it, its single call (Tokenizer.encode's) holds it throughout, which
-    stalls every other thread of the process (an event loop's) for as long (~1 s a MB)."""
-    batch = getattr(tokenizer.backend, "encode_batch_fast", tokenizer.backend.encode_batch)  # (_fast: 0.20 on)
-    ids = batch([text], add_special_tokens=False)[0].ids
+    """tokenizer.encode, and the heap a long text's tokenizing took given back after it."""
+    ids = tokenizer.encode(text, add_special_tokens)
     if len(ids) >= TRIM_AFTER_TOKENS:
         release_freed_heap()
-    bos = tokenizer.token_id(tokenizer.bos_token) if tokenizer.add_bos and add_special_tokens else None
-    return ([bos] if bos is not None and ids[:1] != [bos] else []) + ids
+    return ids
 
 
 def chat_text(chat: common_pb2.ChatMessages, tokenizer: Tokenizer) -> str:
