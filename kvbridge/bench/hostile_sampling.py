@@ -4,7 +4,7 @@ sends the largest stop strings, bad words, logit_bias, allowed_token_ids and sto
 limits allow (common/sampling.py), again and again; on one colocated node, in one run.
 
     kvbridge bench hostile_sampling [--model smollm2-135m-instruct] [--streams 8] [--tokens 64]
-        [--hostile 1] [--hostile-tokens 32] [--repeats 2]
+        [--hostile 1] [--hostile-tokens 32] [--repeats 2] [--threads 0]
 
 Each run sends --streams greedy streams at once (--prompt-tokens seeded random ids, ignore_eos,
 --tokens tokens each, gRPC Generate straight to the node) and times the gap before each of their
@@ -215,22 +215,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hostile", type=int, default=1, help="clients beside the streams, each one request at a time")
     ap.add_argument("--hostile-tokens", type=int, default=32, help="tokens of each of their requests")
     ap.add_argument("--repeats", type=int, default=2, help="runs of each kind (after one warm-up of each)")
+    ap.add_argument("--threads", type=int, default=0, help="the node's torch CPU threads (0: torch's default)")
     args = ap.parse_args(argv)
     for name, lo, hi in (("streams", 1, 64), ("tokens", WARM_GAPS + 2, 1 << 16), ("prompt_tokens", 1, 1 << 14),
-                         ("hostile", 1, 16), ("hostile_tokens", 1, 1 << 16), ("repeats", 1, 1000)):  # fmt: skip
+                         ("hostile", 1, 16), ("hostile_tokens", 1, 1 << 16), ("repeats", 1, 1000),
+                         ("threads", 0, 1024)):  # fmt: skip
         if not lo <= getattr(args, name) <= hi:
             flag = "--" + name.replace("_", "-")
             print(f"kvbridge bench hostile_sampling: error: {flag} must be in [{lo}, {hi}], got {getattr(args, name)}",
                   file=sys.stderr)  # fmt: skip
             return 2
     logs.setup("warning")  # (the node's warnings and errors in logfmt; not a line per request phase)
-    node = start_node("colocated", NodeConfig(EngineConfig(model=args.model), PPConfig()), progress=True)
+    config = EngineConfig(model=args.model, threads=args.threads)
+    node = start_node("colocated", NodeConfig(config, PPConfig()), progress=True)
     try:
         runs, clients, hostile = measure(args, node)
     finally:
         node.stop()
     header = {"bench": "hostile_sampling", "model": args.model, "streams": args.streams, "tokens": args.tokens,
-              "prompt_tokens": args.prompt_tokens, "repeats": args.repeats, "clients": args.hostile}  # fmt: skip
+              "prompt_tokens": args.prompt_tokens, "repeats": args.repeats, "clients": args.hostile,
+              "threads": args.threads}  # fmt: skip
     rows = {
         "quiet": row_of("quiet", runs["quiet"], header, {}),
         "plain": row_of("plain", runs["plain"], header, clients["plain"]),

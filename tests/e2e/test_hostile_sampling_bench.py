@@ -21,7 +21,7 @@ from common.sampling import (
 from kvbridge import cli
 from kvbridge.bench import hostile_sampling
 
-RUN_KEYS = {"bench", "model", "streams", "tokens", "prompt_tokens", "repeats", "clients", "run", "runs",
+RUN_KEYS = {"bench", "model", "streams", "tokens", "prompt_tokens", "repeats", "clients", "threads", "run", "runs",
             "stream_tokens", "gaps", "itl_p50_ms", "itl_p99_ms", "itl_max_ms"}  # fmt: skip
 CLIENT_KEYS = {"client_requests", "client_tokens", "client_errors"}
 
@@ -64,8 +64,11 @@ def test_the_hostile_request_is_at_every_limit_and_passes_them():
     assert params.allowed_token_ids == tuple(range(49152))  # (65,536 sent: the vocabulary, then its start again)
 
 
-@pytest.mark.parametrize(("flag", "value"), [("--streams", "0"), ("--tokens", "3"), ("--hostile", "0"),
-                                             ("--repeats", "0"), ("--hostile-tokens", "0")])  # fmt: skip
+BAD_FLAGS = [("--streams", "0"), ("--tokens", "3"), ("--hostile", "0"), ("--repeats", "0"), ("--hostile-tokens", "0"),
+             ("--threads", "-1")]  # fmt: skip
+
+
+@pytest.mark.parametrize(("flag", "value"), BAD_FLAGS)
 def test_bad_flags_exit_2_naming_the_flag(flag, value, capsys):
     assert hostile_sampling.main([flag, value]) == 2
     assert f"{flag} must be in" in capsys.readouterr().err
