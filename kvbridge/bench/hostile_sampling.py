@@ -4,18 +4,18 @@ sends the largest stop strings, bad words, logit_bias, allowed_token_ids and sto
 limits allow (common/sampling.py), again and again; on one colocated node, in one run.
 
     kvbridge bench hostile_sampling [--model smollm2-135m-instruct] [--streams 8] [--tokens 64]
-        [--hostile 1] [--hostile-tokens 32] [--repeats 2]
+        [--hostile 1] [--hostile-tokens 32] [--repeats 2] [--threads 0]
 
 Each run sends --streams greedy streams at once (--prompt-tokens seeded random ids, ignore_eos,
 --tokens tokens each, gRPC Generate straight to the node) and times the gap before each of their
-tokens but the first. Run kinds: "quiet", the streams alone; "plain", beside --hostile clients
-each sending requests of --hostile-tokens sampled tokens back to back; "hostile", the same with
-every size of `at_the_limits` at its limit. The streams start once a client's first request is
-through, and the clients stop when the streams end. The kinds alternate, --repeats times, after
-one uncounted warm-up of each. One JSON line per kind (ITL p50/p99/max in ms over every gap of its
-runs, tokens and gaps counted exactly, the clients' requests), then a summary: hostile over quiet
-(issue 25's bound: p99 within 1.5x) and over plain (what the sizes cost beyond one more sampled
-request). Progress on stderr.
+tokens from the fourth on (WARM_GAPS). Run kinds: "quiet", the streams alone; "plain", beside
+--hostile clients each sending requests of --hostile-tokens sampled tokens back to back;
+"hostile", the same with every size of `at_the_limits` at its limit. The streams start once a
+client's first request is through, and the clients stop when the streams end. The kinds
+alternate, --repeats times, after one uncounted warm-up of each. One JSON line per kind (ITL
+p50/p99/max in ms over every gap of its runs, tokens and gaps counted exactly, the clients'
+requests), then a summary: hostile over quiet (issue 25's bound: p99 within 1.5x) and over plain
+(what the sizes cost beyond one more sampled request). Progress on stderr.
 """
 
 from __future__ import annotations
@@ -51,6 +51,9 @@ from serving.config import NodeConfig
 
 SEED = 1234
 KINDS = ("quiet", "plain", "hostile")
+# gaps of each stream left out: its first tokens wait for the other streams' prompts (they arrive
+# together), which is time to first token, not the interference measured here
+WARM_GAPS = 2
 
 
 def at_the_limits(vocab: int, max_new_tokens: int, seed: int = 0) -> common_pb2.SamplingParams:
@@ -81,9 +84,9 @@ def at_the_limits(vocab: int, max_new_tokens: int, seed: int = 0) -> common_pb2.
 
 
 def stream(stub, prompt: list[int], tokens: int) -> tuple[list[float], int]:
-    """One greedy stream: (the gap before each of its tokens but the first, in seconds; its tokens).
-    A response of k tokens gives each of them 1/k of the time since the last response (those that
-    come with the first token: 0)."""
+    """One greedy stream: (the gap before each of its tokens from the WARM_GAPS + 2nd on, in
+    seconds; its tokens). A response of k tokens gives each of them 1/k of the time since the last
+    response (those that come with the first token: 0)."""
     s = common_pb2.SamplingParams(max_new_tokens=tokens, ignore_eos=True)
     ids = common_pb2.Prompt(token_ids=common_pb2.TokenIds(ids=prompt))
     gaps, got, last = [], 0, None
@@ -93,7 +96,7 @@ def stream(stub, prompt: list[int], tokens: int) -> tuple[list[float], int]:
             continue
         gaps += [0.0] * (k - 1) if last is None else [(now - last) / k] * k
         last, got = now, got + k
-    return gaps, got
+    return gaps[WARM_GAPS:], got
 
 
 class Client:
@@ -212,22 +215,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hostile", type=int, default=1, help="clients beside the streams, each one request at a time")
     ap.add_argument("--hostile-tokens", type=int, default=32, help="tokens of each of their requests")
     ap.add_argument("--repeats", type=int, default=2, help="runs of each kind (after one warm-up of each)")
+    ap.add_argument("--threads", type=int, default=0, help="the node's torch CPU threads (0: torch's default)")
     args = ap.parse_args(argv)
-    for name, lo, hi in (("streams", 1, 64), ("tokens", 2, 1 << 16), ("prompt_tokens", 1, 1 << 14),
-                         ("hostile", 1, 16), ("hostile_tokens", 1, 1 << 16), ("repeats", 1, 1000)):  # fmt: skip
+    for name, lo, hi in (("streams", 1, 64), ("tokens", WARM_GAPS + 2, 1 << 16), ("prompt_tokens", 1, 1 << 14),
+                         ("hostile", 1, 16), ("hostile_tokens", 1, 1 << 16), ("repeats", 1, 1000),
+                         ("threads", 0, 1024)):  # fmt: skip
         if not lo <= getattr(args, name) <= hi:
             flag = "--" + name.replace("_", "-")
             print(f"kvbridge bench hostile_sampling: error: {flag} must be in [{lo}, {hi}], got {getattr(args, name)}",
                   file=sys.stderr)  # fmt: skip
             return 2
     logs.setup("warning")  # (the node's warnings and errors in logfmt; not a line per request phase)
-    node = start_node("colocated", NodeConfig(EngineConfig(model=args.model), PPConfig()), progress=True)
+    config = EngineConfig(model=args.model, threads=args.threads)
+    node = start_node("colocated", NodeConfig(config, PPConfig()), progress=True)
     try:
         runs, clients, hostile = measure(args, node)
     finally:
         node.stop()
     header = {"bench": "hostile_sampling", "model": args.model, "streams": args.streams, "tokens": args.tokens,
-              "prompt_tokens": args.prompt_tokens, "repeats": args.repeats, "clients": args.hostile}  # fmt: skip
+              "prompt_tokens": args.prompt_tokens, "repeats": args.repeats, "clients": args.hostile,
+              "threads": args.threads}  # fmt: skip
     rows = {
         "quiet": row_of("quiet", runs["quiet"], header, {}),
         "plain": row_of("plain", runs["plain"], header, clients["plain"]),

@@ -21,7 +21,7 @@ from common.sampling import (
 from kvbridge import cli
 from kvbridge.bench import hostile_sampling
 
-RUN_KEYS = {"bench", "model", "streams", "tokens", "prompt_tokens", "repeats", "clients", "run", "runs",
+RUN_KEYS = {"bench", "model", "streams", "tokens", "prompt_tokens", "repeats", "clients", "threads", "run", "runs",
             "stream_tokens", "gaps", "itl_p50_ms", "itl_p99_ms", "itl_max_ms"}  # fmt: skip
 CLIENT_KEYS = {"client_requests", "client_tokens", "client_errors"}
 
@@ -37,10 +37,8 @@ def test_quiet_plain_and_hostile_runs_on_tiny_random(capsys):
     )
     for row, kind in ((quiet, "quiet"), (plain, "plain"), (hostile, "hostile")):
         assert (row["bench"], row["model"], row["run"], row["runs"]) == ("hostile_sampling", "tiny-random", kind, 2)
-        assert (row["stream_tokens"], row["gaps"]) == (
-            2 * 3 * 6,
-            2 * 3 * 5,
-        )  # every token; a gap before each but the first
+        # every token; a gap before each from the 4th on (WARM_GAPS)
+        assert (row["stream_tokens"], row["gaps"]) == (2 * 3 * 6, 2 * 3 * (6 - 1 - hostile_sampling.WARM_GAPS))
         assert 0 <= row["itl_p50_ms"] <= row["itl_p99_ms"] <= row["itl_max_ms"]
     for row in (plain, hostile):  # at least one request a counted run (the streams wait for it), each its 4 tokens
         assert row["client_requests"] >= 2 and row["client_tokens"] == 4 * row["client_requests"]
@@ -66,8 +64,11 @@ def test_the_hostile_request_is_at_every_limit_and_passes_them():
     assert params.allowed_token_ids == tuple(range(49152))  # (65,536 sent: the vocabulary, then its start again)
 
 
-@pytest.mark.parametrize(("flag", "value"), [("--streams", "0"), ("--tokens", "1"), ("--hostile", "0"),
-                                             ("--repeats", "0"), ("--hostile-tokens", "0")])  # fmt: skip
+BAD_FLAGS = [("--streams", "0"), ("--tokens", "3"), ("--hostile", "0"), ("--repeats", "0"), ("--hostile-tokens", "0"),
+             ("--threads", "-1")]  # fmt: skip
+
+
+@pytest.mark.parametrize(("flag", "value"), BAD_FLAGS)
 def test_bad_flags_exit_2_naming_the_flag(flag, value, capsys):
     assert hostile_sampling.main([flag, value]) == 2
     assert f"{flag} must be in" in capsys.readouterr().err
