@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -84,6 +84,9 @@ class Scheduler:
         self.held: dict[str, Request] = {}
         self.hold_finished, self.evict = hold_finished, evict
         self._evicted: list[tuple[Request, list[int]]] = []  # evict="retract": (request, the pages it had)
+        # the role's say on a waiting request (None: every one may start): a prefill node keeps a
+        # caller's unregistered requests within its share of the pool (prefill_node/role.py)
+        self.admissible: Callable[[Request], bool] | None = None
 
     @property
     def num_unfinished(self) -> int:
@@ -142,14 +145,14 @@ class Scheduler:
                 chunks.append((req, n))
                 budget -= n
         while budget and self.waiting and len(self.running) < self.config.max_running_requests:
-            req = self.waiting[0]
-            if req.awaiting_output:  # preempted while its token was in flight
+            req = self._next_admissible()
+            if req is None:
                 break
             hit = self.cached_prefix(req)
             # admit only when the whole known sequence fits, so admission never starves decodes
             if not self.allocator.can_take(req.page_table.num_pages_needed(req.num_tokens) - len(hit), hit):
                 break
-            self.waiting.popleft()
+            self.waiting.remove(req)
             self.running.append(req)
             req.cached_tokens = self.reuse(req, hit, len(req.prompt_ids))
             self._grow(req, req.num_tokens)
@@ -159,6 +162,16 @@ class Scheduler:
         if not decodes and not chunks:
             return None
         return self._build(decodes, chunks)
+
+    def _next_admissible(self) -> Request | None:
+        """The first waiting request `admissible` lets in (the others keep their place); None when
+        the first one waits for its token in flight (preempted meanwhile: it goes first)."""
+        for req in self.waiting:
+            if req.awaiting_output:
+                return None
+            if self.admissible is None or self.admissible(req):
+                return req
+        return None
 
     def cached_prefix(self, req: Request, full_hit: bool = False) -> list[int]:
         """The cached pages `req` may start from (none without a cache): its longest cached prefix

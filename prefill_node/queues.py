@@ -34,7 +34,8 @@ class InflightQueue(PhaseQueue):
 
 class Registrations:
     """Decode nodes' registrations that came before their request's Prefill call, by room, each
-    dropped when its request has not come within `ttl_s`."""
+    dropped when its request has not come within `ttl_s`. (PrefillRole.ended keeps, the same way,
+    the verdicts of requests that ended before their registration came.)"""
 
     def __init__(self, limit: int, ttl_s: float):
         self.limit, self.ttl_s = limit, ttl_s
@@ -59,3 +60,7 @@ class Registrations:
     def expire(self, now: float) -> None:
         for room in [r for r, (t, _) in self._by_room.items() if now - t > self.ttl_s]:
             del self._by_room[room]
+
+    def drop_oldest(self) -> None:
+        if self._by_room:
+            del self._by_room[next(iter(self._by_room))]

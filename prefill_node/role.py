@@ -40,6 +40,10 @@ class PrefillRole:
         self.config = loop.scheduler.config
         assert loop.scheduler.hold_finished, "a prefill node's pages must outlive the forward: they are still to move"
         self.registrations = Registrations(self.config.max_pending_requests, self.config.bootstrap_timeout_s)
+        # room -> the verdict of its request, which ended before the decode node registered: a late
+        # registration gets it (or the decode node would hold its pages until its transfer timeout)
+        self.ended = Registrations(self.config.max_pending_requests, self.config.bootstrap_timeout_s)
+        loop.scheduler.admissible = self._may_prefill
 
     # ---------------------------------------------------------------- inputs
 
@@ -55,12 +59,9 @@ class PrefillRole:
             self.loop.retire(req, ABORT, error=error, code="ALREADY_EXISTS")
             return
         registration = self.registrations.pop(add.room)
-        if registration is None and (error := self._unregistered_problem(req)):
-            req.finish_reason = "error"
-            self.loop.retire(req, ABORT, error=error, code="RESOURCE_EXHAUSTED")
-            return
         req.handoff.expires(req.arrival_s, self.config.bootstrap_timeout_s, "bootstrap")
         self.rooms[add.room] = req.rid
+        self.ended.pop(add.room)  # (a room's earlier request's end is not this one's)
         if registration is not None and self._route(req, registration):
             return  # (refused: the two halves disagree on the prompt)
         self.loop.move(req, Phase.WAITING)
@@ -80,6 +81,8 @@ class PrefillRole:
                 return {"code": "FAILED_PRECONDITION", "error": error}
         elif rid is not None or room in self.registrations:  # a second registration would redirect its KV
             return {"code": "ALREADY_EXISTS", "error": f"room {room} is registered already"}
+        elif (verdict := self.ended.pop(room)) is not None:
+            return verdict
         elif self.registrations.full():
             return {"code": "RESOURCE_EXHAUSTED", "error": f"{len(self.registrations)} rooms wait for their requests"}
         else:
@@ -124,6 +127,7 @@ class PrefillRole:
                 req.handoff.transferred = True
         if self.deadlines.time_to_look(now):
             self.registrations.expire(now)  # registrations whose Prefill call never came
+            self.ended.expire(now)
             for req in self.deadlines.overdue(self.loop, now):
                 self._time_out(req)
 
@@ -154,7 +158,7 @@ class PrefillRole:
 
     def _await_registration(self, req: Request) -> None:
         """Prefilled, with no registration yet: it holds its pages for a while, within its caller's share."""
-        if error := self._unregistered_problem(req, len(req.page_table.pages)):
+        if error := self._unregistered_problem(req):  # (admitted within it, but a cached prefix may have gone)
             self.fail(req, error, "RESOURCE_EXHAUSTED")
             return
         h, now, hold_s = req.handoff, time.perf_counter(), self.config.unregistered_timeout_s
@@ -163,21 +167,34 @@ class PrefillRole:
         self.loop.move(req, Phase.BOOTSTRAP)
         self.bootstrap.admit(req)
 
-    def _unregistered_problem(self, req: Request, pages: int = 0) -> str:
-        """Why `req` may not hold `pages` (at admission: any) prefilled pages without a registration:
-        its caller's other such requests hold their share of the pool already ("" when it may). A caller
-        that holds none may always wait with one (a prompt larger than the share is still served)."""
-        caller, pool = req.handoff.caller, self.loop.pool.num_pages
-        held = sum(len(r.page_table.pages) for r in self.bootstrap if r.handoff.caller == caller)
+    def _may_prefill(self, req: Request) -> bool:
+        """The scheduler's say on a waiting request: one its decode node has not registered yet starts
+        only within its caller's share of the pool; past it, it waits (holding no page) for the
+        registration, for the caller's other requests to move on, or for its bootstrap timeout."""
+        return req.handoff.routed or not self._unregistered_problem(req)
+
+    def _unregistered_problem(self, req: Request) -> str:
+        """Why `req`, prefilled or waiting to be, may not hold its pages without a registration: with
+        its caller's other unregistered requests (prefilled, or being prefilled) it would hold more
+        than the caller's share of the pool ("" when it may). Pages are counted once however many
+        requests share them (a cached prefix). A caller that holds none may always go on with one (a
+        prompt larger than the share is still served)."""
+        caller, pool, scheduler = req.handoff.caller, self.loop.pool.num_pages, self.loop.scheduler
+        others = [*self.bootstrap, *(r for r in scheduler.running if not r.handoff.routed)]
+        held = {p for r in others if r is not req and r.handoff.caller == caller for p in r.page_table.pages}
+        if req.page_table.pages:  # prefilled
+            mine = len(set(req.page_table.pages) - held)
+        else:  # waiting: the pages it will take, less the cached ones its caller holds already
+            need = req.page_table.num_pages_needed(req.num_tokens)
+            mine = need - len(held.intersection(scheduler.cached_prefix(req)))
         share = self.config.unregistered_page_share
         limit = int(share * pool)
-        if held == 0 or held + max(pages, 1) <= limit:
+        if not held or len(held) + mine <= limit:
             return ""
-        more = f"; with this request's {pages} it would hold {held + pages}" if pages else ""
         return (
-            f"{caller or 'this caller'} holds {held} prefilled KV pages of requests whose decode node has not "
-            f"registered{more}: one caller may hold {limit}, {share:g} of the {pool}-page pool "
-            "(--unregistered-page-share)"
+            f"{caller or 'this caller'} holds {len(held)} KV pages of requests whose decode node has not "
+            f"registered; with this request's {mine} it would hold {len(held) + mine}: one caller may hold "
+            f"{limit}, {share:g} of the {pool}-page pool (--unregistered-page-share)"
         )
 
     def _await_transfer(self, req: Request) -> None:
@@ -193,11 +210,21 @@ class PrefillRole:
         self.loop.retire(req, FINISH, kv_bytes=pages * self._page_bytes_all_layers())
 
     def fail(self, req: Request, error: str, code: str, reason: str = "error", **event) -> None:
+        if not req.handoff.routed:
+            self._remember_end(req, error, code)
         self.bootstrap.remove(req)
         self.inflight.remove(req)
         self._release_room(req)
         self.chan.abort(req.rid)
         self.loop.end(req, error, code, reason, **event)
+
+    def _remember_end(self, req: Request, error: str, code: str) -> None:
+        """`req` ends before its decode node registered: a registration of its room (within
+        --bootstrap-timeout-s) is answered with this, so the decode node fails the request at once."""
+        if self.ended.full():
+            self.ended.drop_oldest()
+        why = f"room {req.handoff.room}: its request ended on the prefill node before the registration ({error})"
+        self.ended.add(req.handoff.room, {"code": code, "error": why}, time.perf_counter())
 
     def evicted(self, req: Request, pages: list[int]) -> None:
         raise AssertionError("a prefill scheduler recomputes what it preempts")

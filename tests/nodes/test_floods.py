@@ -16,6 +16,8 @@ from engine.config import PPConfig
 from kvbridge.nodes import start_node
 from kvbridge.v1 import (
     common_pb2,
+    generation_pb2,
+    generation_pb2_grpc,
     kv_events_pb2,
     kv_events_pb2_grpc,
     kv_transfer_pb2,
@@ -23,23 +25,25 @@ from kvbridge.v1 import (
     prefill_pb2,
     prefill_pb2_grpc,
 )
+from kvbridge.v1.admin_pb2 import ListRequestsRequest
 from serving.config import NodeConfig
 from serving.kv_events import MAX_WATCHERS_PER_CALLER
 from tests.conftest import make_llm
 from tests.kv_transfer.test_kv_transfer_receiver import Held, wait_until
-from tests.pd import TINY, clear_cache, metric_total, pd_generate, status, token_prompt, wait_idle, wait_phase
+from tests.pd import TINY, admin, clear_cache, metric_total, pd_generate, signed_route, status, token_prompt, wait_idle
 from tests.relay import Relay
 
 PROMPT = list(range(5, 69))  # 64 tokens: 16 pages of 4
 MAX_NEW = 8
 SHARE = 48 / 1024  # of the prefill node's 1024 pages: one caller's unregistered requests hold at most 48 (3 prompts)
 HOLD_S = 15.0  # the prefill node's --unregistered-timeout-s
+BOOT_S = 25.0  # its --bootstrap-timeout-s (from the Prefill call)
 IDLE_S = 20.0  # the decode node's --kv-stream-idle-s (a hand-off on a loaded machine takes far less)
 
 
 @pytest.fixture(scope="module")
 def fleet():
-    p_config = replace(TINY, unregistered_page_share=SHARE, unregistered_timeout_s=HOLD_S)
+    p_config = replace(TINY, unregistered_page_share=SHARE, unregistered_timeout_s=HOLD_S, bootstrap_timeout_s=BOOT_S)
     p = start_node("prefill", NodeConfig(p_config, PPConfig(), metrics_port=0))
     d = start_node("decode", NodeConfig(replace(TINY, kv_stream_idle_s=IDLE_S), PPConfig(), transfer_backend="grpc"))
     yield p, d
@@ -112,38 +116,51 @@ def test_unregistered_prefills_of_one_caller_hold_their_share_for_a_while_and_an
     fleet, reference
 ):
     """One caller's Prefill calls that no decode node registers: three prompts' pages fit its share
-    (48 of 1024), the fourth fails once prefilled, a fifth is refused at once; the three fail after
-    --unregistered-timeout-s. Meanwhile another caller (a router on another host) is served, its
-    registration coming only once it holds its pages."""
+    (48 of 1024) and are prefilled; two more wait unprefilled, holding no page. Meanwhile another
+    caller (a router on another host) is served, its registration coming only once it holds its
+    pages. The three fail after --unregistered-timeout-s; then the two are prefilled in their turn
+    and fail at their --bootstrap-timeout-s."""
     p, d = fleet
     clear_cache(p.address, d.address)
-    calls = [Unregistered(p.address, 100 + i) for i in range(4)]
-    wait_until(lambda: sum(u.call.done() for u in calls) == 1, "no Prefill failed past the share", timeout_s=60)
-    [over] = [u for u in calls if u.call.done()]
-    held = [u for u in calls if u is not over]
-    for u in held:
-        assert wait_phase(p.address, u.rid, "bootstrap").kv_pages == 16
-    limit = "one caller may hold 48, 0.046875 of the 1024-page pool (--unregistered-page-share)"
-    assert failure(over) == (
-        grpc.StatusCode.RESOURCE_EXHAUSTED,
-        "127.0.0.1 holds 48 prefilled KV pages of requests whose decode node has not registered; "
-        f"with this request's 16 it would hold 64: {limit}",
-    )
-    assert failure(Unregistered(p.address, 200)) == (
-        grpc.StatusCode.RESOURCE_EXHAUSTED,
-        f"127.0.0.1 holds 48 prefilled KV pages of requests whose decode node has not registered: {limit}",
-    )
+    calls = [Unregistered(p.address, 100 + i) for i in range(5)]
+
+    def phases() -> dict[str, tuple[str, int]]:
+        return {r.rid: (r.phase, r.kv_pages) for r in admin(p.address).ListRequests(ListRequestsRequest()).requests}
+
+    wait_until(lambda: sorted(phases().values()).count(("bootstrap", 16)) == 3, "three prefilled", timeout_s=60)
+    assert sorted(phases().values()) == [("bootstrap", 16)] * 3 + [("waiting", 0)] * 2  # (the share is full)
     router = Relay(p.address, "127.0.0.2")
     tokens, _, result = pd_generate(router.addr, d.address, token_prompt(PROMPT), MAX_NEW, late=True)
     assert tokens == reference and not isinstance(result, grpc.RpcError)
-    assert not any(u.call.done() for u in held)  # (within HOLD_S of their prefill)
-    for u in held:
-        assert failure(u) == (
-            grpc.StatusCode.DEADLINE_EXCEEDED,
-            f"the decode node did not register room {u.room} within 15 s of its prefill (--unregistered-timeout-s)",
-        )
-    assert metric_total(p, "kvbridge_timeouts_total") == 3
+    held = {u.rid for u in calls if phases()[u.rid][0] == "bootstrap"}
+    assert not any(u.call.done() for u in calls)  # (within HOLD_S of their prefill)
+    why = {}
+    for u in calls:
+        if u.rid in held:
+            why[u] = (
+                f"the decode node did not register room {u.room} within 15 s of its prefill (--unregistered-timeout-s)"
+            )
+        else:
+            why[u] = f"the decode node did not register room {u.room} within {BOOT_S:g} s"
+        assert failure(u) == (grpc.StatusCode.DEADLINE_EXCEEDED, why[u])
+    assert metric_total(p, "kvbridge_timeouts_total") == 5
     assert {r.kv_pages_used for r in wait_idle(p.address).ranks} == {0}
+    # a registration that comes now is told how its request ended: the decode node fails it at once
+    late = calls[0]
+    req = generation_pb2.GenerateRequest(
+        rid=late.rid,
+        prompt=token_prompt([100, *PROMPT[1:]]),
+        sampling=common_pb2.SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True),
+        prefill=signed_route(late.room, p.address),
+    )
+    with pytest.raises(grpc.RpcError) as e:
+        list(generation_pb2_grpc.GenerationStub(rpc.make_channel(d.address)).Generate(req, timeout=30))
+    assert (e.value.code(), e.value.details()) == (
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        f"registration with the prefill node failed: room {late.room}: its request ended on the prefill node "
+        f"before the registration ({why[late]})",
+    )
+    assert {r.kv_pages_used for r in wait_idle(d.address).ranks} == {0}
     router.close()
 
 
