@@ -37,6 +37,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from common.rpc_parse import parse_checked
 from common.security import Security, bearer
 
 MAX_MESSAGE_BYTES = 8 << 20  # every request and answer but KV pages stays far below
@@ -358,7 +359,7 @@ class AioServer:
     async def _start(self, host, port, services, service_names, serving, max_message_bytes, client_certs):
         server = grpc.aio.server(options=server_options(max_message_bytes))
         for add, servicer in services:
-            add(guarded(servicer), server)
+            parse_checked(add, guarded(servicer), server)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         initial = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING

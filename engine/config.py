@@ -156,7 +156,7 @@ class EngineConfig:
     unregistered_page_share: float = setting(
         0.5,
         "prefill node: the share of the KV pool that one caller's (peer host's) prefilled requests without "
-        "a registration may hold; past it, its Prefill calls fail (RESOURCE_EXHAUSTED)",
+        "a registration may hold; past it, its further unregistered requests wait unprefilled",
     )
     prealloc_timeout_s: float = setting(300.0, "decode node: fail a request that got no KV pages within this, seconds")
     transfer_timeout_s: float = setting(

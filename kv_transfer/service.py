@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import grpc
 
 from common.rpc import peer_host
+from common.rpc_parse import rejected
 from kv_transfer.rooms import Notice, TransferError
 from kvbridge.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 
@@ -130,6 +131,7 @@ class KVReceiverServicer(kv_transfer_pb2_grpc.KVReceiverServicer):
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, waiting.why)
             why = f"no PageChunk within {self.idle_s:g} s {since} (the KV stream idle limit, --kv-stream-idle-s)"
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, why)
+        await rejected(chunk, context)  # (one that does not parse: INVALID_ARGUMENT)
         return None if chunk is grpc.aio.EOF else chunk
 
     def _write(self, c: kv_transfer_pb2.PageChunk) -> int:
