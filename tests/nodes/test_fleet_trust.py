@@ -183,9 +183,16 @@ def test_a_registration_not_signed_by_the_decode_node_writes_no_page(fleet):
     assert torch.equal(pool, before)
     again, responses, _ = pd_generate(p.address, d.address, victim, MAX_NEW)
     assert again == tokens and responses[0].transfer.pages_skipped == 16  # (from the cached pages)
-    # nothing was kept of the refused registrations: the room registers, signed (it expires unused)
+    # nothing was kept of the refused registrations (a kept one would be ALREADY_EXISTS): signed, the
+    # room's registration is told how its request ended
     forged.proof = b""
-    bootstrap.Register(fleet_signed(forged), timeout=10)
+    with pytest.raises(grpc.RpcError) as e:
+        bootstrap.Register(fleet_signed(forged), timeout=10)
+    assert (e.value.code(), e.value.details()) == (
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        f"room {room}: its request ended on the prefill node before the registration (the decode node did "
+        f"not register room {room} within {BOOTSTRAP_S:g} s)",
+    )
 
 
 def test_cached_or_shared_pages_are_never_a_handoff_destination():

@@ -137,7 +137,7 @@ def test_32000_empty_chat_messages_straight_to_a_node_are_refused_by_their_count
             addr = d.address if node == "d" else colocated.address
             req = generation_pb2.GenerateRequest(rid=rid, prompt=prompt, sampling=sampling())
             if node == "d":
-                req.prefill.CopyFrom(generation_pb2.PrefillRoute(room=room, prefill_addr=p.address))
+                req.prefill.CopyFrom(signed_route(room, p.address))
             list(generation_pb2_grpc.GenerationStub(rpc.make_channel(addr)).Generate(req, timeout=30))
     assert (e.value.code(), e.value.details()) == (
         grpc.StatusCode.INVALID_ARGUMENT, "prompt.chat has 32000 messages; at most 4096"

@@ -22,7 +22,7 @@ from common.sampling import (
 )
 from kvbridge.v1 import generation_pb2, generation_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from tests.conftest import make_llm
-from tests.pd import TINY, pd_generate, start_nodes, stop_nodes, token_prompt, wait_idle
+from tests.pd import TINY, pd_generate, signed_route, start_nodes, stop_nodes, token_prompt, wait_idle
 from tests.sampling_bounds import OVER_LIMITS, OverLimit, at_the_limits, sampling_of
 
 PROMPT = list(range(5, 25))
@@ -54,7 +54,7 @@ def test_a_size_over_its_limit_straight_to_a_node_is_invalid_argument(nodes, whe
     else:
         req = generation_pb2.GenerateRequest(prompt=prompt, sampling=sampling)
         if where == "decode":
-            req.prefill.CopyFrom(generation_pb2.PrefillRoute(room=secrets.randbits(62) + 1, prefill_addr=p.address))
+            req.prefill.CopyFrom(signed_route(secrets.randbits(62) + 1, p.address))
         stub = generation_pb2_grpc.GenerationStub(rpc.make_channel((c if where == "colocated" else d).address))
         got = refusal(lambda: list(stub.Generate(req, timeout=30)))
     assert got == (grpc.StatusCode.INVALID_ARGUMENT, "sampling." + case.problem)

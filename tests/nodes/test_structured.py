@@ -20,7 +20,7 @@ from kvbridge.v1 import generation_pb2, generation_pb2_grpc, prefill_pb2, prefil
 from router.config import RouterConfig
 from router.server import start_router
 from serving.config import NodeConfig
-from tests.pd import TINY, in_parallel, pd_generate, start_nodes, stop_nodes, token_prompt, wait_idle
+from tests.pd import TINY, in_parallel, pd_generate, signed_route, start_nodes, stop_nodes, token_prompt, wait_idle
 
 PERSON = {
     "type": "object",
@@ -133,7 +133,7 @@ def bad_schema_calls(fleet, schema: str) -> list:
     sampling = to_proto(SamplingParams())
     sampling.structured.json_schema = schema
     prompt = token_prompt([5, 6, 7])
-    route = generation_pb2.PrefillRoute(room=9, prefill_addr=fleet["p1"].address)
+    route = signed_route(9, fleet["p1"].address)
     return [
         lambda: list(generation_pb2_grpc.GenerationStub(rpc.make_channel(fleet["c1"].address)).Generate(
             generation_pb2.GenerateRequest(prompt=prompt, sampling=sampling), timeout=30)),

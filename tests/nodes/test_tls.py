@@ -274,7 +274,8 @@ def public_routers(fleet, certs):
     """policy -> a router in front of the fleet's nodes whose HTTP API and gRPC Generation take
     clients as --client-cert-reqs says (none, optional), with the API key and Admin on a port of
     its own. (The fleet's own router keeps the default, required.)"""
-    secure = (*certs.flags(), "--admin-key-file", certs.admin_key_file, "--api-key-file", certs.api_key_file)
+    secure = (*certs.flags(), "--admin-key-file", certs.admin_key_file, "--api-key-file", certs.api_key_file,
+              "--fleet-key-file", certs.fleet_key_file)  # fmt: skip
     nodes = ("--prefill", fleet["prefill"].address, "--decode", fleet["decode"].address)
     routers: dict[str, Process] = {}
     try:
