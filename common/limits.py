@@ -84,10 +84,15 @@ def prompt_size_problem(prompt: common_pb2.Prompt, max_context: int | None) -> s
         n = len(prompt.token_ids.ids)
         return f"prompt has {n} tokens; the context holds {max_context}" if n >= max_context else ""
     if kind == "text":
-        size = len(prompt.text.encode())
-    else:
-        size = sum(len(m.content.encode()) + len(m.role.encode()) for m in prompt.chat.messages)
-    return _over(f"prompt.{kind} has {size} bytes", size, max_context)
+        return text_size_problem(prompt.text, max_context)
+    size = sum(len(m.content.encode()) + len(m.role.encode()) for m in prompt.chat.messages)
+    return _over(f"prompt.chat has {size} bytes", size, max_context)
+
+
+def text_size_problem(text: str, max_context: int) -> str:
+    """prompt_size_problem of a text prompt (its lone surrogates, refused elsewhere, count 3 bytes)."""
+    size = len(text.encode("utf-8", "surrogatepass"))
+    return _over(f"prompt.text has {size} bytes", size, max_context)
 
 
 def rendered_size_problem(text: str, max_context: int | None) -> str:

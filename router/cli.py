@@ -12,6 +12,8 @@ from common.logs import LEVELS
 from common.security import add_tls_flags
 from router.config import RouterConfig
 
+GIL_SWITCH_S = 0.001  # sys.setswitchinterval of a router process (see run_router)
+
 _HELP = {
     "host": "address every server binds (gRPC, HTTP, metrics)",
     "port": "gRPC port: Generation, Admin (unless --admin-port), health, reflection (0: a free one, printed when "
@@ -111,6 +113,9 @@ def run_router(args: argparse.Namespace) -> int:
     from router.server import start_router
 
     heap.map_large_blocks()  # (a body of a few MiB goes back to the system when it is freed)
+    # the event loop's thread waits at most this long for the GIL while the parser or tokenizer
+    # threads run Python (5 ms by default: a /health answer takes a dozen waits)
+    sys.setswitchinterval(GIL_SWITCH_S)
     try:
         rpc.configure(security.from_flags(args, api_key_file=args.api_key_file))
         setup_logs(args.log_level)

@@ -310,7 +310,7 @@ def _released(parse: Callable, raw: bytearray, *args):
 def _generation(raw: bytearray, chat: bool, max_context: int | None) -> OpenAIRequest:
     """parse_request, and BadRequest for a prompt that cannot fit `max_context` by its size
     (router/prompts.py): before anything expands it."""
-    req = parse_request(raw, chat=chat)
+    req = parse_request(raw, chat=chat, max_context=max_context)
     for i, prompt in enumerate(req.prompts):
         if problem := prompt_size_problem(prompt, max_context):
             where = f"prompt[{i}]: " if len(req.prompts) > 1 else ""

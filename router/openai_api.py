@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from common.limits import MAX_CHAT_MESSAGES
+from common.limits import MAX_CHAT_MESSAGES, prompt_bytes_limit, text_size_problem
 from common.sampling import MAX_CHOICES
 from kvbridge.v1 import common_pb2, generation_pb2
 from router.checks import check_cache_salt, check_prompt
@@ -122,20 +122,23 @@ def _token_ids(v, name: str) -> list[int] | None:
     return None
 
 
-def _prompts(body: dict) -> list[common_pb2.Prompt]:
+def _prompts(body: dict, max_context: int | None) -> list[common_pb2.Prompt]:
     """A completion's prompts: one (a string or token-id list), or a list of them."""
     v = body.get("prompt")
     if isinstance(v, list) and v and all(isinstance(p, str | list) for p in v):
         if len(v) > MAX_PROMPTS:
             raise BadRequest(f"prompt lists {len(v)} prompts; at most {MAX_PROMPTS}", "prompt")
-        return [_prompt(p, f"prompt[{i}]") for i, p in enumerate(v)]
-    return [_prompt(v, "prompt")]
+        return [_prompt(p, f"prompt[{i}]", max_context, len(v) > 1) for i, p in enumerate(v)]
+    return [_prompt(v, "prompt", max_context)]
 
 
-def _prompt(v, name: str) -> common_pb2.Prompt:
+def _prompt(v, name: str, max_context: int | None = None, named: bool = False) -> common_pb2.Prompt:
     if isinstance(v, str):
         if not v:
             raise BadRequest(f"{name} is empty", "prompt")
+        if max_context is not None and len(v) > prompt_bytes_limit(max_context):
+            # more characters than it may have bytes: refused before the text is copied or checked
+            raise BadRequest((f"{name}: " if named else "") + text_size_problem(v, max_context), "prompt")
         return common_pb2.Prompt(text=_text(v, name, "prompt"))
     ids = _token_ids(v, "prompt")
     if ids is None:
@@ -273,8 +276,10 @@ def json_body(raw: bytes) -> dict:
     return body
 
 
-def parse_request(raw: bytes, chat: bool) -> OpenAIRequest:
-    """Validate an HTTP body and build the GenerateRequest; BadRequest names the bad field."""
+def parse_request(raw: bytes, chat: bool, max_context: int | None = None) -> OpenAIRequest:
+    """Validate an HTTP body and build the GenerateRequest; BadRequest names the bad field.
+    `max_context` (the longest context a node serves, when known): a text prompt with more
+    characters than such a context's prompt may have bytes is refused before it is copied."""
     body = json_body(raw)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
@@ -327,7 +332,7 @@ def parse_request(raw: bytes, chat: bool) -> OpenAIRequest:
     if salt is not None and not (isinstance(salt, str) and salt):
         raise BadRequest(f"cache_salt must be a non-empty string, got {show(salt)}", "cache_salt")
 
-    prompts = [_messages(body)] if chat else _prompts(body)
+    prompts = [_messages(body)] if chat else _prompts(body, max_context)
     if len(prompts) * n > MAX_ANSWER_CHOICES:
         message = f"{len(prompts)} prompts x n={n} is {len(prompts) * n} choices; at most {MAX_ANSWER_CHOICES}"
         raise BadRequest(message, "n")
