@@ -87,6 +87,7 @@ class Scheduler:
         # the role's say on a waiting request (None: every one may start): a prefill node keeps a
         # caller's unregistered requests within its share of the pool (prefill_node/role.py)
         self.admissible: Callable[[Request], bool] | None = None
+        self.passes = 0  # schedule() calls so far
 
     @property
     def num_unfinished(self) -> int:
@@ -134,6 +135,7 @@ class Scheduler:
             self.waiting.append(req)
 
     def schedule(self, max_decodes: int | None = None) -> ScheduledStep | None:
+        self.passes += 1  # (lets `admissible` memoize what holds for one pass)
         decodes = self._schedule_decodes(max_decodes)
         budget = self.config.chunked_prefill_size or 1 << 62
         chunks: list[tuple[Request, int]] = []

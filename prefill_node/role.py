@@ -44,6 +44,8 @@ class PrefillRole:
         # registration gets it (or the decode node would hold its pages until its transfer timeout)
         self.ended = Registrations(self.config.max_pending_requests, self.config.bootstrap_timeout_s)
         loop.scheduler.admissible = self._may_prefill
+        self._held_key: tuple = ()  # (pass, running, bootstrap) the memo below holds for
+        self._held: dict[str, set[int]] = {}  # caller -> pages of its unregistered requests
 
     # ---------------------------------------------------------------- inputs
 
@@ -171,24 +173,46 @@ class PrefillRole:
         """The scheduler's say on a waiting request: one its decode node has not registered yet starts
         only within its caller's share of the pool; past it, it waits (holding no page) for the
         registration, for the caller's other requests to move on, or for its bootstrap timeout."""
-        return req.handoff.routed or not self._unregistered_problem(req)
+        if req.handoff.routed:
+            return True
+        held = self._held_by(req.handoff.caller)
+        if held and len(held) >= self._share_pages():  # (a caller with thousands waiting: no per-request scan)
+            return False
+        return not self._unregistered_problem(req, held)
 
-    def _unregistered_problem(self, req: Request) -> str:
+    def _held_by(self, caller: str) -> set[int]:
+        """Pages held by `caller`'s unregistered requests (prefilled, or being prefilled), computed
+        once per scheduling pass and admission (the scheduler asks once per waiting request)."""
+        scheduler = self.loop.scheduler
+        key = (scheduler.passes, len(scheduler.running), len(self.bootstrap))
+        if key != self._held_key:
+            self._held_key, self._held = key, {}
+            for r in [*self.bootstrap, *(r for r in scheduler.running if not r.handoff.routed)]:
+                self._held.setdefault(r.handoff.caller, set()).update(r.page_table.pages)
+        return self._held.get(caller, set())
+
+    def _share_pages(self) -> int:
+        return int(self.config.unregistered_page_share * self.loop.pool.num_pages)
+
+    def _unregistered_problem(self, req: Request, held_by_caller: set[int] | None = None) -> str:
         """Why `req`, prefilled or waiting to be, may not hold its pages without a registration: with
         its caller's other unregistered requests (prefilled, or being prefilled) it would hold more
         than the caller's share of the pool ("" when it may). Pages are counted once however many
         requests share them (a cached prefix). A caller that holds none may always go on with one (a
-        prompt larger than the share is still served)."""
+        prompt larger than the share is still served). `held_by_caller`: _held_by's answer, for a
+        waiting request (which holds no page of its own)."""
         caller, pool, scheduler = req.handoff.caller, self.loop.pool.num_pages, self.loop.scheduler
-        others = [*self.bootstrap, *(r for r in scheduler.running if not r.handoff.routed)]
-        held = {p for r in others if r is not req and r.handoff.caller == caller for p in r.page_table.pages}
+        if held_by_caller is not None and not req.page_table.pages:
+            held = held_by_caller
+        else:
+            others = [*self.bootstrap, *(r for r in scheduler.running if not r.handoff.routed)]
+            held = {p for r in others if r is not req and r.handoff.caller == caller for p in r.page_table.pages}
         if req.page_table.pages:  # prefilled
             mine = len(set(req.page_table.pages) - held)
         else:  # waiting: the pages it will take, less the cached ones its caller holds already
             need = req.page_table.num_pages_needed(req.num_tokens)
             mine = need - len(held.intersection(scheduler.cached_prefix(req)))
-        share = self.config.unregistered_page_share
-        limit = int(share * pool)
+        share, limit = self.config.unregistered_page_share, self._share_pages()
         if not held or len(held) + mine <= limit:
             return ""
         return (

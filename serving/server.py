@@ -213,11 +213,15 @@ class NodeServer:
         answer = self.node.front.check(timeout=STATUS_TIMEOUT_S)
         problems = list(answer["problems"])
         deadline = time.monotonic() + settle_s
-        while (positions := self.node.ranks.log_positions()) and set(positions.values()) != {answer["log"]}:
+        made = answer["log"]
+        while (positions := self.node.ranks.log_positions()) and set(positions.values()) != {made}:
             if time.monotonic() > deadline:
-                problems.append(f"decision log positions differ: {positions} (rank 0 made {answer['log']})")
+                problems.append(f"decision log positions differ: {positions} (rank 0 made {made})")
                 break
-            time.sleep(0.02)
+            if max(positions.values()) > made:  # rank 0 decided more since it answered: ask again
+                made = self.node.front.check(timeout=STATUS_TIMEOUT_S)["log"]
+            else:
+                time.sleep(0.02)
         for problem in problems:
             log_event(log, "invariant_violation", logging.ERROR, role=self.role, problem=problem)
         self.violations += len(problems)
