@@ -42,6 +42,7 @@ class AttentionMetadata:
     decode_rows: int  # requests 0..decode_rows-1 have q_len == 1 and are batched together
     decode_pages: torch.Tensor | None  # [B, P] page ids (padded with 0) of the batched requests
     decode_mask: torch.Tensor | None  # [B, 1, 1, P * page_size] True where the key is in context
+    decode_ctx: torch.Tensor | None  # [B] keys in context of each batched request
     prefill: list[tuple[int, int, torch.Tensor, torch.Tensor | None]]  # (first row, q_len, page ids, [q_len, ctx] mask)
     sample_rows: torch.Tensor  # [S] rows whose hidden state is projected to logits (`logit_rows`)
 
@@ -63,7 +64,7 @@ class AttentionMetadata:
         num_decode = 0
         while num_decode < len(batch.q_lens) and batch.q_lens[num_decode] == 1:
             num_decode += 1
-        decode_pages = decode_mask = None
+        decode_pages = decode_mask = decode_ctx = None
         if num_decode:
             ctx = [batch.starts[i] + 1 for i in range(num_decode)]
             max_pages = max(-(-c // page_size) for c in ctx)
@@ -71,9 +72,9 @@ class AttentionMetadata:
                 list(batch.page_tables[i][:max_pages]) + [0] * (max_pages - len(batch.page_tables[i][:max_pages]))
                 for i in range(num_decode)
             ]
-            decode_pages = as_tensor(padded)
+            decode_pages, decode_ctx = as_tensor(padded), as_tensor(ctx)
             key_pos = torch.arange(max_pages * page_size, device=device)
-            decode_mask = (key_pos[None, :] < as_tensor(ctx)[:, None])[:, None, None, :]
+            decode_mask = (key_pos[None, :] < decode_ctx[:, None])[:, None, None, :]
 
         prefill = []
         row = num_decode
@@ -95,6 +96,7 @@ class AttentionMetadata:
             decode_rows=num_decode,
             decode_pages=decode_pages,
             decode_mask=decode_mask,
+            decode_ctx=decode_ctx,
             prefill=prefill,
             sample_rows=torch.arange(row, device=device) if batch.all_logits else as_tensor(logit_rows(batch)[0]),
         )

@@ -119,7 +119,7 @@ class EngineConfig:
         "preset (smollm2-135m-instruct, tiny-random), .gguf file, or Hugging Face directory",
     )
     device: str = setting("auto", "auto | cpu | cuda | cuda:N")
-    dtype: str = setting("auto", "auto (float32 on CPU, bfloat16 on CUDA) | float32 | float16 | bfloat16")
+    dtype: str = setting("auto", "auto (float32 on CPU, bfloat16 on CUDA; see README) | float32 | float16 | bfloat16")
     page_size: int = setting(16, "tokens per KV page")
     num_pages: int = setting(0, "KV pool size in pages (0: from --kv-cache-tokens)")
     kv_cache_tokens: int = setting(65536, "KV pool capacity in tokens when --num-pages is 0")
@@ -132,7 +132,7 @@ class EngineConfig:
         "a request without max_new_tokens (OpenAI: no max_tokens) gets the rest "
         "of the context, at most this many tokens (0: no cap)",
     )
-    threads: int = setting(0, "torch CPU threads (0: torch's default; with PP, the cores split over the local ranks)")
+    threads: int = setting(0, "torch CPU threads per rank (0: the host's cores over the kvbridge ranks on it)")
     max_pending_requests: int = setting(
         1024,
         "requests a node holds at once, every phase; more are refused (RESOURCE_EXHAUSTED)",

@@ -12,6 +12,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from engine import kernels
 from engine.batch import AttentionMetadata
 from engine.config import ModelConfig
 from engine.kv_pool import KVPool
@@ -94,13 +95,23 @@ class DecoderLayer:
         return h + F.linear(F.silu(gate) * up, self.down)
 
 
+def _kernel_takes(c: ModelConfig) -> bool:
+    return kernels.supports(c.num_attention_heads, c.num_key_value_heads, c.head_dim) and kernels.available()
+
+
 def paged_attention(q: torch.Tensor, layer: int, meta: AttentionMetadata, kv: KVPool, c: ModelConfig) -> torch.Tensor:
     """q: [N, heads, head_dim] -> [N, heads * head_dim], reading K/V through the page tables."""
     out = torch.empty(q.shape[0], c.num_attention_heads * c.head_dim, dtype=q.dtype, device=q.device)
     kvh, groups, hd = c.num_key_value_heads, c.num_query_groups, c.head_dim
     scale = 1.0 / math.sqrt(hd)
     b = meta.decode_rows
-    if b:
+    if b and kv.buffer.device.type == "cpu" and _kernel_takes(c):  # reads the pages in place
+        qd = q[:b].contiguous()
+        o = kernels.paged_decode_attention(
+            qd, kv.buffer, meta.decode_pages, meta.decode_ctx, layer - kv.layer_start, scale
+        )
+        out[:b] = o.view(b, -1)
+    elif b:
         # One query per request: batch them; query heads of a group share one K/V head.
         pages = kv.gather(layer, meta.decode_pages)  # [B, P, 2, page_size, kvh, hd]
         keys = pages[:, :, 0].reshape(b, -1, kvh, hd).transpose(1, 2)  # [B, kvh, T, hd]

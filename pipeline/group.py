@@ -41,6 +41,7 @@ from engine.pages import PageAllocator
 from engine.prefix_cache import PrefixCache
 from engine.scheduler import Scheduler
 from engine.weights import LoadedModel, load_model
+from pipeline import cores
 from pipeline import dist as pp_dist
 from pipeline.messages import Abort, Add, CacheEvents, Finish, Shutdown, Token
 from pipeline.metrics import RankRecorder
@@ -84,7 +85,7 @@ class RankGroup:
         # every rendezvous key under a prefix only this node's ranks know (the store takes any
         # writer); ranks on other hosts (num_hosts > 1) could not learn it, so none then
         store_key = secrets.token_hex(16) if pp.num_hosts == 1 else ""
-        threads = config.threads or max(1, (os.cpu_count() or 1) // pp.ranks_per_host)
+        threads = config.threads  # 0: each rank takes its share of the host's cores (pipeline/cores.py)
         self.procs = [
             ctx.Process(
                 target=rank_main,
@@ -380,7 +381,11 @@ def rank_main(
     rpc.configure(Security(**security))  # the front's TLS: KV receivers and senders are servers and channels
     config, pp = EngineConfig(**config), PPConfig(**pp)
     faults.init(config.fault_inject, rank)
-    torch.set_num_threads(threads)
+    if threads:
+        torch.set_num_threads(threads)
+    else:
+        cores.join()
+        closers.append(cores.leave)
     try:
         model = load_model(config.model, progress=False)
         device = resolve_device(config.device)
@@ -416,6 +421,7 @@ def rank_main(
         raise
     finally:
         built.close()
+        cores.leave()
 
 
 def _exit_with_parent(rank: int, closers: list[Callable[[], None]]) -> None:

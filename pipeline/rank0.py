@@ -34,6 +34,7 @@ from engine.pages import PageTable
 from engine.request import Phase, Request
 from engine.sampler import Sampler
 from engine.scheduler import ScheduledStep, Scheduler
+from pipeline import cores
 from pipeline.agent import KVAgent
 from pipeline.dist import Link
 from pipeline.log import ABORT, ADMIT, CONTROL, FINISH, REUSE, SHUTDOWN, STEP, LogEntry, Message, PipelineLog
@@ -111,6 +112,7 @@ class Rank0Loop:
                 for req, pages in self.scheduler.take_evicted():
                     self.role.evicted(req, pages)
             if step is not None:
+                cores.refresh()
                 self._launch(step)
             elif self._unsent:
                 self._send(Message(CONTROL, self._take_unsent()))

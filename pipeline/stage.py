@@ -17,6 +17,7 @@ from engine.logits import logprob_width, pack_logprobs, prompt_logprobs, prompt_
 from engine.model import ModelStage
 from engine.request import Request
 from engine.sampler import Sampler
+from pipeline import cores
 from pipeline.agent import KVAgent
 from pipeline.dist import Link
 from pipeline.log import ADMIT, APPEND, ENDS, REUSE, SHUTDOWN, STEP, LogEntry, Message, PipelineLog
@@ -51,6 +52,7 @@ class StageLoop:
             msg = Message.decode(raw)
             self._apply(msg.decisions)
             if msg.kind == STEP:
+                cores.refresh()
                 b = msg.batch
                 if self.reused:
                     self._check_reuse(b)

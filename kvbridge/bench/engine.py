@@ -1,12 +1,14 @@
 """Engine throughput beside Hugging Face transformers, same weights, same run.
 
-Prefill and decode tokens/s at batch 1 and 16 on the default model; each also as a
-fraction of the weight-streaming limit: a decode step reads every weight once, so at
-best it takes weight_bytes / memcpy traffic (2 x bytes copied per second, measured in
-this run).
+Prefill tokens/s at batch 1 (256 and 2,048 tokens) and 16 (128 each), decode tokens/s at
+batch 1, 16 and 32, on the default model, in the engine's dtype (--dtype, default auto) with
+transformers in the same dtype. The prefix cache is off: a repeat computes its prompt again (a
+cache hit would measure the cache, not the prefill). Each decode is also a fraction of the
+weight-streaming limit: a decode step reads every weight once, so at best it takes
+weight_bytes / memcpy traffic (2 x bytes copied per second, measured in this run).
 One JSON object per line on stdout; progress on stderr.
 
-    python -m kvbridge.bench.engine [--model M] [--repeats 3] [--json]
+    python -m kvbridge.bench.engine [--model M] [--dtype D] [--repeats 3] [--json]
 """
 
 from __future__ import annotations
@@ -21,12 +23,13 @@ import torch
 
 from common.progress import Progress
 from common.sampling import SamplingParams
+from engine import kernels
 from engine.config import EngineConfig
 from engine.llm import LLM
 from engine.weights import load_model, smollm2_path
 
-PREFILL = {1: 512, 16: 128}  # batch -> prompt tokens per request
-DECODE_PROMPT, DECODE_STEPS = 64, 32
+PREFILL = [(1, 256), (1, 2048), (16, 128)]  # (batch, prompt tokens per request)
+DECODE_BATCHES, DECODE_PROMPT, DECODE_STEPS = (1, 16, 32), 64, 32
 
 
 def bandwidth_gbps(nbytes: int = 1 << 28, repeats: int = 5) -> tuple[float, float]:
@@ -108,6 +111,7 @@ def hf_decode(hf, batch: list[list[int]]) -> float:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvbridge bench engine", description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", action="store_true", help="JSON lines (the only output format; kept for symmetry)")
     args = ap.parse_args(argv)
@@ -118,17 +122,19 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM
 
     model = load_model(args.model)
-    llm = LLM(EngineConfig(model=args.model, chunked_prefill_size=0), model=model, progress=False)
+    config = EngineConfig(model=args.model, dtype=args.dtype, chunked_prefill_size=0, disable_prefix_cache=True)
+    llm = LLM(config, model=model, progress=False)
     gguf = smollm2_path() if args.model == "smollm2-135m-instruct" else None
     if gguf is None:
         print("bench engine: the transformers baseline needs the default model's GGUF", file=sys.stderr)
         return 2
     print("loading the transformers baseline ...", file=sys.stderr)
-    hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    hf = hf.to(llm.dtype).eval()
 
     vocab = model.config.vocab_size
-    cases = [("prefill", b, prompts(b, n, vocab, seed=b)) for b, n in PREFILL.items()]
-    cases += [("decode", b, prompts(b, DECODE_PROMPT, vocab, seed=100 + b)) for b in (1, 16)]
+    cases = [("prefill", b, prompts(b, n, vocab, seed=b + n)) for b, n in PREFILL]
+    cases += [("decode", b, prompts(b, DECODE_PROMPT, vocab, seed=100 + b)) for b in DECODE_BATCHES]
     runners = {"prefill": (ours_prefill, hf_prefill), "decode": (ours_decode, hf_decode)}
     ours_prefill(llm, prompts(1, 32, vocab, 0))  # warm-up both
     hf_prefill(hf, prompts(1, 32, vocab, 0))
@@ -137,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(args.repeats):  # interleaved, so drift on a shared machine hits both sides
             for phase, b, batch in cases:
                 ours_fn, hf_fn = runners[phase]
-                r = results.setdefault((phase, b), ([], []))
+                r = results.setdefault((phase, b, len(batch[0])), ([], []))
                 r[0].append(ours_fn(llm, batch))
                 r[1].append(hf_fn(hf, batch))
                 bar.advance()
@@ -148,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     header = {
         "bench": "engine",
         "model": args.model,
+        "dtype": str(llm.dtype).removeprefix("torch."),
+        "prefix_cache": False,
+        "attention_kernel": kernels.available(),
         "threads": torch.get_num_threads(),
         "memcpy_gbps": round(copy_gbps, 2),
         "memcpy_traffic_gbps": round(2 * copy_gbps, 2),
@@ -156,13 +165,13 @@ def main(argv: list[str] | None = None) -> int:
         "weight_streaming_limit_steps_per_s": round(limit_steps, 2),
     }
     print(json.dumps(header))
-    for (phase, b), (ours, theirs) in results.items():
+    for (phase, b, n), (ours, theirs) in results.items():
         o, t = statistics.median(ours), statistics.median(theirs)
         row = {
             "bench": "engine",
             "phase": phase,
             "batch": b,
-            "prompt_tokens": PREFILL[b] if phase == "prefill" else DECODE_PROMPT,
+            "prompt_tokens": n,
             "ours_tok_s": round(o, 1),
             "hf_tok_s": round(t, 1),
             "ratio": round(o / t, 3),

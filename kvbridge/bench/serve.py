@@ -7,6 +7,7 @@ the metric definitions of `vllm bench serve`.
         [--random-output-len 128] [--random-range-ratio 0.0]
         [--request-rate inf | --request-rates 1,2,4,8,inf] [--burstiness 1.0] [--max-concurrency N]
         [--goodput ttft:MS tpot:MS e2el:MS] [--seed 0] [--json]
+    kvbridge bench serve --base-url http://HOST:PORT [--served-model NAME] [--label vllm] [the load flags]
     kvbridge bench serve --mode interference [--cores 0,1] [--itf-streams 4] [--itf-long-prompts 8] ...
     kvbridge bench serve --mode handoff [--num-prompts 100] [--random-input-len 32] [--random-output-len 4] ...
 
@@ -18,6 +19,10 @@ generator (kvbridge/bench/serve_client.py) runs in a child process of its own. O
 rate) run with vLLM's figures (kvbridge/bench/serve_metrics.py), then a summary line: disaggregated /
 colocated ratios at each rate and the low-load TTFT overhead (disaggregated median TTFT minus
 colocated median TTFT at the lowest rate, ms).
+
+With --base-url, a sweep drives a server it did not start (vLLM, llama.cpp's llama-server, a
+kvbridge router started by hand) with the same load and metrics, its rows labelled --label; --model
+names the tokenizer the prompts are built with, --served-model the model name the requests carry.
 
 Interference mode: the disaggregated stack with its prefill node pinned to --cores[0] and its
 decode node to --cores[1], against a colocated node pinned to all of --cores (each a
@@ -51,6 +56,7 @@ import multiprocessing
 import os
 import sys
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
 
 from engine.config import EngineConfig
 from kvbridge.bench import serve_client, serve_data, serve_metrics
@@ -153,6 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--itf-long-output-len", type=int, default=4)
     ap.add_argument("--itf-long-rate", type=float, default=0.5, help="long prompts per second (Poisson)")
     ap.add_argument("--itf-quiet-s", type=float, default=3.0, help="streams alone before the long prompts")
+    ap.add_argument("--base-url", default=None, help="drive this OpenAI-compatible server instead of starting stacks")
+    ap.add_argument("--served-model", default=None, help="with --base-url: the model name its requests carry")
+    ap.add_argument("--label", default="external", help="with --base-url: the stack name in the JSON rows")
     ap.add_argument("--log-level", default="error", help="node and router logs on stderr (default: error)")
     ap.add_argument("--json", action="store_true", help="JSON lines (the only output format)")
     return ap
@@ -185,6 +194,10 @@ def check(args: argparse.Namespace) -> None:
         args.slo_ms = serve_metrics.parse_goodput(args.goodput)
     except ValueError as e:
         raise BenchUsageError(str(e)) from None
+    if args.base_url is not None and args.mode != "sweep":
+        raise BenchUsageError(f"--base-url drives a sweep; --mode {args.mode} starts its own stacks")
+    if args.base_url is not None and not args.base_url.startswith(("http://", "https://")):
+        raise BenchUsageError(f"--base-url must start with http:// or https://, got {args.base_url!r}")
     if args.mode == "interference" and args.cores is None:
         allowed = sorted(os.sched_getaffinity(0))
         if len(allowed) < 2:
@@ -250,7 +263,7 @@ def probe_min_tokens(pool, args: argparse.Namespace, base_url: str, sample: Samp
     short = Sample(sample.prompt, sample.prompt_len, min(4, sample.output_len))
     errors = []
     for min_tokens in tries:
-        target = HttpTarget(base_url, args.endpoint, args.model, min_tokens, args.request_timeout_s)
+        target = HttpTarget(base_url, args.endpoint, served_model(args), min_tokens, args.request_timeout_s)
         [rec], _ = pool.submit(serve_client.run_load, target, [short], [0.0], None, 0, "probe").result()
         if rec.ok:
             if errors:
@@ -258,6 +271,11 @@ def probe_min_tokens(pool, args: argparse.Namespace, base_url: str, sample: Samp
             return min_tokens
         errors.append(rec.error)
     raise StackBroken(f"the probe request to {base_url} failed: {' / '.join(errors)}")
+
+
+def served_model(args: argparse.Namespace) -> str:
+    """The model name requests carry: --served-model, else --model (kvbridge serves it by that name)."""
+    return args.served_model or args.model
 
 
 def row_head(args: argparse.Namespace, stack, min_tokens: bool) -> dict:
@@ -277,6 +295,22 @@ def ratio(a, b) -> float | None:
     return round(a / b, 3) if isinstance(a, int | float) and isinstance(b, int | float) and b else None
 
 
+@dataclass
+class ExternalStack:
+    """A server this bench did not start (--base-url): a peer such as vLLM or llama.cpp, or a
+    kvbridge fleet started by hand."""
+
+    name: str
+    url: str
+
+    @property
+    def layout(self) -> dict:
+        return {"base_url": self.url}
+
+    def stop(self) -> None:
+        pass
+
+
 def sweep(args: argparse.Namespace, pool, samples: list[Sample], dataset: dict) -> int:
     from kvbridge.bench.serve_stacks import start_in_process, wait_healthy
 
@@ -285,8 +319,11 @@ def sweep(args: argparse.Namespace, pool, samples: list[Sample], dataset: dict) 
     )
     rates = args.request_rates or [args.request_rate]
     stacks = []
+    if args.base_url is not None:
+        args.stacks = [args.label]
+        stacks.append(ExternalStack(args.label, args.base_url.rstrip("/")))
     try:
-        for name in args.stacks:
+        for name in args.stacks if args.base_url is None else ():
             log(f"starting the {name} stack (model {args.model}) ...")
             stacks.append(
                 start_in_process(name, config, args.pp, args.prefill_pp, args.decode_pp, args.request_timeout_s)
@@ -311,12 +348,12 @@ def sweep(args: argparse.Namespace, pool, samples: list[Sample], dataset: dict) 
                 label = f"{stack.name} rate {rate_of(rate)}"
                 log(f"{label}: {len(samples)} requests ...")
                 arrivals = serve_data.arrival_times(len(samples), rate, args.burstiness, args.seed)
-                target = HttpTarget(stack.url, args.endpoint, args.model, min_tokens, args.request_timeout_s)
+                target = HttpTarget(stack.url, args.endpoint, served_model(args), min_tokens, args.request_timeout_s)
                 job = (target, samples, arrivals, args.max_concurrency, args.warmups, label)
                 load_before = os.getloadavg()[0]
                 records, duration = pool.submit(serve_client.run_load, *job).result()
                 row = row_head(args, stack, min_tokens) | {
-                    "layout": stack.layout | {"threads": args.threads},
+                    "layout": stack.layout | ({"threads": args.threads} if args.base_url is None else {}),
                     "dataset": dataset,
                     "num_prompts": len(samples),
                     "request_rate": rate_of(rate),

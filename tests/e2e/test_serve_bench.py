@@ -86,6 +86,28 @@ def test_conversation_dataset_through_completions_on_one_stack(capsys, tokenizer
     assert summary["low_load_ttft_overhead_ms"] is None
 
 
+def test_base_url_drives_a_server_it_did_not_start(capsys, tokenizer):
+    """How a peer (vLLM, llama-server) is measured by the same code: here a kvbridge colocated stack
+    started beside the bench, named by its URL only."""
+    from engine.config import EngineConfig
+    from kvbridge.bench.serve_stacks import start_in_process, wait_healthy
+
+    stack = start_in_process("colocated", EngineConfig(model="tiny-random"), 1, 1, 1, 60.0)
+    try:
+        wait_healthy(stack)
+        argv = ["--base-url", stack.url + "/", "--label", "peer", "--served-model", "tiny-random", "--num-prompts",
+                "5", "--random-input-len", "30", "--random-output-len", "7", "--warmups", "0", "--json"]  # fmt: skip
+        rows = run_bench(capsys, argv)
+    finally:
+        stack.stop()
+    [run], summary = rows[:-1], rows[-1]
+    assert set(run) == RUN_KEYS and run["stack"] == "peer" and run["layout"] == {"base_url": stack.url}
+    assert run["completed"] == 5 and run["failed"] == 0 and run["total_output_tokens"] == 35
+    samples = serve_data.random_dataset(serve_data.RandomSpec(30, 7, 0.0), 5, 0, True, tokenizer, 320)
+    assert run["total_input_tokens"] == sum(s.prompt_len for s in samples)
+    assert summary["stacks"] == ["peer"] and summary["ratios"] == []
+
+
 @pytest.mark.slow
 def test_interference_mode_pins_the_nodes_and_reports_both_windows(capsys):
     argv = ["--mode", "interference", "--itf-streams", "2", "--itf-stream-output-len", "64", "--itf-long-prompts",
@@ -149,6 +171,8 @@ def test_pinned_nodes_and_their_ranks_run_on_their_cores():
         (["--model", "no-such-model"], "'no-such-model'"),
         (["--random-input-len", "5000", "--endpoint", "completions"], "5000 prompt"),
         (["--endpoint", "grpc"], "'grpc'"),
+        (["--base-url", "localhost:8000"], "'localhost:8000'"),
+        (["--base-url", "http://h:1", "--mode", "handoff"], "--mode handoff"),
     ],
 )
 def test_a_bad_flag_is_one_line_naming_the_value_and_exit_2(capsys, argv, named):

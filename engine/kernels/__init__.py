@@ -1,0 +1,101 @@
+"""CPU kernels of our own, built from source with the machine's C++ compiler on first use.
+
+`paged_decode_attention(q, pool, tables, ctx_lens, layer, scale)`: one query token per request
+attending over its pages of the KV pool, read in place (paged_attention.cpp). The build takes
+~30 s once per machine (torch's extension cache, ~/.cache/torch_extensions, keyed by the
+source, the flags and this CPU); later starts load it in well under a second. Where it cannot
+be built (no compiler) or KVBRIDGE_KERNELS=0, `available()` is False and the engine uses torch's
+ops (slower, same results within float rounding).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("paged_attention.cpp")
+# -march=native: the build is keyed by this CPU's flags below, so a cache copied to another CPU
+# builds again. Reassociation lets the compiler vectorize the float sums. OpenMP: ATen's
+# parallel_for is inline and runs on one thread without it (the runtime is torch's own libgomp).
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros"]
+CFLAGS += ["-fno-trapping-math"]
+LDFLAGS = ["-fopenmp"]
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}  # "ok": bool once tried, "error": why not
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build_name() -> str:
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS + LDFLAGS).encode() + _cpu_flags().encode())
+    key.update(torch.__version__.encode())
+    return f"kvbridge_kernels_{key.hexdigest()[:16]}"
+
+
+def available() -> bool:
+    """Whether the kernels are loaded (building them now if needed); False where they cannot be."""
+    if "ok" in _state:
+        return bool(_state["ok"])
+    with _lock:
+        if "ok" not in _state:
+            _state["ok"] = _load()
+    return bool(_state["ok"])
+
+
+def _load() -> bool:
+    if os.environ.get("KVBRIDGE_KERNELS", "1") == "0":
+        _state["error"] = "KVBRIDGE_KERNELS=0"
+        return False
+    from torch.utils import cpp_extension
+
+    name = _build_name()
+    built = Path(cpp_extension._get_build_directory(name, verbose=False)) / f"{name}.so"
+    t0 = time.perf_counter()
+    try:
+        if not built.exists():  # (a built one is loaded as it is: no compiler, no build lock)
+            log.warning("building the CPU attention kernel (%s, once per machine, ~30 s)", SOURCE.name)
+            flags = {"extra_cflags": CFLAGS, "extra_ldflags": LDFLAGS}
+            cpp_extension.load(name, [str(SOURCE)], **flags, is_python_module=False)
+        torch.ops.load_library(str(built))
+    except Exception as e:  # (no compiler, no ninja, headers missing): torch's ops serve instead
+        _state["error"] = f"{type(e).__name__}: {str(e)[-300:]}"
+        log.warning("the CPU attention kernel is not available (%s); using torch's ops", _state["error"])
+        return False
+    log.info("CPU attention kernel loaded in %.1f s", time.perf_counter() - t0)
+    return True
+
+
+def error() -> str:
+    """Why the kernels are not available ("" when they are or were not tried)."""
+    return str(_state.get("error", ""))
+
+
+def supports(heads: int, kv_heads: int, head_dim: int) -> bool:
+    """Whether the kernel takes these head shapes (else the engine uses torch's ops)."""
+    return head_dim % 16 == 0 and head_dim <= 256 and heads % kv_heads == 0 and heads // kv_heads <= 8
+
+
+def paged_decode_attention(
+    q: torch.Tensor, pool: torch.Tensor, tables: torch.Tensor, ctx_lens: torch.Tensor, layer: int, scale: float
+) -> torch.Tensor:
+    """q [B, heads, head_dim] -> [B, heads, head_dim]; pool [pages, layers, 2, page_size, kv_heads,
+    head_dim]; tables [B, max_pages] int64; ctx_lens [B] int64; layer: index into the pool."""
+    return torch.ops.kvbridge.paged_decode_attention(q, pool, tables, ctx_lens, layer, scale)

@@ -1,0 +1,91 @@
+"""The CPU decode-attention kernel (engine/kernels) against attention computed by torch from the
+gathered pages: fp32 to float rounding, bf16 and fp16 within one rounding of the output; GQA,
+contexts of 1 token to many pages, pages in any order; bad tables refused with a message.
+And the engine's decode through it is the engine's decode through torch's ops."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from common.sampling import SamplingParams
+from engine import kernels
+from engine.config import EngineConfig
+from engine.llm import LLM
+
+PAGES, LAYERS, PS, KVH, HD, HEADS = 40, 3, 16, 3, 64, 9
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"no C++ compiler here: {kernels.error()}")
+
+
+def reference(q, pool, tables, lens, layer, scale):
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for b in range(q.shape[0]):
+        ctx = int(lens[b])
+        pages = pool[tables[b], layer].double()  # [P, 2, PS, KVH, HD]
+        k = pages[:, 0].reshape(-1, KVH, HD)[:ctx].repeat_interleave(HEADS // KVH, dim=1)  # [T, heads, HD]
+        v = pages[:, 1].reshape(-1, KVH, HD)[:ctx].repeat_interleave(HEADS // KVH, dim=1)
+        weights = (torch.einsum("hd,thd->ht", q[b].double(), k) * scale).softmax(-1)
+        out[b] = torch.einsum("ht,thd->hd", weights, v)
+    return out
+
+
+def case(dtype, lens, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    pool = torch.randn(PAGES, LAYERS, 2, PS, KVH, HD, generator=g).to(dtype)
+    max_pages = max(-(-n // PS) for n in lens)
+    tables = torch.stack([torch.randperm(PAGES, generator=g)[:max_pages] for _ in lens])
+    q = torch.randn(len(lens), HEADS, HD, generator=g).to(dtype)
+    return q, pool, tables, torch.tensor(lens)
+
+
+@pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 2e-6), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
+def test_decode_attention_equals_attention_over_the_gathered_pages(dtype, tolerance):
+    lens = [1, 15, 16, 17, 100, 16 * 12]
+    q, pool, tables, ctx = case(dtype, lens)
+    scale = 1 / math.sqrt(HD)
+    for layer in range(LAYERS):
+        got = kernels.paged_decode_attention(q, pool, tables, ctx, layer, scale)
+        assert got.dtype == dtype and got.shape == q.shape
+        want = reference(q, pool, tables, ctx, layer, scale)
+        assert (got.double() - want).abs().max().item() <= tolerance
+    # a one-token context is that token's V exactly, for every query head of its group
+    one = kernels.paged_decode_attention(q, pool, tables, ctx, 0, scale)[0]
+    v = pool[tables[0, 0], 0, 1, 0]  # [KVH, HD]
+    assert torch.equal(one, v.repeat_interleave(HEADS // KVH, dim=0))
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda q, pool, t, n: (q, pool, t, n.clone().fill_(0)), "context length out of range"),
+        (lambda q, pool, t, n: (q, pool, t, n + PS * t.shape[1]), "context length out of range"),
+        (lambda q, pool, t, n: (q, pool, t.clone().fill_(PAGES), n), "page id out of range"),
+        (lambda q, pool, t, n: (q, pool, t.int(), n), "tables must be a contiguous int64"),
+        (lambda q, pool, t, n: (q.float(), pool, t, n), "q and pool dtypes differ"),
+        (lambda q, pool, t, n: (q[:, :4], pool, t, n), "q must be a contiguous"),
+    ],
+)
+def test_bad_arguments_are_refused_before_any_read(change, message):
+    args = change(*case(torch.bfloat16, [5, 40]))
+    with pytest.raises(RuntimeError, match=message):
+        kernels.paged_decode_attention(*args, 0, 0.125)
+
+
+def test_engine_decode_through_the_kernel_equals_torchs_ops(tiny_model, monkeypatch):
+    """Greedy tokens and their logprobs, batched decodes at several lengths (fp32)."""
+    prompts = [[5 + i * 7 % 50 for i in range(n)] for n in (3, 17, 40, 66)]
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True, logprobs=0)
+
+    def run():
+        llm = LLM(EngineConfig(model="tiny-random", dtype="float32", page_size=8), model=tiny_model, progress=False)
+        return [(c.output_ids, [lp.logprob for lp in c.logprobs]) for c in llm.generate(prompts, params)]
+
+    fast = run()
+    monkeypatch.setattr(kernels, "available", lambda: False)
+    slow = run()
+    for (ids_f, lp_f), (ids_s, lp_s) in zip(fast, slow):
+        assert ids_f == ids_s
+        assert lp_f == pytest.approx(lp_s, abs=1e-5)
