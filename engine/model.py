@@ -63,25 +63,52 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+class Linear:
+    """y = x W^T (+ b). torch's matmul; or, for bfloat16 on an AVX-512 CPU (`packed`), the weights
+    packed once for engine/kernels/linear_bf16.cpp (bf16 weights widened to float32 in registers,
+    float32 sums, the same for a row whatever it is batched with; torch's own bf16 matmul is
+    slower than its fp32 one on CPUs without AMX)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, packed: bool = False):
+        self.out_features = weight.shape[0]
+        self.bias = bias
+        self.packed = kernels.pack_bf16(weight) if packed else None
+        self.weight = None if packed else weight
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a matmul reads (the packed weights: padded to whole tiles)."""
+        w = self.weight if self.packed is None else self.packed
+        return w.nbytes + (0 if self.bias is None else self.bias.nbytes)
+
+    def __call__(self, x: torch.Tensor, out_float: bool = False) -> torch.Tensor:
+        if self.packed is None:
+            y = F.linear(x, self.weight, self.bias)
+            return y.float() if out_float else y
+        y = kernels.linear_bf16(x, self.packed, self.out_features, out_float)
+        return y if self.bias is None else y + self.bias
+
+
 class DecoderLayer:
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], prefix: str):
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], prefix: str, packed: bool = False):
         w = weights
         self.config = config
         self.input_norm = w[f"{prefix}.input_layernorm.weight"]
         self.post_norm = w[f"{prefix}.post_attention_layernorm.weight"]
         # q, k, v fused into one matmul; gate and up fused into another.
         attn = f"{prefix}.self_attn"
-        self.qkv = torch.cat([w[f"{attn}.{n}_proj.weight"] for n in "qkv"])
-        self.qkv_bias = torch.cat([w[f"{attn}.{n}_proj.bias"] for n in "qkv"]) if config.attention_bias else None
-        self.o = w[f"{attn}.o_proj.weight"]
-        self.gate_up = torch.cat([w[f"{prefix}.mlp.gate_proj.weight"], w[f"{prefix}.mlp.up_proj.weight"]])
-        self.down = w[f"{prefix}.mlp.down_proj.weight"]
+        qkv_bias = torch.cat([w[f"{attn}.{n}_proj.bias"] for n in "qkv"]) if config.attention_bias else None
+        self.qkv = Linear(torch.cat([w[f"{attn}.{n}_proj.weight"] for n in "qkv"]), qkv_bias, packed)
+        self.o = Linear(w[f"{attn}.o_proj.weight"], packed=packed)
+        gate_up = torch.cat([w[f"{prefix}.mlp.gate_proj.weight"], w[f"{prefix}.mlp.up_proj.weight"]])
+        self.gate_up = Linear(gate_up, packed=packed)
+        self.down = Linear(w[f"{prefix}.mlp.down_proj.weight"], packed=packed)
 
     def forward(self, layer: int, h: torch.Tensor, meta: AttentionMetadata, rope: tuple, kv: KVPool) -> torch.Tensor:
         c = self.config
         n = h.shape[0]
         x = rms_norm(h, self.input_norm, c.rms_norm_eps)
-        qkv = F.linear(x, self.qkv, self.qkv_bias)
+        qkv = self.qkv(x)
         heads, kv_heads = c.num_attention_heads, c.num_key_value_heads
         # q and k heads side by side: [N, heads + kv_heads, head_dim], rotated in one go
         qk = apply_rope(qkv[:, : (heads + kv_heads) * c.head_dim].view(n, heads + kv_heads, c.head_dim), *rope)
@@ -89,10 +116,10 @@ class DecoderLayer:
         v = qkv[:, (heads + kv_heads) * c.head_dim :].view(n, kv_heads, c.head_dim)
         kv.write(layer, meta.slot_pages, meta.slot_offsets, k, v)
         attn = paged_attention(q, layer, meta, kv, c)
-        h = h + F.linear(attn, self.o)
+        h = h + self.o(attn)
         x = rms_norm(h, self.post_norm, c.rms_norm_eps)
-        gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
-        return h + F.linear(F.silu(gate) * up, self.down)
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return h + self.down(F.silu(gate) * up)
 
 
 def _kernel_takes(c: ModelConfig) -> bool:
@@ -127,6 +154,8 @@ def paged_attention(q: torch.Tensor, layer: int, meta: AttentionMetadata, kv: KV
         keys = keys.repeat_interleave(groups, dim=0)  # [heads, T, hd]
         values = values.repeat_interleave(groups, dim=0)
         qp = q[row : row + q_len].transpose(0, 1)  # [heads, q_len, hd]
+        if qp.dtype == torch.bfloat16 and qp.device.type == "cpu":  # (torch's bf16 flash kernel: 2x slower here)
+            qp, keys, values = qp.float(), keys.float(), values.float()
         # 4-D inputs: torch's fused CPU kernel takes them; 3-D ones fall back to plain math
         o = F.scaled_dot_product_attention(
             qp[None], keys[None], values[None], attn_mask=mask, is_causal=mask is None, scale=scale
@@ -160,12 +189,13 @@ class ModelStage:
             return weights[name].to(device=self.device, dtype=dtype)
 
         needed = {k: take(k) for k in weights if _belongs(k, start, end, self.is_first, self.is_last, config)}
+        self.packed = packed = dtype == torch.bfloat16 and self.device.type == "cpu" and kernels.bf16_linear()
         self.embed = needed.get("model.embed_tokens.weight") if self.is_first else None
-        self.layers = [DecoderLayer(config, needed, f"model.layers.{i}") for i in range(start, end)]
+        self.layers = [DecoderLayer(config, needed, f"model.layers.{i}", packed) for i in range(start, end)]
         self.norm = needed["model.norm.weight"] if self.is_last else None
         if self.is_last:
             head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
-            self.lm_head = needed[head] if head in needed else take(head)
+            self.lm_head = Linear(needed[head] if head in needed else take(head), packed=packed)
         inv_freq = rope_inv_freq(config)
         freqs = torch.outer(torch.arange(config.max_position_embeddings, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -192,7 +222,7 @@ class ModelStage:
         if not self.is_last:
             return h
         h = rms_norm(h[meta.sample_rows], self.norm, self.config.rms_norm_eps)
-        return F.linear(h, self.lm_head).float()
+        return self.lm_head(h, out_float=True)
 
 
 def _belongs(name: str, start: int, end: int, first: bool, last: bool, config: ModelConfig) -> bool:

@@ -3,10 +3,11 @@
 A prefill and a decode node on one 2-core host each took torch's default of 2 threads and
 fought over the cores (P+D at 32 streams: 0.64 req/s; 1 thread each: 0.91). Each rank process
 registers itself in a directory shared by the host's processes (/dev/shm/kvbridge-ranks: one
-file per rank, named by its pid) and computes with cores // (live ranks) threads, at least 1.
-It looks again every REFRESH_S from its compute loop, so a node started or stopped beside it
-changes its share within seconds. A pod (its own /dev/shm) counts only its own ranks.
-`--threads N` sets N and registers nothing.
+file per rank, named by its pid, touched while it computes) and computes with
+cores // (busy ranks) threads, at least 1: a rank is busy when it computed within ACTIVE_S (an
+idle node beside a busy one leaves it every core). Each rank looks again at most every REFRESH_S,
+from its compute loop before a step, so a neighbour's load changes its share within seconds. A pod
+(its own /dev/shm) counts only its own ranks. `--threads N` sets N and registers nothing.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 import torch
 
 REFRESH_S = 2.0
+ACTIVE_S = 2.5 * REFRESH_S  # a rank that computes touches its file every REFRESH_S
 
 _mine: Path | None = None  # this process's registration
 _next_check = 0.0
@@ -38,9 +40,10 @@ def host_cores() -> int:
         return os.cpu_count() or 1
 
 
-def live_ranks() -> int:
-    """Registered ranks whose process is alive (registrations of dead ones are removed)."""
-    count = 0
+def busy_ranks() -> int:
+    """Registered ranks whose process is alive and computed within ACTIVE_S, this one always
+    counted (registrations of dead processes are removed)."""
+    count, since = 0, time.time() - ACTIVE_S
     with contextlib.suppress(FileNotFoundError):
         for entry in directory().iterdir():
             if not entry.name.isdigit():
@@ -52,12 +55,14 @@ def live_ranks() -> int:
                 continue
             except PermissionError:  # another user's live process
                 pass
-            count += 1
-    return count
+            with contextlib.suppress(FileNotFoundError):
+                if entry == _mine or entry.stat().st_mtime >= since:
+                    count += 1
+    return max(1, count)
 
 
 def share() -> int:
-    return max(1, host_cores() // max(1, live_ranks()))
+    return max(1, host_cores() // busy_ranks())
 
 
 def join() -> int:
@@ -80,8 +85,7 @@ def refresh() -> None:
     if _mine is None or time.monotonic() < _next_check:
         return
     _next_check = time.monotonic() + REFRESH_S
-    if not _mine.exists():  # (removed by hand, or by a process that took our pid for dead)
-        _mine.touch()
+    _mine.touch()  # computing (recreated if removed by hand)
     threads = share()
     if threads != torch.get_num_threads():
         torch.set_num_threads(threads)

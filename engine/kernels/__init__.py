@@ -22,7 +22,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("paged_attention.cpp")
+SOURCES = [Path(__file__).with_name(n) for n in ("paged_attention.cpp", "linear_bf16.cpp")]
 # -march=native: the build is keyed by this CPU's flags below, so a cache copied to another CPU
 # builds again. Reassociation lets the compiler vectorize the float sums. OpenMP: ATen's
 # parallel_for is inline and runs on one thread without it (the runtime is torch's own libgomp).
@@ -45,7 +45,8 @@ def _cpu_flags() -> str:
 
 
 def _build_name() -> str:
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS + LDFLAGS).encode() + _cpu_flags().encode())
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(CFLAGS + LDFLAGS).encode())
+    key.update(_cpu_flags().encode())
     key.update(torch.__version__.encode())
     return f"kvbridge_kernels_{key.hexdigest()[:16]}"
 
@@ -71,9 +72,9 @@ def _load() -> bool:
     t0 = time.perf_counter()
     try:
         if not built.exists():  # (a built one is loaded as it is: no compiler, no build lock)
-            log.warning("building the CPU attention kernel (%s, once per machine, ~30 s)", SOURCE.name)
+            log.warning("building the CPU kernels (engine/kernels, once per machine, ~30 s)")
             flags = {"extra_cflags": CFLAGS, "extra_ldflags": LDFLAGS}
-            cpp_extension.load(name, [str(SOURCE)], **flags, is_python_module=False)
+            cpp_extension.load(name, [str(p) for p in SOURCES], **flags, is_python_module=False)
         torch.ops.load_library(str(built))
     except Exception as e:  # (no compiler, no ninja, headers missing): torch's ops serve instead
         _state["error"] = f"{type(e).__name__}: {str(e)[-300:]}"
@@ -91,6 +92,23 @@ def error() -> str:
 def supports(heads: int, kv_heads: int, head_dim: int) -> bool:
     """Whether the kernel takes these head shapes (else the engine uses torch's ops)."""
     return head_dim % 16 == 0 and head_dim <= 256 and heads % kv_heads == 0 and heads // kv_heads <= 8
+
+
+def bf16_linear() -> bool:
+    """Whether bfloat16 matmuls go through linear_bf16.cpp: the kernels are loaded and this CPU has
+    AVX-512 (they were built for it: -march=native)."""
+    return "avx512f" in _cpu_flags().split() and available()
+
+
+def pack_bf16(w: torch.Tensor) -> torch.Tensor:
+    """w [N, K] -> its packed form for linear_bf16."""
+    return torch.ops.kvbridge.pack_bf16(w.to(torch.bfloat16))
+
+
+def linear_bf16(x: torch.Tensor, packed: torch.Tensor, n: int, out_float: bool = False) -> torch.Tensor:
+    """x [..., K] bf16 -> x W^T [..., n], float32 if `out_float` else bf16."""
+    y = torch.ops.kvbridge.linear_bf16(x.reshape(-1, x.shape[-1]), packed, n, out_float)
+    return y.view(*x.shape[:-1], n)
 
 
 def paged_decode_attention(

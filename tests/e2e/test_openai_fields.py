@@ -24,7 +24,7 @@ from router.server import start_router
 from serving.config import NodeConfig
 from tests.pd import start_nodes, stop_nodes, wait_idle
 
-CONFIG = EngineConfig(kv_cache_tokens=4096, chunked_prefill_size=64)
+CONFIG = EngineConfig(dtype="float32", kv_cache_tokens=4096, chunked_prefill_size=64)  # (against HF fp32)
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 SCHEMA = {
     "type": "object",

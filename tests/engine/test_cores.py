@@ -1,11 +1,12 @@
-"""pipeline/cores.py: the host's cores split over the live kvbridge ranks registered on it; dead
-registrations are removed; a rank takes a changed share at its next refresh."""
+"""pipeline/cores.py: the host's cores split over the busy kvbridge ranks registered on it (alive,
+computed lately); dead registrations are removed; a rank takes a changed share at its next refresh."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -37,7 +38,7 @@ def test_the_cores_are_split_over_the_live_ranks_and_the_dead_are_forgotten(regi
         for p in (other, gone):
             (registry / str(p.pid)).touch()
         (registry / "notes.txt").touch()  # not a rank
-        assert cores.live_ranks() == 2 and not (registry / str(gone.pid)).exists()
+        assert cores.busy_ranks() == 2 and not (registry / str(gone.pid)).exists()
         assert cores.share() == 2
         monkeypatch.setattr(cores, "_next_check", 0.0)  # as REFRESH_S later
         cores.refresh()
@@ -49,7 +50,23 @@ def test_the_cores_are_split_over_the_live_ranks_and_the_dead_are_forgotten(regi
     cores.refresh()  # the other rank ended: every core again
     assert torch.get_num_threads() == 4
     cores.leave()
-    assert not (registry / str(os.getpid())).exists() and cores.live_ranks() == 0
+    assert not (registry / str(os.getpid())).exists() and cores.busy_ranks() == 1  # (itself, always)
+
+
+def test_a_rank_idle_for_longer_than_active_s_leaves_its_cores_to_the_busy(registry, monkeypatch):
+    idle = sleeper()
+    try:
+        registry.mkdir()
+        (registry / str(idle.pid)).touch()
+        assert cores.join() == 2  # the other computed just now (its file is fresh)
+        old = time.time() - cores.ACTIVE_S - 1
+        os.utime(registry / str(idle.pid), (old, old))  # then it computed nothing for a while
+        monkeypatch.setattr(cores, "_next_check", 0.0)
+        cores.refresh()
+        assert torch.get_num_threads() == 4
+    finally:
+        idle.kill()
+        idle.wait()
 
 
 def test_more_ranks_than_cores_still_compute_with_one_thread_each(registry):

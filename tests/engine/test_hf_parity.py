@@ -42,7 +42,7 @@ def hf_logits(model, ids: list[int]) -> torch.Tensor:
 
 
 def test_default_model_greedy_equals_transformers_on_8_chat_prompts(default_model, hf_default):
-    llm = LLM(EngineConfig(), model=default_model, progress=False)
+    llm = LLM(EngineConfig(dtype="float32"), model=default_model, progress=False)
     tok = llm.tokenizer
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}])) for q in CHAT_PROMPTS]
     ours = llm.generate(prompts, SamplingParams(max_new_tokens=48, ignore_eos=True))
@@ -99,7 +99,7 @@ def test_random_hf_llama_equals_transformers(tmp_path, overrides):
     assert model.config.tie_word_embeddings == hf.config.tie_word_embeddings
     assert model.config.rope_theta == overrides.get("rope_theta", 10000.0)
     assert model.config.rope_scaling.kind == overrides.get("rope_scaling", {}).get("rope_type", "default")
-    llm = LLM(EngineConfig(page_size=4, chunked_prefill_size=16), model=model, progress=False)
+    llm = LLM(EngineConfig(dtype="float32", page_size=4, chunked_prefill_size=16), model=model, progress=False)
     prompts = make_prompts(4, 301, seed=11, min_len=5, max_len=120)
     ours = llm.generate(prompts, SamplingParams(max_new_tokens=24, ignore_eos=True))
     for prompt, c in zip(prompts, ours):

@@ -89,3 +89,53 @@ def test_engine_decode_through_the_kernel_equals_torchs_ops(tiny_model, monkeypa
     for (ids_f, lp_f), (ids_s, lp_s) in zip(fast, slow):
         assert ids_f == ids_s
         assert lp_f == pytest.approx(lp_s, abs=1e-5)
+
+
+needs_bf16 = pytest.mark.skipif(not kernels.bf16_linear(), reason="this CPU has no AVX-512")
+
+
+@needs_bf16
+@pytest.mark.parametrize(("n", "k"), [(96, 64), (100, 64), (7, 576), (33, 3)])
+def test_bf16_linear_is_the_exact_products_summed_in_float32_for_every_row(n, k):
+    """Against float64 over the same bf16 values: float32 rounding of the sums only; a row's
+    result is bit for bit the same alone and in any batch (n not a multiple of the tile too)."""
+    g = torch.Generator().manual_seed(n + k)
+    w = (torch.randn(n, k, generator=g) / k**0.5).bfloat16()
+    x = torch.randn(37, k, generator=g).bfloat16()
+    packed = kernels.pack_bf16(w)
+    got = kernels.linear_bf16(x, packed, n, out_float=True)
+    want = x.double() @ w.double().T
+    assert got.dtype == torch.float32 and got.shape == (37, n)
+    assert (got.double() - want).abs().max().item() <= 1e-5 * max(1.0, want.abs().max().item())
+    for rows in (slice(0, 1), slice(5, 13), slice(30, 37)):
+        assert torch.equal(kernels.linear_bf16(x[rows], packed, n, out_float=True), got[rows])
+    rounded = kernels.linear_bf16(x, packed, n)
+    assert rounded.dtype == torch.bfloat16 and torch.equal(rounded, got.bfloat16())
+
+
+@needs_bf16
+def test_bf16_linear_refuses_shapes_that_do_not_match_the_packed_weights():
+    packed = kernels.pack_bf16(torch.ones(40, 8))
+    with pytest.raises(RuntimeError, match="x has 6 columns; the weights 8"):
+        kernels.linear_bf16(torch.ones(2, 6).bfloat16(), packed, 40)
+    with pytest.raises(RuntimeError, match="n does not match the weights"):
+        kernels.linear_bf16(torch.ones(2, 8).bfloat16(), packed, 70)
+    with pytest.raises(RuntimeError, match="n does not match the weights"):
+        kernels.linear_bf16(torch.ones(2, 8).bfloat16(), packed, 32)  # (a whole tile short)
+
+
+@needs_bf16
+def test_a_bf16_requests_tokens_do_not_depend_on_what_it_is_batched_with(tiny_model):
+    """The packed matmuls and the decode kernel compute each row alone: one prompt run alone and
+    beside seven others gives the same tokens and logprobs, bit for bit."""
+    prompts = [[5 + (i * 11 + j) % 60 for j in range(9 + 5 * i)] for i in range(8)]
+    params = SamplingParams(max_new_tokens=10, ignore_eos=True, logprobs=0)
+
+    def run(batch):
+        llm = LLM(EngineConfig(model="tiny-random", dtype="bfloat16", page_size=8), model=tiny_model, progress=False)
+        assert llm.stages[0].packed
+        return [(c.output_ids, [lp.logprob for lp in c.logprobs]) for c in llm.generate(batch, params)]
+
+    together = run(prompts)
+    for i in (0, 3, 7):
+        assert run([prompts[i]]) == [together[i]]

@@ -31,7 +31,7 @@ QUESTIONS = {
 
 @pytest.fixture(scope="module")
 def llm(default_model):
-    return LLM(EngineConfig(), model=default_model, progress=False)
+    return LLM(EngineConfig(dtype="float32"), model=default_model, progress=False)
 
 
 @pytest.fixture(scope="module")

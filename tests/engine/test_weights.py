@@ -123,7 +123,7 @@ def test_gguf_types_equal_transformers_gguf_loader(tmp_path, monkeypatch, hf_lla
             atol=0,
             rtol=0,
         )
-    llm = LLM(EngineConfig(page_size=4), model=model, progress=False)
+    llm = LLM(EngineConfig(dtype="float32", page_size=4), model=model, progress=False)
     for prompt in make_prompts(3, 256, seed=2):
         [c] = llm.generate([prompt], SamplingParams(max_new_tokens=12, ignore_eos=True))
         with torch.no_grad():
@@ -182,7 +182,7 @@ def cached_files(cache) -> tuple:
 
 
 def greedy(model, prompts) -> list[list[int]]:
-    llm = LLM(EngineConfig(page_size=4), model=model, progress=False)
+    llm = LLM(EngineConfig(dtype="float32", page_size=4), model=model, progress=False)
     return [c.output_ids for c in llm.generate(prompts, SamplingParams(max_new_tokens=8, ignore_eos=True))]
 
 

