@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 import torch
 
 from common.sampling import SamplingParams
-from engine import kernels
 from engine.batch import AttentionMetadata, ForwardBatch
 from engine.config import EngineConfig
 from engine.logits import prompt_logprobs, prompt_spans, split_logits
@@ -39,10 +38,11 @@ def resolve_device(device: str) -> torch.device:
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """auto: bfloat16 on CUDA, and on a CPU where the bf16 kernels run (AVX-512: engine/kernels,
-    faster than float32 at every batch measured); float32 on other CPUs."""
+    """auto: bfloat16 on CUDA, float32 on a CPU. (bfloat16 through engine/kernels is faster on an
+    AVX-512 CPU, but not yet exact where a request's prompt is computed in other chunks or again:
+    disaggregated against colocated, migration; README, Engine dtype.)"""
     if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" or kernels.bf16_linear() else torch.float32
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
     return _DTYPES[dtype]
 
 
