@@ -1,7 +1,8 @@
 """CPU kernels of our own, built from source with the machine's C++ compiler on first use.
 
 `paged_decode_attention(q, pool, tables, ctx_lens, layer, scale)`: one query token per request
-attending over its pages of the KV pool, read in place (paged_attention.cpp). The build takes
+attending over its pages of the KV pool, read in place (paged_attention.cpp); `pack_bf16` and
+`linear_bf16`: bfloat16 matmuls with packed weights (linear_bf16.cpp, `bf16_linear()`). The build takes
 ~30 s once per machine (torch's extension cache, ~/.cache/torch_extensions, keyed by the
 source, the flags and this CPU); later starts load it in well under a second. Where it cannot
 be built (no compiler) or KVBRIDGE_KERNELS=0, `available()` is False and the engine uses torch's
@@ -78,9 +79,9 @@ def _load() -> bool:
         torch.ops.load_library(str(built))
     except Exception as e:  # (no compiler, no ninja, headers missing): torch's ops serve instead
         _state["error"] = f"{type(e).__name__}: {str(e)[-300:]}"
-        log.warning("the CPU attention kernel is not available (%s); using torch's ops", _state["error"])
+        log.warning("the CPU kernels are not available (%s); using torch's ops", _state["error"])
         return False
-    log.info("CPU attention kernel loaded in %.1f s", time.perf_counter() - t0)
+    log.info("CPU kernels loaded in %.1f s", time.perf_counter() - t0)
     return True
 
 
@@ -90,8 +91,8 @@ def error() -> str:
 
 
 def supports(heads: int, kv_heads: int, head_dim: int) -> bool:
-    """Whether the kernel takes these head shapes (else the engine uses torch's ops)."""
-    return head_dim % 16 == 0 and head_dim <= 256 and heads % kv_heads == 0 and heads // kv_heads <= 8
+    """Whether the attention kernel takes these head shapes (else the engine uses torch's ops)."""
+    return head_dim % 16 == 0 and heads % kv_heads == 0
 
 
 def bf16_linear() -> bool:

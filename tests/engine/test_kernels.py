@@ -74,6 +74,16 @@ def test_bad_arguments_are_refused_before_any_read(change, message):
         kernels.paged_decode_attention(*args, 0, 0.125)
 
 
+def test_head_shapes_the_kernel_does_not_take_are_left_to_torch_and_refused_if_sent():
+    assert kernels.supports(9, 3, 64) and kernels.supports(32, 8, 128) and kernels.supports(4, 2, 16)
+    assert not kernels.supports(4, 2, 8) and not kernels.supports(9, 4, 64)
+    pool = torch.zeros(4, 1, 2, 4, 2, 8)
+    with pytest.raises(RuntimeError, match="head_dim must be a multiple of 16, got 8"):
+        kernels.paged_decode_attention(
+            torch.zeros(1, 4, 8), pool, torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long), 0, 1.0
+        )
+
+
 def test_engine_decode_through_the_kernel_equals_torchs_ops(tiny_model, monkeypatch):
     """Greedy tokens and their logprobs, batched decodes at several lengths (fp32)."""
     prompts = [[5 + i * 7 % 50 for i in range(n)] for n in (3, 17, 40, 66)]
