@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -39,66 +40,81 @@ class AttentionMetadata:
     positions: torch.Tensor  # [N] absolute position of each new token
     slot_pages: torch.Tensor  # [N] page id each new token's K/V is written to
     slot_offsets: torch.Tensor  # [N] offset inside that page
-    decode_rows: int  # requests 0..decode_rows-1 have q_len == 1 and are batched together
-    decode_pages: torch.Tensor | None  # [B, P] page ids (padded with 0) of the batched requests
-    decode_mask: torch.Tensor | None  # [B, 1, 1, P * page_size] True where the key is in context
-    decode_ctx: torch.Tensor | None  # [B] keys in context of each batched request
-    prefill: list[tuple[int, int, torch.Tensor, torch.Tensor | None]]  # (first row, q_len, page ids, [q_len, ctx] mask)
+    tables: torch.Tensor  # [R, P] each request's page ids covering its context (padded with 0)
+    row_table: torch.Tensor  # [N] the request (row of `tables`) of each new token
+    decode_rows: int  # requests 0..decode_rows-1 have q_len == 1 (decodes, or a prompt's last token)
+    prefill: list[tuple[int, int, int, int]]  # the other requests: (first row, q_len, request, start)
     sample_rows: torch.Tensor  # [S] rows whose hidden state is projected to logits (`logit_rows`)
+    page_size: int
+
+    @property
+    def row_ctx(self) -> torch.Tensor:
+        """[N] keys each row attends over: a token at position t sees t + 1."""
+        return self.positions + 1
+
+    # For torch's attention ops (where engine/kernels does not serve): the decodes batched with a
+    # key mask, and each prompt chunk's page ids and causal mask. Built on first use.
+    @cached_property
+    def decode_ctx(self) -> torch.Tensor:  # [B] keys in context of each batched request
+        return self.positions[: self.decode_rows] + 1
+
+    @cached_property
+    def decode_pages(self) -> torch.Tensor:  # [B, P'] their page ids
+        return self.tables[: self.decode_rows, : -(-int(self.decode_ctx.max()) // self.page_size)]
+
+    @cached_property
+    def decode_mask(self) -> torch.Tensor:  # [B, 1, 1, P' * page_size] True where the key is in context
+        key_pos = torch.arange(self.decode_pages.shape[1] * self.page_size, device=self.positions.device)
+        return (key_pos[None, :] < self.decode_ctx[:, None])[:, None, None, :]
+
+    @cached_property
+    def prefill_chunks(self) -> list[tuple[int, int, torch.Tensor, torch.Tensor | None]]:
+        """(first row, q_len, page ids, [q_len, ctx] mask, None for plain causal) per prompt chunk."""
+        chunks, device = [], self.positions.device
+        for row, q_len, request, start in self.prefill:
+            ctx = start + q_len
+            mask = None  # the chunk starts at position 0
+            if start > 0:  # key j is visible to the query at position t iff j <= t
+                mask = torch.arange(ctx, device=device)[None, :] <= torch.arange(start, ctx, device=device)[:, None]
+            chunks.append((row, q_len, self.tables[request, : -(-ctx // self.page_size)], mask))
+        return chunks
 
     @staticmethod
     def build(batch: ForwardBatch, page_size: int, device: torch.device) -> AttentionMetadata:
-        positions, pages, offsets = [], [], []
-        for start, q_len, table in zip(batch.starts, batch.q_lens, batch.page_tables):
+        positions, pages, offsets, row_table = [], [], [], []
+        for i, (start, q_len, table) in enumerate(zip(batch.starts, batch.q_lens, batch.page_tables)):
             for t in range(start, start + q_len):
                 positions.append(t)
                 pages.append(table[t // page_size])
                 offsets.append(t % page_size)
-        row = len(positions)
+            row_table += [i] * q_len
+        num_rows = len(positions)
 
         def as_tensor(x: list) -> torch.Tensor:
             return torch.tensor(x, dtype=torch.long, device=device)
 
-        # Requests with one new token (decodes, or a prompt's last token) share one batched
-        # attention call; they must come first in the batch so their rows are 0..B-1.
+        # Requests with one new token must come first in the batch (rows 0..B-1): torch's ops
+        # batch them into one call.
         num_decode = 0
         while num_decode < len(batch.q_lens) and batch.q_lens[num_decode] == 1:
             num_decode += 1
-        decode_pages = decode_mask = decode_ctx = None
-        if num_decode:
-            ctx = [batch.starts[i] + 1 for i in range(num_decode)]
-            max_pages = max(-(-c // page_size) for c in ctx)
-            padded = [
-                list(batch.page_tables[i][:max_pages]) + [0] * (max_pages - len(batch.page_tables[i][:max_pages]))
-                for i in range(num_decode)
-            ]
-            decode_pages, decode_ctx = as_tensor(padded), as_tensor(ctx)
-            key_pos = torch.arange(max_pages * page_size, device=device)
-            decode_mask = (key_pos[None, :] < decode_ctx[:, None])[:, None, None, :]
-
-        prefill = []
-        row = num_decode
+        used = [-(-(s + n) // page_size) for s, n in zip(batch.starts, batch.q_lens)]
+        width = max(used)
+        tables = [list(t[:u]) + [0] * (width - u) for t, u in zip(batch.page_tables, used)]
+        prefill, row = [], num_decode
         for i in range(num_decode, len(batch.q_lens)):
-            start, q_len = batch.starts[i], batch.q_lens[i]
-            ctx = start + q_len
-            page_ids = as_tensor(list(batch.page_tables[i][: -(-ctx // page_size)]))
-            mask = None  # None: plain causal (the chunk starts at position 0)
-            if start > 0:
-                # key j is visible to the query at position t iff j <= t
-                q_pos = torch.arange(start, ctx, device=device)
-                mask = torch.arange(ctx, device=device)[None, :] <= q_pos[:, None]
-            prefill.append((row, q_len, page_ids, mask))
-            row += q_len
+            prefill.append((row, batch.q_lens[i], i, batch.starts[i]))
+            row += batch.q_lens[i]
         return AttentionMetadata(
             positions=as_tensor(positions),
             slot_pages=as_tensor(pages),
             slot_offsets=as_tensor(offsets),
+            tables=as_tensor(tables),
+            row_table=as_tensor(row_table),
             decode_rows=num_decode,
-            decode_pages=decode_pages,
-            decode_mask=decode_mask,
-            decode_ctx=decode_ctx,
             prefill=prefill,
-            sample_rows=torch.arange(row, device=device) if batch.all_logits else as_tensor(logit_rows(batch)[0]),
+            sample_rows=torch.arange(num_rows, device=device) if batch.all_logits else as_tensor(logit_rows(batch)[0]),
+            page_size=page_size,
         )
 
 

@@ -128,17 +128,17 @@ def _kernel_takes(c: ModelConfig) -> bool:
 
 def paged_attention(q: torch.Tensor, layer: int, meta: AttentionMetadata, kv: KVPool, c: ModelConfig) -> torch.Tensor:
     """q: [N, heads, head_dim] -> [N, heads * head_dim], reading K/V through the page tables."""
+    scale = 1.0 / math.sqrt(c.head_dim)
+    if kv.buffer.device.type == "cpu" and _kernel_takes(c):
+        # every row in place, each computed alike however its prompt was chunked or batched
+        o = kernels.paged_attention(
+            q.contiguous(), kv.buffer, meta.tables, meta.row_table, meta.row_ctx, layer - kv.layer_start, scale
+        )
+        return o.view(q.shape[0], -1)
     out = torch.empty(q.shape[0], c.num_attention_heads * c.head_dim, dtype=q.dtype, device=q.device)
     kvh, groups, hd = c.num_key_value_heads, c.num_query_groups, c.head_dim
-    scale = 1.0 / math.sqrt(hd)
     b = meta.decode_rows
-    if b and kv.buffer.device.type == "cpu" and _kernel_takes(c):  # reads the pages in place
-        qd = q[:b].contiguous()
-        o = kernels.paged_decode_attention(
-            qd, kv.buffer, meta.decode_pages, meta.decode_ctx, layer - kv.layer_start, scale
-        )
-        out[:b] = o.view(b, -1)
-    elif b:
+    if b:
         # One query per request: batch them; query heads of a group share one K/V head.
         pages = kv.gather(layer, meta.decode_pages)  # [B, P, 2, page_size, kvh, hd]
         keys = pages[:, :, 0].reshape(b, -1, kvh, hd).transpose(1, 2)  # [B, kvh, T, hd]
@@ -146,7 +146,7 @@ def paged_attention(q: torch.Tensor, layer: int, meta: AttentionMetadata, kv: KV
         qd = q[:b].view(b, kvh, groups, hd)
         o = F.scaled_dot_product_attention(qd, keys, values, attn_mask=meta.decode_mask, scale=scale)
         out[:b] = o.reshape(b, -1)
-    for row, q_len, page_ids, mask in meta.prefill:
+    for row, q_len, page_ids, mask in meta.prefill_chunks:
         ctx = q_len if mask is None else mask.shape[1]
         pages = kv.gather(layer, page_ids)  # [P, 2, page_size, kvh, hd]
         keys = pages[:, 0].reshape(-1, kvh, hd)[:ctx].transpose(0, 1)  # [kvh, T, hd]
@@ -154,8 +154,6 @@ def paged_attention(q: torch.Tensor, layer: int, meta: AttentionMetadata, kv: KV
         keys = keys.repeat_interleave(groups, dim=0)  # [heads, T, hd]
         values = values.repeat_interleave(groups, dim=0)
         qp = q[row : row + q_len].transpose(0, 1)  # [heads, q_len, hd]
-        if qp.dtype == torch.bfloat16 and qp.device.type == "cpu":  # (torch's bf16 flash kernel: 2x slower here)
-            qp, keys, values = qp.float(), keys.float(), values.float()
         # 4-D inputs: torch's fused CPU kernel takes them; 3-D ones fall back to plain math
         o = F.scaled_dot_product_attention(
             qp[None], keys[None], values[None], attn_mask=mask, is_causal=mask is None, scale=scale

@@ -1,7 +1,8 @@
 """CPU kernels of our own, built from source with the machine's C++ compiler on first use.
 
-`paged_decode_attention(q, pool, tables, ctx_lens, layer, scale)`: one query token per request
-attending over its pages of the KV pool, read in place (paged_attention.cpp); `pack_bf16` and
+`paged_attention(q, pool, tables, rows, ctx_lens, layer, scale)`: each query row (a decode or a
+prompt token) attending over its request's pages of the KV pool, read in place, computed alike
+however the prompt was chunked (paged_attention.cpp); `pack_bf16` and
 `linear_bf16`: bfloat16 matmuls with packed weights (linear_bf16.cpp, `bf16_linear()`). The build takes
 ~30 s once per machine (torch's extension cache, ~/.cache/torch_extensions, keyed by the
 source, the flags and this CPU); later starts load it in well under a second. Where it cannot
@@ -112,9 +113,17 @@ def linear_bf16(x: torch.Tensor, packed: torch.Tensor, n: int, out_float: bool =
     return y.view(*x.shape[:-1], n)
 
 
-def paged_decode_attention(
-    q: torch.Tensor, pool: torch.Tensor, tables: torch.Tensor, ctx_lens: torch.Tensor, layer: int, scale: float
+def paged_attention(
+    q: torch.Tensor,
+    pool: torch.Tensor,
+    tables: torch.Tensor,
+    rows: torch.Tensor,
+    ctx_lens: torch.Tensor,
+    layer: int,
+    scale: float,
 ) -> torch.Tensor:
-    """q [B, heads, head_dim] -> [B, heads, head_dim]; pool [pages, layers, 2, page_size, kv_heads,
-    head_dim]; tables [B, max_pages] int64; ctx_lens [B] int64; layer: index into the pool."""
-    return torch.ops.kvbridge.paged_decode_attention(q, pool, tables, ctx_lens, layer, scale)
+    """q [N, heads, head_dim] -> [N, heads, head_dim]; pool [pages, layers, 2, page_size, kv_heads,
+    head_dim]; tables [R, max_pages] int64 (padded page ids); rows [N] int64: each query row's
+    table; ctx_lens [N] int64: the keys each row sees (a token at position t: t + 1); layer: index
+    into the pool."""
+    return torch.ops.kvbridge.paged_attention(q, pool, tables, rows, ctx_lens, layer, scale)

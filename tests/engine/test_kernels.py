@@ -1,7 +1,8 @@
-"""The CPU decode-attention kernel (engine/kernels) against attention computed by torch from the
+"""The CPU paged-attention kernel (engine/kernels) against attention computed by torch from the
 gathered pages: fp32 to float rounding, bf16 and fp16 within one rounding of the output; GQA,
-contexts of 1 token to many pages, pages in any order; bad tables refused with a message.
-And the engine's decode through it is the engine's decode through torch's ops."""
+contexts of 1 token to many pages, pages in any order; bad tables refused with a message; a
+prompt's rows bit for bit the same in one chunk, in several, or as decodes. And the engine
+through it is the engine through torch's ops."""
 
 from __future__ import annotations
 
@@ -22,14 +23,20 @@ pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"no C++ compile
 
 def reference(q, pool, tables, lens, layer, scale):
     out = torch.empty(q.shape, dtype=torch.float64)
+    kvh, hd, groups = pool.shape[4], pool.shape[5], q.shape[1] // pool.shape[4]
     for b in range(q.shape[0]):
         ctx = int(lens[b])
         pages = pool[tables[b], layer].double()  # [P, 2, PS, KVH, HD]
-        k = pages[:, 0].reshape(-1, KVH, HD)[:ctx].repeat_interleave(HEADS // KVH, dim=1)  # [T, heads, HD]
-        v = pages[:, 1].reshape(-1, KVH, HD)[:ctx].repeat_interleave(HEADS // KVH, dim=1)
+        k = pages[:, 0].reshape(-1, kvh, hd)[:ctx].repeat_interleave(groups, dim=1)  # [T, heads, HD]
+        v = pages[:, 1].reshape(-1, kvh, hd)[:ctx].repeat_interleave(groups, dim=1)
         weights = (torch.einsum("hd,thd->ht", q[b].double(), k) * scale).softmax(-1)
         out[b] = torch.einsum("ht,thd->hd", weights, v)
     return out
+
+
+def decode(q, pool, tables, lens, layer, scale):
+    """One query row per table."""
+    return kernels.paged_attention(q, pool, tables, torch.arange(len(lens)), lens, layer, scale)
 
 
 def case(dtype, lens, seed=0):
@@ -47,12 +54,12 @@ def test_decode_attention_equals_attention_over_the_gathered_pages(dtype, tolera
     q, pool, tables, ctx = case(dtype, lens)
     scale = 1 / math.sqrt(HD)
     for layer in range(LAYERS):
-        got = kernels.paged_decode_attention(q, pool, tables, ctx, layer, scale)
+        got = decode(q, pool, tables, ctx, layer, scale)
         assert got.dtype == dtype and got.shape == q.shape
         want = reference(q, pool, tables, ctx, layer, scale)
         assert (got.double() - want).abs().max().item() <= tolerance
     # a one-token context is that token's V exactly, for every query head of its group
-    one = kernels.paged_decode_attention(q, pool, tables, ctx, 0, scale)[0]
+    one = decode(q, pool, tables, ctx, 0, scale)[0]
     v = pool[tables[0, 0], 0, 1, 0]  # [KVH, HD]
     assert torch.equal(one, v.repeat_interleave(HEADS // KVH, dim=0))
 
@@ -71,7 +78,53 @@ def test_decode_attention_equals_attention_over_the_gathered_pages(dtype, tolera
 def test_bad_arguments_are_refused_before_any_read(change, message):
     args = change(*case(torch.bfloat16, [5, 40]))
     with pytest.raises(RuntimeError, match=message):
-        kernels.paged_decode_attention(*args, 0, 0.125)
+        decode(*args, 0, 0.125)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_prompts_rows_are_causal_attention_and_the_same_bits_however_they_are_chunked(dtype):
+    """70 prompt tokens over scattered pages, beside another request's rows: all in one call, in
+    three chunks, and one row at a time (as decodes) give identical bits; each row is attention
+    over the keys up to its own position."""
+    q, pool, tables, _ = case(dtype, [70, 33], seed=3)
+    q = torch.randn(70 + 33, HEADS, HD, generator=torch.Generator().manual_seed(4)).to(dtype)
+    rows = torch.tensor([0] * 70 + [1] * 33)
+    ctx = torch.cat([torch.arange(1, 71), torch.arange(1, 34)])
+    scale = 1 / math.sqrt(HD)
+    whole = kernels.paged_attention(q, pool, tables, rows, ctx, 2, scale)
+    want = reference(q, pool, tables[rows], ctx, 2, scale)
+    assert (whole.double() - want).abs().max().item() <= (2e-6 if dtype == torch.float32 else 2e-2)
+    for cuts in ([0, 20, 50, 70, 103], [0, 103], list(range(104))):
+        parts = [
+            kernels.paged_attention(q[a:b].contiguous(), pool, tables, rows[a:b], ctx[a:b], 2, scale)
+            for a, b in zip(cuts, cuts[1:])
+        ]
+        assert torch.equal(torch.cat(parts), whole)
+    alone = kernels.paged_attention(q[:70].contiguous(), pool, tables[:1], rows[:70], ctx[:70], 2, scale)
+    assert torch.equal(alone, whole[:70])
+
+
+@pytest.mark.parametrize(("head_dim", "page_size"), [(16, 16), (32, 5), (128, 16), (80, 32)])
+def test_other_head_dims_and_page_sizes(head_dim, page_size):
+    """The head dims compiled apart (64 and 128) and the generic path; pages not a multiple of 16."""
+    g = torch.Generator().manual_seed(head_dim)
+    pool = torch.randn(30, 2, 2, page_size, 2, head_dim, generator=g).bfloat16()
+    lens = [1, 7, page_size * 4 + 3]
+    tables = torch.stack([torch.randperm(30, generator=g)[: -(-max(lens) // page_size)] for _ in lens])
+    q = torch.randn(3, 6, head_dim, generator=g).bfloat16()
+    got = decode(q, pool, tables, torch.tensor(lens), 1, 0.3)
+    assert (got.double() - reference(q, pool, tables, torch.tensor(lens), 1, 0.3)).abs().max().item() <= 2e-2
+    rows, ctx = torch.tensor([2] * lens[2]), torch.arange(1, lens[2] + 1)  # the last one's prompt, whole
+    whole = kernels.paged_attention(q[2:].expand(lens[2], -1, -1).contiguous(), pool, tables, rows, ctx, 1, 0.3)
+    assert torch.equal(whole[-1], got[2])
+
+
+def test_rows_that_name_no_table_are_refused():
+    q, pool, tables, ctx = case(torch.float32, [5, 40])
+    with pytest.raises(RuntimeError, match="row's table out of range"):
+        kernels.paged_attention(q, pool, tables, torch.tensor([0, 2]), ctx, 0, 0.125)
+    with pytest.raises(RuntimeError, match="rows must be a contiguous int64"):
+        kernels.paged_attention(q, pool, tables, torch.tensor([0, 1], dtype=torch.int32), ctx, 0, 0.125)
 
 
 def test_head_shapes_the_kernel_does_not_take_are_left_to_torch_and_refused_if_sent():
@@ -79,7 +132,7 @@ def test_head_shapes_the_kernel_does_not_take_are_left_to_torch_and_refused_if_s
     assert not kernels.supports(4, 2, 8) and not kernels.supports(9, 4, 64)
     pool = torch.zeros(4, 1, 2, 4, 2, 8)
     with pytest.raises(RuntimeError, match="head_dim must be a multiple of 16, got 8"):
-        kernels.paged_decode_attention(
+        decode(
             torch.zeros(1, 4, 8), pool, torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long), 0, 1.0
         )
 

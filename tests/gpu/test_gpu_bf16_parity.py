@@ -71,7 +71,7 @@ def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
 
 @pytest.fixture(scope="module", params=[on_cuda("cuda"), "cpu"])
 def device(request) -> str:
-    """As tests/gpu/conftest.py's, and the CPU (--dtype bfloat16 through engine/kernels)."""
+    """As tests/gpu/conftest.py's, and the CPU (bf16 is the default dtype on AVX-512 CPUs)."""
     return request.param
 
 

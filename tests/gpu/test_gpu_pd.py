@@ -1,6 +1,6 @@
 """Disaggregated serving on one GPU: a prefill node and a decode node of two pipeline ranks each,
 every rank on the same GPU (bf16), give a colocated node's greedy tokens on that GPU, and the KV
-moves by cuda_ipc (on CPU: tiny-random in fp32, by shm). Requests go one at a time: a bf16 matmul
+moves by cuda_ipc (on CPU: tiny-random in the CPU's default dtype, bf16 on AVX-512, by shm). Requests go one at a time: a bf16 matmul
 may round differently at another batch size, and batching invariance is not what is checked here."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import grpc
 import pytest
 
 from common import rpc
+from engine import kernels
 from engine.config import EngineConfig, PPConfig
 from engine.weights import load_model
 from kvbridge.nodes import start_node
@@ -27,7 +28,7 @@ CONFIGS = {  # device -> every node's engine
     "cuda": EngineConfig(device="cuda", page_size=16, kv_cache_tokens=8192, chunked_prefill_size=32, **TIMEOUTS),
     "cpu": dataclasses.replace(TINY, device="cpu"),
 }
-EXPECTED = {"cuda": ("cuda_ipc", "bfloat16"), "cpu": ("shm", "float32")}  # backend, KV dtype
+EXPECTED = {"cuda": ("cuda_ipc", "bfloat16"), "cpu": ("shm", "bfloat16" if kernels.bf16_linear() else "float32")}
 PAIRS = [(2, 2), (1, 1)]  # (prefill pp, decode pp); on a GPU pp 1 tells a pipeline fault from a hand-off fault
 PAIRS_ON = {"cuda": PAIRS, "cpu": PAIRS[:1]}  # (tests/nodes/test_pd.py has pp 1 -> 1 on CPU)
 
