@@ -119,7 +119,9 @@ class EngineConfig:
         "preset (smollm2-135m-instruct, tiny-random), .gguf file, or Hugging Face directory",
     )
     device: str = setting("auto", "auto | cpu | cuda | cuda:N")
-    dtype: str = setting("auto", "auto (bfloat16 on CUDA and AVX-512 CPUs; else float32) | float32 | float16 | bfloat16")
+    dtype: str = setting(
+        "auto", "auto (bfloat16 on CUDA and AVX-512 CPUs; else float32) | float32 | float16 | bfloat16"
+    )
     page_size: int = setting(16, "tokens per KV page")
     num_pages: int = setting(0, "KV pool size in pages (0: from --kv-cache-tokens)")
     kv_cache_tokens: int = setting(65536, "KV pool capacity in tokens when --num-pages is 0")

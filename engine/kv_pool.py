@@ -36,6 +36,8 @@ class KVPool:
 
         # [num_pages * num_layers, page block]: row p * num_layers + l is page p of layer l, contiguous
         self._rows = self.buffer.view(num_pages * (self.layer_end - self.layer_start), -1)
+        # [num_pages * num_layers * 2 * page_size, kv_heads * head_dim]: one token's K (or V) per row
+        self._tokens = self.buffer.view(-1, num_kv_heads * head_dim)
 
     @property
     def num_pages(self) -> int:
@@ -49,8 +51,11 @@ class KVPool:
     def write(self, layer: int, pages: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new tokens' K/V. pages, offsets: [N]; k, v: [N, kv_heads, head_dim]."""
         local = layer - self.layer_start
-        self.buffer[pages, local, 0, offsets] = k
-        self.buffer[pages, local, 1, offsets] = v
+        ps = self.page_size
+        # token row of K: ((page * layers + local) * 2 + 0) * page_size + offset; V's is page_size on
+        rows = pages * (self.buffer.shape[1] * 2 * ps) + (offsets + local * 2 * ps)
+        self._tokens.index_copy_(0, rows, k.reshape(k.shape[0], -1))
+        self._tokens.index_copy_(0, rows + ps, v.reshape(v.shape[0], -1))
 
     def gather(self, layer: int, page_idx: torch.Tensor) -> torch.Tensor:
         """K/V of the given pages: page_idx [..., P] -> [..., P, 2, page_size, kv_heads, head_dim]."""

@@ -50,7 +50,10 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     return inv_freq
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, packed: bool = False) -> torch.Tensor:
+    """packed (bf16 on an AVX-512 CPU): one pass of engine/kernels, rounded where this rounds."""
+    if packed:
+        return kernels.rms_norm_bf16(x, weight, eps)
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(x.dtype)
@@ -93,6 +96,7 @@ class DecoderLayer:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], prefix: str, packed: bool = False):
         w = weights
         self.config = config
+        self.packed = packed
         self.input_norm = w[f"{prefix}.input_layernorm.weight"]
         self.post_norm = w[f"{prefix}.post_attention_layernorm.weight"]
         # q, k, v fused into one matmul; gate and up fused into another.
@@ -107,18 +111,24 @@ class DecoderLayer:
     def forward(self, layer: int, h: torch.Tensor, meta: AttentionMetadata, rope: tuple, kv: KVPool) -> torch.Tensor:
         c = self.config
         n = h.shape[0]
-        x = rms_norm(h, self.input_norm, c.rms_norm_eps)
+        x = rms_norm(h, self.input_norm, c.rms_norm_eps, self.packed)
         qkv = self.qkv(x)
         heads, kv_heads = c.num_attention_heads, c.num_key_value_heads
         # q and k heads side by side: [N, heads + kv_heads, head_dim], rotated in one go
-        qk = apply_rope(qkv[:, : (heads + kv_heads) * c.head_dim].view(n, heads + kv_heads, c.head_dim), *rope)
+        if self.packed and c.head_dim % 32 == 0:
+            qk = kernels.rope_bf16(qkv, rope[0][:, 0], rope[1][:, 0], heads + kv_heads)
+        else:
+            qk = apply_rope(qkv[:, : (heads + kv_heads) * c.head_dim].view(n, heads + kv_heads, c.head_dim), *rope)
         q, k = qk[:, :heads], qk[:, heads:]
         v = qkv[:, (heads + kv_heads) * c.head_dim :].view(n, kv_heads, c.head_dim)
         kv.write(layer, meta.slot_pages, meta.slot_offsets, k, v)
         attn = paged_attention(q, layer, meta, kv, c)
         h = h + self.o(attn)
-        x = rms_norm(h, self.post_norm, c.rms_norm_eps)
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        x = rms_norm(h, self.post_norm, c.rms_norm_eps, self.packed)
+        gate_up = self.gate_up(x)
+        if self.packed:  # (one pass; torch's bf16 silu goes element by element)
+            return h + self.down(kernels.silu_mul_bf16(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return h + self.down(F.silu(gate) * up)
 
 
@@ -187,7 +197,13 @@ class ModelStage:
             return weights[name].to(device=self.device, dtype=dtype)
 
         needed = {k: take(k) for k in weights if _belongs(k, start, end, self.is_first, self.is_last, config)}
-        self.packed = packed = dtype == torch.bfloat16 and self.device.type == "cpu" and kernels.bf16_linear()
+        self.packed = packed = (  # (the norm and activation kernels take whole vectors of 16)
+            dtype == torch.bfloat16
+            and self.device.type == "cpu"
+            and config.hidden_size % 16 == 0
+            and config.intermediate_size % 16 == 0
+            and kernels.bf16_linear()
+        )
         self.embed = needed.get("model.embed_tokens.weight") if self.is_first else None
         self.layers = [DecoderLayer(config, needed, f"model.layers.{i}", packed) for i in range(start, end)]
         self.norm = needed["model.norm.weight"] if self.is_last else None
@@ -219,7 +235,7 @@ class ModelStage:
             h = layer.forward(self.layer_range[0] + i, h, meta, rope, kv)
         if not self.is_last:
             return h
-        h = rms_norm(h[meta.sample_rows], self.norm, self.config.rms_norm_eps)
+        h = rms_norm(h[meta.sample_rows], self.norm, self.config.rms_norm_eps, self.packed)
         return self.lm_head(h, out_float=True)
 
 

@@ -2,7 +2,9 @@
 
 A page of a rank is one contiguous block, and so is a layer sub-range of a page. Copies go
 run by run where page ids are consecutive (one block copy per run); scattered ids fall back
-to one indexed copy.
+to one indexed copy. A large contiguous run between CPU pools is copied with streaming stores
+(engine/kernels stream_copy): the destination is another process's pool, which this process
+does not read again, so its lines need not be read first nor kept in this core's cache.
 """
 
 from __future__ import annotations
@@ -11,9 +13,27 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from engine import kernels
 from kv_transfer.layers import LayerRange, local_slice, page_runs
 
 RUN_BYTES = 64 << 10  # a run copy this large pays for its Python call; smaller runs go by index ops
+STREAM_BYTES = 256 << 10  # a CPU run copy this large goes by streaming stores
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst.copy_(src); by streaming stores for a large contiguous CPU run of the same dtype."""
+    if (
+        dst.device.type == src.device.type == "cpu"
+        and dst.dtype == src.dtype
+        and dst.shape == src.shape
+        and dst.nbytes >= STREAM_BYTES
+        and dst.is_contiguous()
+        and src.is_contiguous()
+        and kernels.available()
+    ):
+        kernels.stream_copy(dst, src)
+    else:
+        dst.copy_(src)
 
 
 def _ids(ids: Sequence[int], device: torch.device) -> torch.Tensor:
@@ -69,7 +89,7 @@ def scatter(buffer: torch.Tensor, rank_range: LayerRange, ids: Sequence[int], lo
     runs = page_runs(range(len(ids)), ids)
     if _by_runs(runs, _block_bytes(buffer, len(ids), lo, hi)):
         for i, q0, n in runs:
-            buffer[q0 : q0 + n, layers].copy_(src[i : i + n])
+            _copy(buffer[q0 : q0 + n, layers], src[i : i + n])
     elif layers == slice(0, buffer.shape[1]):
         buffer.index_copy_(0, _ids(ids, buffer.device), src.to(buffer.device))
     else:
@@ -95,7 +115,7 @@ def copy_pages(
     nbytes = _block_bytes(src, len(src_ids), lo, hi)
     if _by_runs(runs, nbytes):
         for p0, q0, n in runs:
-            dst[q0 : q0 + n, d_layers].copy_(src[p0 : p0 + n, s_layers])
+            _copy(dst[q0 : q0 + n, d_layers], src[p0 : p0 + n, s_layers])
     else:
         out = scratch(nbytes) if scratch else None
         scatter(dst, dst_range, dst_ids, lo, hi, gather(src, src_range, src_ids, lo, hi, out))

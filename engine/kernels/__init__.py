@@ -3,7 +3,9 @@
 `paged_attention(q, pool, tables, rows, ctx_lens, layer, scale)`: each query row (a decode or a
 prompt token) attending over its request's pages of the KV pool, read in place, computed alike
 however the prompt was chunked (paged_attention.cpp); `pack_bf16` and
-`linear_bf16`: bfloat16 matmuls with packed weights (linear_bf16.cpp, `bf16_linear()`). The build takes
+`linear_bf16`: bfloat16 matmuls with packed weights, and `silu_mul_bf16`, `rms_norm_bf16` and `rope_bf16`
+(linear_bf16.cpp, `bf16_linear()`); vec.h: their shared vector helpers; `stream_copy`, large copies
+with streaming stores (stream_copy.cpp: KV hand-offs into another process's pool). The build takes
 ~30 s once per machine (torch's extension cache, ~/.cache/torch_extensions, keyed by the
 source, the flags and this CPU); later starts load it in well under a second. Where it cannot
 be built (no compiler) or KVBRIDGE_KERNELS=0, `available()` is False and the engine uses torch's
@@ -24,7 +26,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(n) for n in ("paged_attention.cpp", "linear_bf16.cpp")]
+SOURCES = [Path(__file__).with_name(n) for n in ("paged_attention.cpp", "linear_bf16.cpp", "stream_copy.cpp")]
+HEADERS = [Path(__file__).with_name("vec.h")]
 # -march=native: the build is keyed by this CPU's flags below, so a cache copied to another CPU
 # builds again. Reassociation lets the compiler vectorize the float sums. OpenMP: ATen's
 # parallel_for is inline and runs on one thread without it (the runtime is torch's own libgomp).
@@ -47,7 +50,7 @@ def _cpu_flags() -> str:
 
 
 def _build_name() -> str:
-    key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(CFLAGS + LDFLAGS).encode())
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS) + " ".join(CFLAGS + LDFLAGS).encode())
     key.update(_cpu_flags().encode())
     key.update(torch.__version__.encode())
     return f"kvbridge_kernels_{key.hexdigest()[:16]}"
@@ -111,6 +114,27 @@ def linear_bf16(x: torch.Tensor, packed: torch.Tensor, n: int, out_float: bool =
     """x [..., K] bf16 -> x W^T [..., n], float32 if `out_float` else bf16."""
     y = torch.ops.kvbridge.linear_bf16(x.reshape(-1, x.shape[-1]), packed, n, out_float)
     return y.view(*x.shape[:-1], n)
+
+
+def stream_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst.copy_(src) for contiguous CPU tensors of equal byte size, with streaming stores."""
+    torch.ops.kvbridge.stream_copy(dst, src)
+
+
+def rope_bf16(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotated_heads: int) -> torch.Tensor:
+    """The first `rotated_heads` heads of qkv [N, W] bf16 rotated (cos, sin [N, head_dim] bf16) ->
+    [N, rotated_heads, head_dim] bf16, rounded as model.apply_rope rounds in bf16."""
+    return torch.ops.kvbridge.rope_bf16(qkv, cos, sin, rotated_heads)
+
+
+def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of x [M, H] bf16 in one pass, rounded where transformers' bf16 RMSNorm rounds."""
+    return torch.ops.kvbridge.rms_norm_bf16(x, weight, eps)
+
+
+def silu_mul_bf16(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [M, 2I] bf16 -> silu(gate) * up [M, I] bf16, rounded as torch's two bf16 ops."""
+    return torch.ops.kvbridge.silu_mul_bf16(gate_up)
 
 
 def paged_attention(

@@ -18,11 +18,10 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cmath>
 #include <cstring>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "vec.h"
 
 namespace {
 
@@ -113,14 +112,135 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t n,
 #endif
 }
 
+#if defined(__AVX512F__)
+// float32 -> bfloat16 bits, round to nearest even (a NaN stays a quiet NaN), in the low half of each lane
+inline __m512i round_bf16(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb));
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
+  return _mm512_srli_epi32(r, 16);
+}
+inline __m512 widen_bf16(__m512i bits) { return _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16)); }
+#endif
+
+// gate_up [M, 2I] bf16 (gate, then up) -> silu(gate) * up [M, I] bf16, rounded as torch's two
+// bf16 ops round: silu(g) = g / (1 + e^-g) to bf16, then the product to bf16. One pass instead of
+// torch's bf16 silu, which runs element by element on a CPU.
+at::Tensor silu_mul_bf16(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.scalar_type() == at::kBFloat16 && gate_up.is_contiguous() &&
+                  gate_up.size(1) % 32 == 0, "gate_up must be a contiguous bfloat16 [M, 2I] tensor, I a multiple of 16");
+#if defined(__AVX512F__)
+  const int64_t M = gate_up.size(0), I = gate_up.size(1) / 2;
+  at::Tensor out = at::empty({M, I}, gate_up.options());
+  const at::BFloat16* x = gate_up.data_ptr<at::BFloat16>();
+  uint16_t* y = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / I), [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m)
+      for (int64_t i = 0; i < I; i += 16) {
+        const __m512 g = kvbridge_vec::load16(x + m * 2 * I + i), u = kvbridge_vec::load16(x + m * 2 * I + I + i);
+        const __m512 denom = _mm512_add_ps(_mm512_set1_ps(1.f), kvbridge_vec::exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)));
+        const __m512 silu = widen_bf16(round_bf16(_mm512_div_ps(g, denom)));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * I + i), _mm512_cvtepi32_epi16(round_bf16(_mm512_mul_ps(silu, u))));
+      }
+  });
+  return out;
+#else
+  TORCH_CHECK(false, "this build has no AVX-512");
+#endif
+}
+
+// x [M, H] bf16, weight [H] bf16 -> weight * bf16(x * rsqrt(mean(x^2) + eps)) [M, H] bf16: RMSNorm in
+// one pass, rounded where transformers' bf16 RMSNorm rounds (the normalized row to bf16, then the
+// product with the weight). The mean is summed in float32 over 16 lanes in a fixed order, the same
+// for a row whatever its batch.
+at::Tensor rms_norm_bf16(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous() && x.size(1) % 16 == 0,
+              "x must be a contiguous bfloat16 [M, H] tensor, H a multiple of 16");
+  TORCH_CHECK(weight.dim() == 1 && weight.scalar_type() == at::kBFloat16 && weight.is_contiguous() &&
+                  weight.size(0) == x.size(1), "weight must be a contiguous bfloat16 [H] tensor");
+#if defined(__AVX512F__)
+  const int64_t M = x.size(0), H = x.size(1);
+  at::Tensor out = at::empty_like(x);
+  const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
+  const at::BFloat16* wp = weight.data_ptr<at::BFloat16>();
+  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / H), [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const at::BFloat16* row = xp + m * H;
+      __m512 sq = _mm512_setzero_ps();
+      for (int64_t i = 0; i < H; i += 16) {
+        const __m512 v = kvbridge_vec::load16(row + i);
+        sq = _mm512_fmadd_ps(v, v, sq);
+      }
+      const float inv = 1.f / std::sqrt(_mm512_reduce_add_ps(sq) / static_cast<float>(H) + static_cast<float>(eps));
+      const __m512 s = _mm512_set1_ps(inv);
+      for (int64_t i = 0; i < H; i += 16) {
+        const __m512 normed = widen_bf16(round_bf16(_mm512_mul_ps(kvbridge_vec::load16(row + i), s)));
+        const __m512i y = round_bf16(_mm512_mul_ps(kvbridge_vec::load16(wp + i), normed));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(op + m * H + i), _mm512_cvtepi32_epi16(y));
+      }
+    }
+  });
+  return out;
+#else
+  TORCH_CHECK(false, "this build has no AVX-512");
+#endif
+}
+
+// The rotary embedding of the q and k heads of qkv [N, (heads + kv_heads + kv_heads) * D] bf16
+// (q heads, k heads, v heads side by side), rotate-half convention, rounded as torch's bf16 ops
+// round x * cos + rotate_half(x) * sin (each product to bf16, then the sum): -> [N, heads +
+// kv_heads, D] bf16, contiguous. cos, sin: [N, D] bf16, the rows' positions already looked up.
+at::Tensor rope_bf16(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t rotated_heads) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == at::kBFloat16 && qkv.is_contiguous(), "qkv must be a contiguous bfloat16 [N, W] tensor");
+  TORCH_CHECK(cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.size(0) == qkv.size(0) && cos.is_contiguous() &&
+                  sin.is_contiguous() && cos.scalar_type() == at::kBFloat16 && sin.scalar_type() == at::kBFloat16,
+              "cos and sin must be contiguous bfloat16 [N, head_dim] tensors");
+  const int64_t N = qkv.size(0), W = qkv.size(1), D = cos.size(1), half = D / 2;
+  TORCH_CHECK(D % 32 == 0 && rotated_heads > 0 && rotated_heads * D <= W, "head_dim must be a multiple of 32 and the heads fit qkv");
+#if defined(__AVX512F__)
+  at::Tensor out = at::empty({N, rotated_heads, D}, qkv.options());
+  const at::BFloat16* x = qkv.data_ptr<at::BFloat16>();
+  const at::BFloat16* cp = cos.data_ptr<at::BFloat16>();
+  const at::BFloat16* sp = sin.data_ptr<at::BFloat16>();
+  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  const __m512 minus = _mm512_set1_ps(-0.f);
+  at::parallel_for(0, N, std::max<int64_t>(1, 4096 / (rotated_heads * D)), [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n)
+      for (int64_t h = 0; h < rotated_heads; ++h) {
+        const at::BFloat16* xh = x + n * W + h * D;
+        uint16_t* oh = op + (n * rotated_heads + h) * D;
+        for (int64_t d = 0; d < D; d += 16) {
+          const __m512 xv = kvbridge_vec::load16(xh + d);
+          // rotate_half: (-x[half:], x[:half])
+          const __m512 rot = d < half ? _mm512_xor_ps(kvbridge_vec::load16(xh + d + half), minus) : kvbridge_vec::load16(xh + d - half);
+          const __m512 a = widen_bf16(round_bf16(_mm512_mul_ps(xv, kvbridge_vec::load16(cp + n * D + d))));
+          const __m512 b = widen_bf16(round_bf16(_mm512_mul_ps(rot, kvbridge_vec::load16(sp + n * D + d))));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(oh + d), _mm512_cvtepi32_epi16(round_bf16(_mm512_add_ps(a, b))));
+        }
+      }
+  });
+  return out;
+#else
+  TORCH_CHECK(false, "this build has no AVX-512");
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvbridge, m) {
   m.def("pack_bf16(Tensor w) -> Tensor");
   m.def("linear_bf16(Tensor x, Tensor packed, int n, bool out_float) -> Tensor");
+  m.def("silu_mul_bf16(Tensor gate_up) -> Tensor");
+  m.def("rms_norm_bf16(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("rope_bf16(Tensor qkv, Tensor cos, Tensor sin, int rotated_heads) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvbridge, CPU, m) {
   m.impl("pack_bf16", pack_bf16);
   m.impl("linear_bf16", linear_bf16);
+  m.impl("silu_mul_bf16", silu_mul_bf16);
+  m.impl("rms_norm_bf16", rms_norm_bf16);
+  m.impl("rope_bf16", rope_bf16);
 }

@@ -21,39 +21,17 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "vec.h"
 
 namespace {
 
 #if defined(__AVX512F__)
+using kvbridge_vec::exp16;
+using kvbridge_vec::load16;
+#endif
+
+#if defined(__AVX512F__)
 constexpr bool kVector = true;
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const at::BFloat16* p) {  // bf16 is the high half of a float32
-  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-inline __m512 load16(const at::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-// e^x on 16 lanes (x <= 0 here: scores less their max): 2^n * e^r, r = x - n ln 2 in
-// [-ln2/2, ln2/2], e^r by its Taylor polynomial to degree 7 (relative error ~1e-7); vscalefps
-// multiplies by 2^n and gives 0 for the very negative (-inf included).
-inline __m512 exp16(__m512 x) {
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);  // ln 2, high part (exact product)
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723212e-6f), r);  // and low part
-  __m512 p = _mm512_set1_ps(1.f / 5040);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
 #else
 constexpr bool kVector = false;
 #endif
@@ -227,7 +205,11 @@ void block(const Shape& z, const T* qp, const T* kv, const int64_t* pages, const
            int64_t n1, int64_t layer, int64_t h0, int64_t h1, float scale, T* op) {
   const int64_t Q = (h1 - h0) * z.groups, D = z.head_dim, ps = z.page_size, per = z.heads * D;
   const int64_t sstride = (ps + 15) & ~int64_t(15), each = Row<T, CHUNKS>::floats(z, Q);
-  constexpr bool widen = !std::is_same_v<T, float>;  // a page's K and V widened to float32 once, not per head
+  // a page's K and V widened to float32 once for every row and head, not per head (the same
+  // values either way: widening is exact); a lone row reads the pool's own where the AVX-512 path
+  // runs (its loads widen exactly as this copy does; plain loops widen here always, so that the
+  // compiler's code for them is one and the same for every row)
+  const bool widen = !std::is_same_v<T, float> && (n1 - n0 > 1 || !kVector || z.head_dim > 256);
   const int64_t rows = (h1 - h0) * D, wide = widen ? 2 * ps * rows : 0;
   thread_local std::vector<float> scratch;  // (one per thread, reused: a prompt chunk has thousands of rows)
   scratch.resize(each * (n1 - n0) + sstride + wide + 16);
@@ -249,7 +231,7 @@ void block(const Shape& z, const T* qp, const T* kv, const int64_t* pages, const
       for (int64_t off = 0; off < int64_t(2 * z.half * sizeof(T)); off += 64) _mm_prefetch(next + off, _MM_HINT_T0);
     }
 #endif
-    if constexpr (widen) {
+    if (widen) {
       const int64_t keys = std::min(ps, ctx - first);
       for (int64_t kv2 = 0; kv2 < 2; ++kv2)
         for (int64_t t = 0; t < keys; ++t) {

@@ -6,6 +6,7 @@ through it is the engine through torch's ops."""
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -15,6 +16,7 @@ from common.sampling import SamplingParams
 from engine import kernels
 from engine.config import EngineConfig
 from engine.llm import LLM
+from engine.model import apply_rope, rms_norm
 
 PAGES, LAYERS, PS, KVH, HD, HEADS = 40, 3, 16, 3, 64, 9
 
@@ -97,7 +99,7 @@ def test_a_prompts_rows_are_causal_attention_and_the_same_bits_however_they_are_
     for cuts in ([0, 20, 50, 70, 103], [0, 103], list(range(104))):
         parts = [
             kernels.paged_attention(q[a:b].contiguous(), pool, tables, rows[a:b], ctx[a:b], 2, scale)
-            for a, b in zip(cuts, cuts[1:])
+            for a, b in itertools.pairwise(cuts)
         ]
         assert torch.equal(torch.cat(parts), whole)
     alone = kernels.paged_attention(q[:70].contiguous(), pool, tables[:1], rows[:70], ctx[:70], 2, scale)
@@ -132,9 +134,7 @@ def test_head_shapes_the_kernel_does_not_take_are_left_to_torch_and_refused_if_s
     assert not kernels.supports(4, 2, 8) and not kernels.supports(9, 4, 64)
     pool = torch.zeros(4, 1, 2, 4, 2, 8)
     with pytest.raises(RuntimeError, match="head_dim must be a multiple of 16, got 8"):
-        decode(
-            torch.zeros(1, 4, 8), pool, torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long), 0, 1.0
-        )
+        decode(torch.zeros(1, 4, 8), pool, torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long), 0, 1.0)
 
 
 def test_engine_decode_through_the_kernel_equals_torchs_ops(tiny_model, monkeypatch):
@@ -174,6 +174,45 @@ def test_bf16_linear_is_the_exact_products_summed_in_float32_for_every_row(n, k)
         assert torch.equal(kernels.linear_bf16(x[rows], packed, n, out_float=True), got[rows])
     rounded = kernels.linear_bf16(x, packed, n)
     assert rounded.dtype == torch.bfloat16 and torch.equal(rounded, got.bfloat16())
+
+
+@needs_bf16
+def test_silu_mul_is_torchs_silu_then_product_bit_for_bit():
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(37, 2 * 1536, generator=g) * 4).bfloat16()
+    x[0, :6] = torch.tensor([float("nan"), float("inf"), -float("inf"), 100.0, -100.0, 0.0])
+    gate, up = x.chunk(2, dim=-1)
+    want, got = torch.nn.functional.silu(gate) * up, kernels.silu_mul_bf16(x)
+    assert got.dtype == torch.bfloat16 and got.shape == (37, 1536)
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.nan_to_num(), want.nan_to_num())
+    with pytest.raises(RuntimeError, match="gate_up must be a contiguous bfloat16"):
+        kernels.silu_mul_bf16(x[:, :40])
+
+
+@needs_bf16
+def test_rms_norm_is_torchs_bf16_rms_norm_and_the_same_for_a_row_in_any_batch():
+    g = torch.Generator().manual_seed(6)
+    x, w = (torch.randn(40, 576, generator=g) * 3).bfloat16(), torch.randn(576, generator=g).bfloat16()
+    got = kernels.rms_norm_bf16(x, w, 1e-5)
+    assert torch.equal(got, rms_norm(x, w, 1e-5))
+    for rows in (slice(0, 1), slice(3, 9)):
+        assert torch.equal(kernels.rms_norm_bf16(x[rows].contiguous(), w, 1e-5), got[rows])
+    with pytest.raises(RuntimeError, match="weight must be a contiguous bfloat16"):
+        kernels.rms_norm_bf16(x, w[:64], 1e-5)
+
+
+@needs_bf16
+def test_rope_is_torchs_bf16_rotary_embedding_bit_for_bit():
+    g = torch.Generator().manual_seed(7)
+    n, d = 37, 64
+    qkv = (torch.randn(n, (9 + 3 + 3) * d, generator=g) * 2).bfloat16()
+    cos, sin = torch.randn(n, d, generator=g).bfloat16(), torch.randn(n, d, generator=g).bfloat16()
+    got = kernels.rope_bf16(qkv, cos, sin, 12)
+    assert got.shape == (n, 12, d) and got.is_contiguous()
+    assert torch.equal(got, apply_rope(qkv[:, : 12 * d].view(n, 12, d), cos[:, None], sin[:, None]))
+    with pytest.raises(RuntimeError, match="the heads fit qkv"):
+        kernels.rope_bf16(qkv, cos, sin, 16)
 
 
 @needs_bf16

@@ -1,7 +1,8 @@
 """Disaggregated serving on one GPU: a prefill node and a decode node of two pipeline ranks each,
 every rank on the same GPU (bf16), give a colocated node's greedy tokens on that GPU, and the KV
-moves by cuda_ipc (on CPU: tiny-random in the CPU's default dtype, bf16 on AVX-512, by shm). Requests go one at a time: a bf16 matmul
-may round differently at another batch size, and batching invariance is not what is checked here."""
+moves by cuda_ipc (on CPU: tiny-random in the CPU's default dtype, bf16 on AVX-512, by shm).
+Requests go one at a time: a bf16 matmul on a GPU may round differently at another batch size,
+and batching invariance is not what is checked here."""
 
 from __future__ import annotations
 
