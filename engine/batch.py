@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
@@ -46,11 +46,19 @@ class AttentionMetadata:
     prefill: list[tuple[int, int, int, int]]  # the other requests: (first row, q_len, request, start)
     sample_rows: torch.Tensor  # [S] rows whose hidden state is projected to logits (`logit_rows`)
     page_size: int
+    _slot_rows: dict = field(default_factory=dict, repr=False)  # slot_rows() by pool
 
-    @property
+    @cached_property
     def row_ctx(self) -> torch.Tensor:
         """[N] keys each row attends over: a token at position t sees t + 1."""
         return self.positions + 1
+
+    def slot_rows(self, kv) -> torch.Tensor:
+        """[N] each new token's row in the pool `kv` (KVPool.token_rows), computed once per step."""
+        rows = self._slot_rows.get(id(kv))
+        if rows is None:
+            rows = self._slot_rows[id(kv)] = kv.token_rows(self.slot_pages, self.slot_offsets)
+        return rows
 
     # For torch's attention ops (where engine/kernels does not serve): the decodes batched with a
     # key mask, and each prompt chunk's page ids and causal mask. Built on first use.

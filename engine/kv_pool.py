@@ -50,10 +50,18 @@ class KVPool:
 
     def write(self, layer: int, pages: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new tokens' K/V. pages, offsets: [N]; k, v: [N, kv_heads, head_dim]."""
-        local = layer - self.layer_start
+        self.write_rows(layer, self.token_rows(pages, offsets), k, v)
+
+    def token_rows(self, pages: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """[N] the token rows of (page, offset) pairs for K of the pool's first layer: row
+        ((page * layers + layer) * 2 + kv) * page_size + offset of the pool seen as
+        [.., kv_heads * head_dim]."""
+        return pages * (self.buffer.shape[1] * 2 * self.page_size) + offsets
+
+    def write_rows(self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """write() with the token rows of token_rows() (computed once per step, not per layer)."""
         ps = self.page_size
-        # token row of K: ((page * layers + local) * 2 + 0) * page_size + offset; V's is page_size on
-        rows = pages * (self.buffer.shape[1] * 2 * ps) + (offsets + local * 2 * ps)
+        rows = rows + (layer - self.layer_start) * 2 * ps
         self._tokens.index_copy_(0, rows, k.reshape(k.shape[0], -1))
         self._tokens.index_copy_(0, rows + ps, v.reshape(v.shape[0], -1))
 

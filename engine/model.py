@@ -121,7 +121,7 @@ class DecoderLayer:
             qk = apply_rope(qkv[:, : (heads + kv_heads) * c.head_dim].view(n, heads + kv_heads, c.head_dim), *rope)
         q, k = qk[:, :heads], qk[:, heads:]
         v = qkv[:, (heads + kv_heads) * c.head_dim :].view(n, kv_heads, c.head_dim)
-        kv.write(layer, meta.slot_pages, meta.slot_offsets, k, v)
+        kv.write_rows(layer, meta.slot_rows(kv), k, v)
         attn = paged_attention(q, layer, meta, kv, c)
         h = h + self.o(attn)
         x = rms_norm(h, self.post_norm, c.rms_norm_eps, self.packed)

@@ -221,7 +221,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 BENCHES = (
     "engine", "consensus", "pp", "kv_transfer", "soak", "serve", "prefix", "sampling", "choices", "hostile_sampling",
-    "router_memory",
+    "router_memory", "startup",
 )  # fmt: skip
 
 
@@ -238,6 +238,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         sampling,
         serve,
         soak,
+        startup,
     )
 
     mains = {
@@ -252,6 +253,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "choices": choices,
         "hostile_sampling": hostile_sampling,
         "router_memory": router_memory,
+        "startup": startup,
     }
     return mains[args.name].main(args.rest)
 
