@@ -49,14 +49,20 @@ def test_prometheus_scrapes_the_fleet_during_demo_traffic_and_answers_ttft_p50(f
             timeout=60,
         )
         traffic.join(120)
-        assert len(answers) == 3 * len(QUESTIONS) and all(a["tokens"] == 24 for a in answers)
+        # 24 tokens each, or fewer where tiny-random's text reached its EOS
+        assert len(answers) == 3 * len(QUESTIONS) and all(0 < a["tokens"] <= 24 for a in answers)
+        short = sum(a["tokens"] < 24 for a in answers)
         value = float(p50[0]["value"][1])
         assert 0 < value < 60, p50  # a number, within the histogram's finite buckets
         # the ranks' series arrive too: prefill ranks pushed KV, decode ranks received it
         sent = prom.wait_for('sum(kvbridge_kv_transfer_bytes_total{job="kvbridge-prefill"}) > 0')
         assert float(sent[0]["value"][1]) > 0
-        served = prom.wait_for(f'sum(kvbridge_router_requests_total{{outcome="length"}}) >= {len(answers)}', timeout=30)
+        served = prom.wait_for(
+            f'sum(kvbridge_router_requests_total{{outcome=~"length|stop"}}) >= {len(answers)}', timeout=30
+        )
         assert float(served[0]["value"][1]) == len(answers)
+        by_length = prom.wait_for('sum(kvbridge_router_requests_total{outcome="length"}) >= 0', timeout=30)
+        assert float(by_length[0]["value"][1]) == len(answers) - short
 
 
 def test_promtool_accepts_every_process_metrics_after_traffic(fleet):
