@@ -67,7 +67,7 @@ bench() {  # label, base URL, served model name
                 bench)
                     $KV bench serve --base-url "$2" --served-model "$3" --label "$1" --model smollm2-135m-instruct \
                         --num-prompts "$n" --random-input-len 256 --random-output-len 64 --max-concurrency "$c" \
-                        --warmups 2 --seed 0 --json | head -n 1 | sed 's/^{/{"driver": "bench", /' >> "$OUT" ;;
+                        --warmups 2 --seed 0 --json | sed -n 1p | sed 's/^{/{"driver": "bench", /' >> "$OUT" ;;
                 aiperf)
                     dir="$PEERS/aiperf-runs/$1-c$c"
                     rm -rf "$dir"
