@@ -164,6 +164,8 @@ def paged_attention(q: torch.Tensor, layer: int, meta: AttentionMetadata, kv: KV
         keys = keys.repeat_interleave(groups, dim=0)  # [heads, T, hd]
         values = values.repeat_interleave(groups, dim=0)
         qp = q[row : row + q_len].transpose(0, 1)  # [heads, q_len, hd]
+        if qp.dtype == torch.bfloat16 and qp.device.type == "cpu":  # (torch's bf16 flash kernel: 2x slower here)
+            qp, keys, values = qp.float(), keys.float(), values.float()
         # 4-D inputs: torch's fused CPU kernel takes them; 3-D ones fall back to plain math
         o = F.scaled_dot_product_attention(
             qp[None], keys[None], values[None], attn_mask=mask, is_causal=mask is None, scale=scale

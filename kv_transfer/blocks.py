@@ -3,8 +3,8 @@
 A page of a rank is one contiguous block, and so is a layer sub-range of a page. Copies go
 run by run where page ids are consecutive (one block copy per run); scattered ids fall back
 to one indexed copy. A large contiguous run between CPU pools is copied with streaming stores
-(engine/kernels stream_copy): the destination is another process's pool, which this process
-does not read again, so its lines need not be read first nor kept in this core's cache.
+(engine/kernels stream_copy): the destination is a pool that a later step (or another process)
+reads, not this copy, so its lines need not be read first nor kept in this core's cache.
 """
 
 from __future__ import annotations

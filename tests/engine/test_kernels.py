@@ -176,6 +176,17 @@ def test_bf16_linear_is_the_exact_products_summed_in_float32_for_every_row(n, k)
     assert rounded.dtype == torch.bfloat16 and torch.equal(rounded, got.bfloat16())
 
 
+@pytest.mark.parametrize(("offset", "n"), [(0, 1 << 20), (3, (1 << 20) + 77), (1, 63), (0, 0)])
+def test_stream_copy_is_a_copy_at_any_alignment_and_size(offset, n):
+    src = torch.randint(0, 256, (n + 8,), dtype=torch.uint8, generator=torch.Generator().manual_seed(n))
+    dst = torch.zeros(n + 8, dtype=torch.uint8)
+    kernels.stream_copy(dst[offset : offset + n], src[5 : 5 + n])
+    assert torch.equal(dst[offset : offset + n], src[5 : 5 + n])
+    assert not dst[:offset].any() and not dst[offset + n :].any()  # nothing written outside
+    with pytest.raises(RuntimeError, match="stream_copy: 9 source bytes for 8 destination bytes"):
+        kernels.stream_copy(torch.zeros(8, dtype=torch.uint8), torch.zeros(9, dtype=torch.uint8))
+
+
 @needs_bf16
 def test_silu_mul_is_torchs_silu_then_product_bit_for_bit():
     g = torch.Generator().manual_seed(5)
