@@ -1,5 +1,6 @@
 """pipeline/cores.py: the host's cores split over the busy kvbridge ranks registered on it (alive,
-computed lately); dead registrations are removed; a rank takes a changed share at its next refresh."""
+computed lately); dead registrations are removed; a rank takes a changed share at its next refresh;
+cores that other processes keep busy are left to them."""
 
 from __future__ import annotations
 
@@ -14,10 +15,21 @@ import torch
 from pipeline import cores
 
 
+class Quiet:
+    """Stands in for the host's /proc/stat: what other processes use is set by the test."""
+
+    load = 0.0
+
+    def sample(self) -> float:
+        return Quiet.load
+
+
 @pytest.fixture
 def registry(tmp_path, monkeypatch):
     monkeypatch.setattr(cores, "directory", lambda: tmp_path / "ranks")
     monkeypatch.setattr(cores, "host_cores", lambda: 4)
+    monkeypatch.setattr(cores, "OtherLoad", Quiet)
+    monkeypatch.setattr(Quiet, "load", 0.0)
     threads = torch.get_num_threads()
     yield tmp_path / "ranks"
     cores.leave()
@@ -86,3 +98,55 @@ def test_refresh_does_nothing_for_a_process_that_did_not_join(registry):
     torch.set_num_threads(3)
     cores.refresh()
     assert torch.get_num_threads() == 3 and not registry.exists()
+
+
+def test_cores_that_other_processes_keep_busy_are_left_to_them(registry, monkeypatch):
+    assert cores.join() == 4
+    for load, threads in [(0.7, 3), (0.45, 3), (0.3, 4), (1.6, 2), (1.4, 2), (1.3, 3), (9.0, 1), (0.0, 4)]:
+        Quiet.load = load  # e.g. a load generator on the host, then a second one, then none
+        monkeypatch.setattr(cores, "_next_check", 0.0)
+        cores.refresh()
+        assert torch.get_num_threads() == threads, load
+
+
+def test_the_fewer_of_the_rank_share_and_the_free_cores_is_taken(registry, monkeypatch):
+    other = sleeper()
+    try:
+        registry.mkdir()
+        (registry / str(other.pid)).touch()
+        assert cores.join() == 2  # two ranks on 4 cores
+        Quiet.load = 1.0  # (the other rank computing takes a core: still 2)
+        monkeypatch.setattr(cores, "_next_check", 0.0)
+        cores.refresh()
+        assert torch.get_num_threads() == 2
+        Quiet.load = 2.6  # and something else two more
+        monkeypatch.setattr(cores, "_next_check", 0.0)
+        cores.refresh()
+        assert torch.get_num_threads() == 1
+    finally:
+        other.kill()
+        other.wait()
+
+
+@pytest.mark.parametrize(
+    ("load", "taken", "now"),
+    [(0.0, 0, 0), (0.49, 0, 0), (0.5, 0, 1), (0.36, 1, 1), (0.34, 1, 0), (1.5, 1, 2), (1.2, 2, 1), (3.7, 0, 4)],
+)
+def test_a_load_counts_as_a_core_above_take_and_stops_below_release(load, taken, now):
+    assert cores.cores_taken(load, taken) == now
+
+
+def test_other_load_reads_what_another_process_burns_and_not_this_ones():
+    burner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        load, t0, start = cores.OtherLoad(), os.times(), time.monotonic()
+        while time.monotonic() < start + 1.0:  # this process burns too: not counted
+            pass
+        other, t1 = load.sample(), os.times()
+        own = (t1.user + t1.system - t0.user - t0.system) / (time.monotonic() - start)
+    finally:
+        burner.kill()
+        burner.wait()
+    # the burner had a core for most of the second (on a loaded host, at least half of one); what
+    # this process used is left out of the host's busy time
+    assert 0.5 <= other <= cores.host_cores() - own + 0.1, (other, own)
