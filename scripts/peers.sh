@@ -5,6 +5,9 @@
 #                                   concurrency 1, 8 and 32 (streamed chat, 256 prompt tokens, 64 out,
 #                                   ignore_eos), then the same load by NVIDIA AIPerf (its own venv),
 #                                   JSON lines into $OUT (field "driver"), then the table
+#   bash scripts/peers.sh prefill   prefill speed served: vLLM and kvbridge colocated alone, prefix
+#                                   caching off on both, one request at a time, 256- and 2,048-token
+#                                   prompts (completions, 1 output token): prompt tokens / TTFT p50
 # Servers: vllm (bf16, VLLM_CPU_OMP_THREADS_BIND over every core), llama.cpp (the GGUF as shipped,
 # Q4_1, -t cores, 32 slots), kvbridge colocated and kvbridge P pp1 + D pp1 (router + nodes, defaults).
 # SERVERS=vllm,llamacpp,colocated,pd picks some; PROMPTS (default 4 x concurrency, at least 16);
@@ -143,10 +146,43 @@ for line in open(sys.argv[1]):
 PY
 }
 
+prefill() {  # each server alone, no prefix cache: prompt tokens over TTFT at concurrency 1
+    : > "$OUT"
+    for s in vllm colocated; do
+        case $s in
+            vllm)
+                VLLM_CPU_OMP_THREADS_BIND=0-$((CORES - 1)) "$PEERS/vllm/bin/python" -m vllm.entrypoints.openai.api_server \
+                    --model "$PEERS/smollm2-hf" --served-model-name smollm2 --dtype bfloat16 --port 8100 \
+                    --gpu-memory-utilization 0.2 --no-enable-prefix-caching > "$PEERS/vllm.log" 2>&1 &
+                pid=$! url=http://127.0.0.1:8100 name=smollm2 ;;
+            colocated)
+                $KV serve --model smollm2-135m-instruct --port 7201 --quiet --disable-prefix-cache > "$PEERS/kv-c.log" 2>&1 &
+                node=$!
+                $KV router --colocated 127.0.0.1:7201 --port 7200 --http-port 8102 > "$PEERS/kv-r.log" 2>&1 &
+                pid="$! $node" url=http://127.0.0.1:8102 name=smollm2-135m-instruct ;;
+        esac
+        if wait_http "$url/v1/models" 300; then
+            for n in 256 2048; do
+                echo "peers: $s prefill of $n tokens ..." >&2
+                $KV bench serve --base-url "$url" --served-model "$name" --label "$s" --model smollm2-135m-instruct \
+                    --endpoint completions --num-prompts 8 --random-input-len "$n" --random-output-len 1 \
+                    --max-concurrency 1 --warmups 2 --seed 0 --json | sed -n 1p |
+                    .venv/bin/python -c "import json, sys; r = json.loads(sys.stdin.read()); n = $n
+print(json.dumps({'bench': 'prefill', 'stack': r['stack'], 'prompt_tokens': n, 'prefix_cache': False,
+                  'median_ttft_ms': r['median_ttft_ms'], 'prefill_tok_s': round(n / r['median_ttft_ms'] * 1e3, 1),
+                  'failed': r['failed']}))" | tee -a "$OUT"
+            done
+        fi
+        # shellcheck disable=SC2086
+        stop $pid
+    done
+}
+
 SERVERS=${SERVERS:-vllm,llamacpp,colocated,pd}
 DRIVERS=${DRIVERS:-bench,aiperf}
 case ${1:-} in
     install) install ;;
     table) table ;;
-    *) echo "usage: bash scripts/peers.sh install|table" >&2; exit 2 ;;
+    prefill) prefill ;;
+    *) echo "usage: bash scripts/peers.sh install|table|prefill" >&2; exit 2 ;;
 esac

@@ -26,6 +26,7 @@
 namespace {
 
 constexpr int64_t kBlock = 16, kTile = 32, kRows = 12;
+constexpr int64_t kAhead = 16;  // decode tiles: weights prefetched this many k ahead (1 KiB a tile)
 
 // w [N, K] (bf16) -> packed [ceil(N/32)][K][32] bf16: at k, lane j holds outputs (j, j + 16) of
 // the tile; zero past N
@@ -81,36 +82,43 @@ inline void tile(const float* x, int64_t ldx, const uint16_t* wt, int64_t K, flo
 using TileFn = void (*)(const float*, int64_t, const uint16_t*, int64_t, float*, int64_t, int64_t);
 constexpr TileFn kTiles[kRows + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>, tile<5>, tile<6>,
                                      tile<7>, tile<8>, tile<9>, tile<10>, tile<11>, tile<12>};
-#endif
 
-// x [M, K] bf16, packed from pack_bf16, n = N -> [M, N] float32 (out_float) or bf16
-at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t n, bool out_float) {
-#if defined(__AVX512F__)
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x must be a 2-d bfloat16 tensor");
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kTile && packed.is_contiguous(), "packed must come from pack_bf16");
-  TORCH_CHECK(x.size(1) == packed.size(1), "x has ", x.size(1), " columns; the weights ", packed.size(1));
-  TORCH_CHECK(0 < n && n <= packed.size(0) * kTile && n > (packed.size(0) - 1) * kTile, "n does not match the weights");
-  const at::Tensor xf = x.to(at::kFloat).contiguous();  // (exact)
-  const int64_t M = xf.size(0), K = xf.size(1), tiles = packed.size(0);
-  at::Tensor acc = at::empty({M, n}, xf.options());
-  const float* xp = xf.data_ptr<float>();
-  const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
-  float* op = acc.data_ptr<float>();
-  // each thread takes whole tiles (a tile's weights stay in its cache while every row passes)
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const uint16_t* wt = wp + t * K * kTile;
-      for (int64_t m0 = 0; m0 < M; m0 += kRows) {
-        const int64_t rows = std::min(kRows, M - m0);
-        kTiles[rows](xp + m0 * K, K, wt, K, op + m0 * n + t * kTile, n, std::min(kTile, n - t * kTile));
+// A decode has one row (or a few): tile<1> keeps two accumulator chains, and each FMA waits on
+// the one before it in its chain, so the FMA units idle and the weights stream at half the memory
+// speed. tiles<R, T> walks T full tiles at once (2RT chains). Each output is still the same
+// FMAs in the same order as in tile<R>: the numbers do not change, only their overlap.
+template <int R, int T>
+inline void tiles(const float* x, int64_t ldx, const uint16_t* wt, int64_t K, float* out, int64_t ldo) {
+  __m512 acc[T][R][2];
+  for (int t = 0; t < T; ++t)
+    for (int r = 0; r < R; ++r) acc[t][r][0] = acc[t][r][1] = _mm512_setzero_ps();
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t k = 0; k < K; ++k) {
+    __m512 xb[R];
+    for (int r = 0; r < R; ++r) xb[r] = _mm512_set1_ps(x[r * ldx + k]);
+    for (int t = 0; t < T; ++t) {
+      _mm_prefetch(reinterpret_cast<const char*>(wt + (t * K + k + kAhead) * kTile), _MM_HINT_T0);
+      const __m512i w = _mm512_loadu_si512(wt + (t * K + k) * kTile);
+      const __m512 w0 = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+      const __m512 w1 = _mm512_castsi512_ps(_mm512_and_si512(w, high));
+      for (int r = 0; r < R; ++r) {
+        acc[t][r][0] = _mm512_fmadd_ps(xb[r], w0, acc[t][r][0]);
+        acc[t][r][1] = _mm512_fmadd_ps(xb[r], w1, acc[t][r][1]);
       }
     }
-  });
-  return out_float ? acc : acc.to(at::kBFloat16);
-#else
-  TORCH_CHECK(false, "this build has no AVX-512");
-#endif
+  }
+  for (int t = 0; t < T; ++t)
+    for (int r = 0; r < R; ++r) {
+      _mm512_storeu_ps(out + r * ldo + t * kTile, acc[t][r][0]);
+      _mm512_storeu_ps(out + r * ldo + t * kTile + kBlock, acc[t][r][1]);
+    }
 }
+
+using TilesFn = void (*)(const float*, int64_t, const uint16_t*, int64_t, float*, int64_t);
+// by rows (1-3): how many tiles at once, and the kernel
+constexpr int64_t kTilesAtOnce[4] = {0, 4, 2, 2};
+constexpr TilesFn kMulti[4] = {nullptr, tiles<1, 4>, tiles<2, 2>, tiles<3, 2>};
+#endif
 
 #if defined(__AVX512F__)
 // float32 -> bfloat16 bits, round to nearest even (a NaN stays a quiet NaN), in the low half of each lane
@@ -123,6 +131,71 @@ inline __m512i round_bf16(__m512 v) {
 }
 inline __m512 widen_bf16(__m512i bits) { return _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16)); }
 #endif
+
+// x [M, K] bf16, packed from pack_bf16, n = N -> [M, N] float32 (out_float) or bf16
+at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t n, bool out_float) {
+#if defined(__AVX512F__)
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x must be a 2-d bfloat16 tensor");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kTile && packed.is_contiguous(), "packed must come from pack_bf16");
+  TORCH_CHECK(x.size(1) == packed.size(1), "x has ", x.size(1), " columns; the weights ", packed.size(1));
+  TORCH_CHECK(0 < n && n <= packed.size(0) * kTile && n > (packed.size(0) - 1) * kTile, "n does not match the weights");
+  const int64_t M = x.size(0), K = x.size(1), tiles = packed.size(0);
+  // x widened to float32 (exact); a decode's rows here, without a torch op (a layer makes four calls)
+  at::Tensor xf;
+  if (M < 4 && x.is_contiguous()) {
+    xf = at::empty({M, K}, x.options().dtype(at::kFloat));
+    const uint16_t* xb = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+    float* xw = xf.data_ptr<float>();
+    for (int64_t i = 0; i < M * K; ++i) {
+      const uint32_t bits = static_cast<uint32_t>(xb[i]) << 16;
+      std::memcpy(xw + i, &bits, sizeof(float));
+    }
+  } else {
+    xf = x.to(at::kFloat).contiguous();
+  }
+  at::Tensor acc = at::empty({M, n}, xf.options());
+  at::Tensor out = out_float ? acc : at::empty({M, n}, x.options());
+  const float* xp = xf.data_ptr<float>();
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+  float* op = acc.data_ptr<float>();
+  uint16_t* ob = out_float ? nullptr : reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  // each thread takes whole tiles (a tile's weights stay in its cache while every row passes)
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end;) {
+      const uint16_t* wt = wp + t * K * kTile;
+      const int64_t at_once = M < 4 ? kTilesAtOnce[M] : 1;
+      if (at_once > 1 && t + at_once <= end && (t + at_once) * kTile <= n) {  // full tiles only
+        kMulti[M](xp, K, wt, K, op + t * kTile, n);
+        t += at_once;
+        continue;
+      }
+      for (int64_t m0 = 0; m0 < M; m0 += kRows) {
+        const int64_t rows = std::min(kRows, M - m0);
+        kTiles[rows](xp + m0 * K, K, wt, K, op + m0 * n + t * kTile, n, std::min(kTile, n - t * kTile));
+      }
+      ++t;
+    }
+    if (ob == nullptr) return;
+    // this thread's outputs rounded to bf16 (to nearest even, as torch's conversion)
+    const int64_t c0 = begin * kTile, c1 = std::min(n, end * kTile);
+    for (int64_t m = 0; m < M; ++m) {
+      int64_t c = c0;
+      for (; c + kBlock <= c1; c += kBlock)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(ob + m * n + c),
+                            _mm512_cvtepi32_epi16(round_bf16(_mm512_loadu_ps(op + m * n + c))));
+      if (c < c1) {
+        const __mmask16 rest = static_cast<__mmask16>((1u << (c1 - c)) - 1);
+        _mm256_mask_storeu_epi16(ob + m * n + c, rest,
+                                 _mm512_cvtepi32_epi16(round_bf16(_mm512_maskz_loadu_ps(rest, op + m * n + c))));
+      }
+    }
+  });
+  return out;
+#else
+  TORCH_CHECK(false, "this build has no AVX-512");
+#endif
+}
+
 
 // gate_up [M, 2I] bf16 (gate, then up) -> silu(gate) * up [M, I] bf16, rounded as torch's two
 // bf16 ops round: silu(g) = g / (1 + e^-g) to bf16, then the product to bf16. One pass instead of

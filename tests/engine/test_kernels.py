@@ -158,10 +158,11 @@ needs_bf16 = pytest.mark.skipif(not kernels.bf16_linear(), reason="this CPU has 
 
 
 @needs_bf16
-@pytest.mark.parametrize(("n", "k"), [(96, 64), (100, 64), (7, 576), (33, 3)])
+@pytest.mark.parametrize(("n", "k"), [(96, 64), (100, 64), (7, 576), (33, 3), (1000, 40)])
 def test_bf16_linear_is_the_exact_products_summed_in_float32_for_every_row(n, k):
     """Against float64 over the same bf16 values: float32 rounding of the sums only; a row's
-    result is bit for bit the same alone and in any batch (n not a multiple of the tile too)."""
+    result is bit for bit the same alone and in any batch (n not a multiple of the tile too; 1 to
+    3 rows walk several tiles at once, more rows one tile at a time)."""
     g = torch.Generator().manual_seed(n + k)
     w = (torch.randn(n, k, generator=g) / k**0.5).bfloat16()
     x = torch.randn(37, k, generator=g).bfloat16()
@@ -170,7 +171,7 @@ def test_bf16_linear_is_the_exact_products_summed_in_float32_for_every_row(n, k)
     want = x.double() @ w.double().T
     assert got.dtype == torch.float32 and got.shape == (37, n)
     assert (got.double() - want).abs().max().item() <= 1e-5 * max(1.0, want.abs().max().item())
-    for rows in (slice(0, 1), slice(5, 13), slice(30, 37)):
+    for rows in (slice(0, 1), slice(1, 3), slice(20, 23), slice(5, 13), slice(30, 37)):
         assert torch.equal(kernels.linear_bf16(x[rows], packed, n, out_float=True), got[rows])
     rounded = kernels.linear_bf16(x, packed, n)
     assert rounded.dtype == torch.bfloat16 and torch.equal(rounded, got.bfloat16())
