@@ -161,7 +161,7 @@ prefill() {  # each server alone, no prefix cache: prompt tokens over TTFT at co
                 $KV router --colocated 127.0.0.1:7201 --port 7200 --http-port 8102 > "$PEERS/kv-r.log" 2>&1 &
                 pid="$! $node" url=http://127.0.0.1:8102 name=smollm2-135m-instruct ;;
         esac
-        if wait_http "$url/v1/models" 300; then
+        if wait_http "$url/health" 300; then
             for n in 256 2048; do
                 echo "peers: $s prefill of $n tokens ..." >&2
                 $KV bench serve --base-url "$url" --served-model "$name" --label "$s" --model smollm2-135m-instruct \

@@ -85,8 +85,9 @@ constexpr TileFn kTiles[kRows + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4
 
 // A decode has one row (or a few): tile<1> keeps two accumulator chains, and each FMA waits on
 // the one before it in its chain, so the FMA units idle and the weights stream at half the memory
-// speed. tiles<R, T> walks T full tiles at once (2RT chains). Each output is still the same
-// FMAs in the same order as in tile<R>: the numbers do not change, only their overlap.
+// speed. tiles<R, T> walks T full tiles at once (2RT chains), prefetching each tile's weights
+// ahead. Each output is still the same FMAs in the same order as in tile<R>: the numbers do not
+// change, only their overlap.
 template <int R, int T>
 inline void tiles(const float* x, int64_t ldx, const uint16_t* wt, int64_t K, float* out, int64_t ldo) {
   __m512 acc[T][R][2];
@@ -115,9 +116,12 @@ inline void tiles(const float* x, int64_t ldx, const uint16_t* wt, int64_t K, fl
 }
 
 using TilesFn = void (*)(const float*, int64_t, const uint16_t*, int64_t, float*, int64_t);
-// by rows (1-3): how many tiles at once, and the kernel
+// by rows (1-3): the most tiles at once; kMulti[rows][tiles] (fewer for a thread's last tiles)
 constexpr int64_t kTilesAtOnce[4] = {0, 4, 2, 2};
-constexpr TilesFn kMulti[4] = {nullptr, tiles<1, 4>, tiles<2, 2>, tiles<3, 2>};
+constexpr TilesFn kMulti[4][5] = {{},
+                                  {nullptr, tiles<1, 1>, tiles<1, 2>, tiles<1, 3>, tiles<1, 4>},
+                                  {nullptr, tiles<2, 1>, tiles<2, 2>},
+                                  {nullptr, tiles<3, 1>, tiles<3, 2>}};
 #endif
 
 #if defined(__AVX512F__)
@@ -163,9 +167,10 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t n,
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end;) {
       const uint16_t* wt = wp + t * K * kTile;
-      const int64_t at_once = M < 4 ? kTilesAtOnce[M] : 1;
-      if (at_once > 1 && t + at_once <= end && (t + at_once) * kTile <= n) {  // full tiles only
-        kMulti[M](xp, K, wt, K, op + t * kTile, n);
+      const int64_t full = std::min(end, n / kTile) - t;  // full tiles left to this thread
+      if (M < 4 && full > 0) {
+        const int64_t at_once = std::min(kTilesAtOnce[M], full);
+        kMulti[M][at_once](xp, K, wt, K, op + t * kTile, n);
         t += at_once;
         continue;
       }
