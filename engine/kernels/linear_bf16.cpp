@@ -168,7 +168,7 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t n,
     for (int64_t t = begin; t < end;) {
       const uint16_t* wt = wp + t * K * kTile;
       const int64_t full = std::min(end, n / kTile) - t;  // full tiles left to this thread
-      if (M < 4 && full > 0) {
+      if (0 < M && M < 4 && full > 0) {
         const int64_t at_once = std::min(kTilesAtOnce[M], full);
         kMulti[M][at_once](xp, K, wt, K, op + t * kTile, n);
         t += at_once;

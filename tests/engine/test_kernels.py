@@ -175,6 +175,8 @@ def test_bf16_linear_is_the_exact_products_summed_in_float32_for_every_row(n, k)
         assert torch.equal(kernels.linear_bf16(x[rows], packed, n, out_float=True), got[rows])
     rounded = kernels.linear_bf16(x, packed, n)
     assert rounded.dtype == torch.bfloat16 and torch.equal(rounded, got.bfloat16())
+    for out_float in (True, False):  # no rows (a step whose rows are all mid-prompt samples none)
+        assert kernels.linear_bf16(x[:0], packed, n, out_float=out_float).shape == (0, n)
 
 
 @pytest.mark.parametrize(("offset", "n"), [(0, 1 << 20), (3, (1 << 20) + 77), (1, 63), (0, 0)])
