@@ -51,6 +51,9 @@ def test_a_prompt_list_closed_with_nothing_waiting_ends_every_request(fleet):
 def test_streamed_prompt_lists_whose_clients_read_one_event_and_leave_end_upstream(fleet):
     # the case: before the fix, about a third of these stayed in flight with their node held
     router, nodes = fleet(colocated=1, tokens=200, token_s=0.002)
+    # each call streams a few tokens, then waits until it is cancelled: none can complete on its own
+    # while the router is slow to cancel (a loaded host), so every one of them must be cancelled
+    nodes["colocated"][0].stall_after = 4
     body = b'{"prompt": [[1, 2], [3, 4], [5, 6], [7, 8]], "max_tokens": 200, "stream": true}'
     head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(body)}"
     for _ in range(STREAMS):
