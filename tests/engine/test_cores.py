@@ -4,6 +4,7 @@ cores that other processes keep busy are left to them."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -40,6 +41,21 @@ def sleeper() -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
 
 
+@contextlib.contextmanager
+def ranks(registry, n: int):
+    """n live processes registered as ranks that computed just now; ended on exit."""
+    procs = [sleeper() for _ in range(n)]
+    try:
+        registry.mkdir(exist_ok=True)
+        for p in procs:
+            (registry / str(p.pid)).touch()
+        yield procs
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
 def test_the_cores_are_split_over_the_live_ranks_and_the_dead_are_forgotten(registry, monkeypatch):
     assert cores.join() == 4  # alone: every core
     assert torch.get_num_threads() == 4 and (registry / str(os.getpid())).exists()
@@ -66,32 +82,18 @@ def test_the_cores_are_split_over_the_live_ranks_and_the_dead_are_forgotten(regi
 
 
 def test_a_rank_idle_for_longer_than_active_s_leaves_its_cores_to_the_busy(registry, monkeypatch):
-    idle = sleeper()
-    try:
-        registry.mkdir()
-        (registry / str(idle.pid)).touch()
+    with ranks(registry, 1) as [idle]:
         assert cores.join() == 2  # the other computed just now (its file is fresh)
         old = time.time() - cores.ACTIVE_S - 1
         os.utime(registry / str(idle.pid), (old, old))  # then it computed nothing for a while
         monkeypatch.setattr(cores, "_next_check", 0.0)
         cores.refresh()
         assert torch.get_num_threads() == 4
-    finally:
-        idle.kill()
-        idle.wait()
 
 
 def test_more_ranks_than_cores_still_compute_with_one_thread_each(registry):
-    procs = [sleeper() for _ in range(5)]
-    try:
-        registry.mkdir()
-        for p in procs:
-            (registry / str(p.pid)).touch()
+    with ranks(registry, 5):
         assert cores.join() == 1  # 4 cores over 6 ranks
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait()
 
 
 def test_refresh_does_nothing_for_a_process_that_did_not_join(registry):
@@ -110,22 +112,13 @@ def test_cores_that_other_processes_keep_busy_are_left_to_them(registry, monkeyp
 
 
 def test_the_fewer_of_the_rank_share_and_the_free_cores_is_taken(registry, monkeypatch):
-    other = sleeper()
-    try:
-        registry.mkdir()
-        (registry / str(other.pid)).touch()
+    with ranks(registry, 1):
         assert cores.join() == 2  # two ranks on 4 cores
-        Quiet.load = 1.0  # (the other rank computing takes a core: still 2)
-        monkeypatch.setattr(cores, "_next_check", 0.0)
-        cores.refresh()
-        assert torch.get_num_threads() == 2
-        Quiet.load = 2.6  # and something else two more
-        monkeypatch.setattr(cores, "_next_check", 0.0)
-        cores.refresh()
-        assert torch.get_num_threads() == 1
-    finally:
-        other.kill()
-        other.wait()
+        for load, threads in [(1.0, 2), (2.6, 1)]:  # the other rank computing takes a core; then 2 more go
+            Quiet.load = load
+            monkeypatch.setattr(cores, "_next_check", 0.0)
+            cores.refresh()
+            assert torch.get_num_threads() == threads
 
 
 @pytest.mark.parametrize(
