@@ -208,6 +208,13 @@ class ModelStage:
         )
         self.embed = needed.get("model.embed_tokens.weight") if self.is_first else None
         self.layers = [DecoderLayer(config, needed, f"model.layers.{i}", packed) for i in range(start, end)]
+        # all the layers in one kernel call (decoder_bf16.cpp: the packed path of DecoderLayer.forward,
+        # op for op), where every op of a layer takes the packed path
+        self.fused = packed and config.head_dim % 32 == 0 and not config.attention_bias and _kernel_takes(config)
+        six = [
+            (x.input_norm, x.qkv.packed, x.o.packed, x.post_norm, x.gate_up.packed, x.down.packed) for x in self.layers
+        ]
+        self.fused_weights = [t for layer in six for t in layer] if self.fused else []
         self.norm = needed["model.norm.weight"] if self.is_last else None
         if self.is_last:
             head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
@@ -232,9 +239,19 @@ class ModelStage:
         rows on the last stage.
         """
         h = F.embedding(inputs, self.embed) if self.is_first else inputs
-        rope = (self.cos[meta.positions][:, None, :], self.sin[meta.positions][:, None, :])
-        for i, layer in enumerate(self.layers):
-            h = layer.forward(self.layer_range[0] + i, h, meta, rope, kv)
+        cos, sin = self.cos[meta.positions], self.sin[meta.positions]
+        if self.fused and kv.buffer.device.type == "cpu":
+            c = self.config
+            shape = (c.num_attention_heads, c.num_key_value_heads, c.intermediate_size)
+            attention = (meta.tables, meta.row_table, meta.row_ctx)
+            first = self.layer_range[0] - kv.layer_start
+            h = kernels.decoder_bf16(
+                h.contiguous(), self.fused_weights, shape, c.rms_norm_eps, 1.0 / math.sqrt(c.head_dim),
+                cos, sin, kv.buffer, attention, meta.slot_rows(kv), first,
+            )  # fmt: skip
+        else:
+            for i, layer in enumerate(self.layers):
+                h = layer.forward(self.layer_range[0] + i, h, meta, (cos[:, None, :], sin[:, None, :]), kv)
         if not self.is_last:
             return h
         h = rms_norm(h[meta.sample_rows], self.norm, self.config.rms_norm_eps, self.packed)

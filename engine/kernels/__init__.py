@@ -4,7 +4,9 @@
 prompt token) attending over its request's pages of the KV pool, read in place, computed alike
 however the prompt was chunked (paged_attention.cpp); `pack_bf16` and
 `linear_bf16`: bfloat16 matmuls with packed weights, and `silu_mul_bf16`, `rms_norm_bf16` and `rope_bf16`
-(linear_bf16.cpp, `bf16_linear()`); vec.h: their shared vector helpers; `stream_copy`, large copies
+(linear_bf16.cpp, `bf16_linear()`); `decoder_bf16`: a rank's decoder layers in one call, those ops
+in the order engine/model.py runs them (decoder_bf16.cpp; kernels.h declares what it calls); vec.h:
+their shared vector helpers; `stream_copy`, large copies
 with streaming stores (stream_copy.cpp: KV hand-offs into another process's pool). The build takes
 ~30 s once per machine (torch's extension cache, ~/.cache/torch_extensions, keyed by the
 source, the flags and this CPU); later starts load it in well under a second. Where it cannot
@@ -26,8 +28,11 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(n) for n in ("paged_attention.cpp", "linear_bf16.cpp", "stream_copy.cpp")]
-HEADERS = [Path(__file__).with_name("vec.h")]
+SOURCES = [
+    Path(__file__).with_name(n)
+    for n in ("paged_attention.cpp", "linear_bf16.cpp", "decoder_bf16.cpp", "stream_copy.cpp")
+]
+HEADERS = [Path(__file__).with_name(n) for n in ("vec.h", "kernels.h")]
 # -march=native: the build is keyed by this CPU's flags below, so a cache copied to another CPU
 # builds again. Reassociation lets the compiler vectorize the float sums. OpenMP: ATen's
 # parallel_for is inline and runs on one thread without it (the runtime is torch's own libgomp).
@@ -135,6 +140,30 @@ def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
 def silu_mul_bf16(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up [M, 2I] bf16 -> silu(gate) * up [M, I] bf16, rounded as torch's two bf16 ops."""
     return torch.ops.kvbridge.silu_mul_bf16(gate_up)
+
+
+def decoder_bf16(
+    hidden: torch.Tensor,
+    weights: list[torch.Tensor],
+    shape: tuple[int, int, int],
+    eps: float,
+    scale: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    pool: torch.Tensor,
+    attention: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    slots: torch.Tensor,
+    first_layer: int,
+) -> torch.Tensor:
+    """hidden [N, H] bf16 through decoder layers (weights: six a layer, see decoder_bf16.cpp);
+    shape: (heads, kv_heads, intermediate); attention: (tables, rows, ctx_lens) as for
+    paged_attention; slots [N] int64: each new token's K row in the pool's first layer
+    (KVPool.token_rows); first_layer: the pool's index of the first of these layers."""
+    heads, kv_heads, inter = shape
+    tables, rows, ctx = attention
+    return torch.ops.kvbridge.decoder_bf16(
+        hidden, weights, heads, kv_heads, inter, eps, scale, cos, sin, pool, tables, rows, ctx, slots, first_layer
+    )
 
 
 def paged_attention(

@@ -21,32 +21,13 @@
 #include <cmath>
 #include <cstring>
 
+#include "kernels.h"
 #include "vec.h"
 
 namespace {
 
 constexpr int64_t kBlock = 16, kTile = 32, kRows = 12;
 constexpr int64_t kAhead = 16;  // decode tiles: weights prefetched this many k ahead (1 KiB a tile)
-
-// w [N, K] (bf16) -> packed [ceil(N/32)][K][32] bf16: at k, lane j holds outputs (j, j + 16) of
-// the tile; zero past N
-at::Tensor pack_bf16(const at::Tensor& w) {
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16, "w must be a 2-d bfloat16 tensor");
-  const at::Tensor wc = w.contiguous();
-  const int64_t N = wc.size(0), K = wc.size(1), tiles = (N + kTile - 1) / kTile;
-  at::Tensor packed = at::zeros({tiles, K, kTile}, wc.options());
-  const uint16_t* src = reinterpret_cast<const uint16_t*>(wc.data_ptr<at::BFloat16>());
-  uint16_t* dst = reinterpret_cast<uint16_t*>(packed.data_ptr<at::BFloat16>());
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t)
-      for (int64_t o = 0; o < kTile && t * kTile + o < N; ++o) {
-        const uint16_t* row = src + (t * kTile + o) * K;
-        const int64_t slot = o < kBlock ? 2 * o : 2 * (o - kBlock) + 1;
-        for (int64_t k = 0; k < K; ++k) dst[(t * K + k) * kTile + slot] = row[k];
-      }
-  });
-  return packed;
-}
 
 #if defined(__AVX512F__)
 // rows [0, R) of x (fp32, leading dimension ldx) times one packed tile -> 32 outputs per row
@@ -135,6 +116,30 @@ inline __m512i round_bf16(__m512 v) {
 }
 inline __m512 widen_bf16(__m512i bits) { return _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16)); }
 #endif
+
+}  // namespace
+
+namespace kvbridge_kernels {
+
+// w [N, K] (bf16) -> packed [ceil(N/32)][K][32] bf16: at k, lane j holds outputs (j, j + 16) of
+// the tile; zero past N
+at::Tensor pack_bf16(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16, "w must be a 2-d bfloat16 tensor");
+  const at::Tensor wc = w.contiguous();
+  const int64_t N = wc.size(0), K = wc.size(1), tiles = (N + kTile - 1) / kTile;
+  at::Tensor packed = at::zeros({tiles, K, kTile}, wc.options());
+  const uint16_t* src = reinterpret_cast<const uint16_t*>(wc.data_ptr<at::BFloat16>());
+  uint16_t* dst = reinterpret_cast<uint16_t*>(packed.data_ptr<at::BFloat16>());
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t o = 0; o < kTile && t * kTile + o < N; ++o) {
+        const uint16_t* row = src + (t * kTile + o) * K;
+        const int64_t slot = o < kBlock ? 2 * o : 2 * (o - kBlock) + 1;
+        for (int64_t k = 0; k < K; ++k) dst[(t * K + k) * kTile + slot] = row[k];
+      }
+  });
+  return packed;
+}
 
 // x [M, K] bf16, packed from pack_bf16, n = N -> [M, N] float32 (out_float) or bf16
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t n, bool out_float) {
@@ -305,7 +310,7 @@ at::Tensor rope_bf16(const at::Tensor& qkv, const at::Tensor& cos, const at::Ten
 #endif
 }
 
-}  // namespace
+}  // namespace kvbridge_kernels
 
 TORCH_LIBRARY_FRAGMENT(kvbridge, m) {
   m.def("pack_bf16(Tensor w) -> Tensor");
@@ -316,6 +321,7 @@ TORCH_LIBRARY_FRAGMENT(kvbridge, m) {
 }
 
 TORCH_LIBRARY_IMPL(kvbridge, CPU, m) {
+  using namespace kvbridge_kernels;
   m.impl("pack_bf16", pack_bf16);
   m.impl("linear_bf16", linear_bf16);
   m.impl("silu_mul_bf16", silu_mul_bf16);

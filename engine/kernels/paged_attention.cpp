@@ -21,6 +21,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "kernels.h"
 #include "vec.h"
 
 namespace {
@@ -302,6 +303,10 @@ void attend(const at::Tensor& q, const at::Tensor& pool, const at::Tensor& table
   else attend<T, 0>(z, q, pool, tables, rows, ctx_lens, layer, scale, out);
 }
 
+}  // namespace
+
+namespace kvbridge_kernels {
+
 // q [N, heads, head_dim]: N query rows; pool as above; tables [R, max_pages] int64 (page ids,
 // padded); rows [N] int64: the table of each query row; ctx_lens [N] int64: the keys it sees (a
 // decode: its context; a prompt token at position t: t + 1); layer: index in the pool. Each row is
@@ -344,10 +349,10 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& pool, const at
   return out;
 }
 
-}  // namespace
+}  // namespace kvbridge_kernels
 
 TORCH_LIBRARY(kvbridge, m) {
   m.def("paged_attention(Tensor q, Tensor pool, Tensor tables, Tensor rows, Tensor ctx_lens, int layer, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(kvbridge, CPU, m) { m.impl("paged_attention", paged_attention); }
+TORCH_LIBRARY_IMPL(kvbridge, CPU, m) { m.impl("paged_attention", kvbridge_kernels::paged_attention); }

@@ -6,6 +6,7 @@ through it is the engine through torch's ops."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
@@ -17,6 +18,8 @@ from engine import kernels
 from engine.config import EngineConfig
 from engine.llm import LLM
 from engine.model import apply_rope, rms_norm
+from engine.weights import TINY_CONFIG, tiny_random
+from tests.conftest import make_llm
 
 PAGES, LAYERS, PS, KVH, HD, HEADS = 40, 3, 16, 3, 64, 9
 
@@ -255,3 +258,49 @@ def test_a_bf16_requests_tokens_do_not_depend_on_what_it_is_batched_with(tiny_mo
     together = run(prompts)
     for i in (0, 3, 7):
         assert run([prompts[i]]) == [together[i]]
+
+
+@needs_bf16
+@pytest.mark.parametrize("stages", [1, 2])
+def test_the_one_call_decoder_is_the_layer_by_layer_forward_bit_for_bit(stages):
+    """decoder_bf16.cpp runs a stage's layers in one call: the same tokens and logprobs, bit for
+    bit, as DecoderLayer.forward op by op, over prompts chunked beside decodes, one stage or two
+    (the second's pool starts at its own first layer)."""
+    model = tiny_random(config=dataclasses.replace(TINY_CONFIG, head_dim=32))
+    prompts = [[5 + (i * 13 + j) % 70 for j in range(6 + 11 * i)] for i in range(5)]
+    params = SamplingParams(max_new_tokens=9, ignore_eos=True, logprobs=0)
+
+    def run(fused: bool):
+        llm = make_llm(model, num_stages=stages, dtype="bfloat16", page_size=8, chunked_prefill_size=24)
+        assert [s.fused for s in llm.stages] == [True] * stages
+        for s in llm.stages:
+            s.fused = fused
+        return [(c.output_ids, [lp.logprob for lp in c.logprobs]) for c in llm.generate(prompts, params)]
+
+    assert run(True) == run(False)
+
+
+@needs_bf16
+def test_the_one_call_decoder_refuses_a_slot_outside_the_pool_before_writing():
+    model = tiny_random(config=dataclasses.replace(TINY_CONFIG, head_dim=32))
+    llm = make_llm(model, dtype="bfloat16", page_size=8)
+    stage, c = llm.stages[0], model.config
+    pool = stage.new_kv_pool(4, 8)
+    rows = pool.buffer.numel() // (c.num_key_value_heads * c.head_dim)
+    h = torch.ones(1, c.hidden_size, dtype=torch.bfloat16)
+    cos, sin = stage.cos[:1], stage.sin[:1]
+    attention = (torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, dtype=torch.long), torch.ones(1, dtype=torch.long))
+    shape = (c.num_attention_heads, c.num_key_value_heads, c.intermediate_size)
+
+    def call(slot: int, weights=stage.fused_weights):
+        slots = torch.tensor([slot])
+        return kernels.decoder_bf16(h, weights, shape, 1e-5, 0.1, cos, sin, pool.buffer, attention, slots, 0)
+
+    for slot in (-1, rows - (2 * c.num_hidden_layers - 1) * 8):  # (the last layer's V row would be past the end)
+        with pytest.raises(RuntimeError, match="slot row out of range"):
+            call(slot)
+    assert not pool.buffer.any()
+    with pytest.raises(RuntimeError, match="six tensors a layer, got 5"):
+        call(0, stage.fused_weights[:5])
+    assert call(0).shape == (1, c.hidden_size)
+    assert pool.buffer.any()  # (the first page's rows took the token's K and V)
