@@ -10,7 +10,9 @@
 #                                   prompts (completions, 1 output token): prompt tokens / TTFT p50
 # Servers: vllm (bf16, VLLM_CPU_OMP_THREADS_BIND over every core), llama.cpp (the GGUF as shipped,
 # Q4_1, -t cores, 32 slots), kvbridge colocated and kvbridge P pp1 + D pp1 (router + nodes, defaults).
-# SERVERS=vllm,llamacpp,colocated,pd picks some; PROMPTS (default 4 x concurrency, at least 16);
+# SERVERS=vllm,llamacpp,colocated,pd picks some (add `before` with BEFORE=DIR: kvbridge colocated
+# from another checkout with its own .venv, e.g. an older commit); PROMPTS (default 4 x concurrency,
+# at least 16);
 # DRIVERS=bench,aiperf picks the load generators.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -155,6 +157,11 @@ table() {
             colocated)
                 start_colocated
                 up http://127.0.0.1:8102/health 120 && bench kvbridge-colocated http://127.0.0.1:8102 smollm2-135m-instruct
+                # shellcheck disable=SC2086
+                stop $PIDS ;;
+            before)  # the same stack from another checkout (BEFORE=DIR, set up with scripts/setup.sh)
+                KV="$BEFORE/.venv/bin/kvbridge" start_colocated
+                up http://127.0.0.1:8102/health 120 && bench kvbridge-before http://127.0.0.1:8102 smollm2-135m-instruct
                 # shellcheck disable=SC2086
                 stop $PIDS ;;
             pd)
