@@ -10,7 +10,7 @@ library is not glibc.
 - `release_freed_heap`: hand back what is free in every arena now (after a large transient).
 
 The environment's MALLOC_ARENA_MAX bounds the arenas (one per thread that allocates, up to 8 per
-core): the threads that expand client input are few (serving/convert.py), so it need not be set.
+core): the threads that expand client input are few (common/text/prompts.py), so it need not be set.
 """
 
 from __future__ import annotations

@@ -17,9 +17,34 @@ MAX_TOP_LOGPROBS = 20  # alternatives returned per position (OpenAI's limit)
 MAX_SCHEMA_CHARS = 64 * 1024
 MAX_CHOICES = 16  # n: completions of one prompt, sampled apart and sharing its pages
 
+
+@dataclass(frozen=True)
+class Range:
+    """A closed (or left-open) interval of a sampling number."""
+
+    low: float
+    high: float
+    low_open: bool = False
+
+    def holds(self, v: float) -> bool:  # (NaN: never)
+        return (self.low < v if self.low_open else self.low <= v) and v <= self.high
+
+    def __str__(self) -> str:
+        return f"{'(' if self.low_open else '['}{self.low:g}, {self.high:g}]"
+
+
+# The bounded sampling numbers: checked here (validate) and by the router's OpenAI parsing alike.
+RANGES = {
+    "top_p": Range(0, 1, low_open=True),
+    "presence_penalty": Range(-2, 2),
+    "frequency_penalty": Range(-2, 2),
+    "repetition_penalty": Range(0, 2, low_open=True),
+    "min_p": Range(0, 1),
+}
+
 # The sizes a client chooses (`check_sizes`), refused before anything is built from them: at the
 # router, and at each node (from_proto checks the wire's counts before it copies them). The work a
-# token costs does not grow with them (stop strings: one automaton step a character, engine/detok.py;
+# token costs does not grow with them (stop strings: one automaton step a character, common/text/detok.py;
 # bad words: a trie walk as deep as the longest word, masks built once a request, engine/logits.py);
 # they bound what a request costs to check and to set up. Real clients stay far below (OpenAI allows
 # 4 stop strings and 300 logit_bias entries).
@@ -159,20 +184,16 @@ class SamplingParams:
             return "temperature", f"temperature must be >= 0, got {t}"
         if t > 0 and not MIN_TEMPERATURE <= t < math.inf:
             return "temperature", f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE:g}, got {t}"
-        if not 0 < self.top_p <= 1:
-            return "top_p", f"top_p must be in (0, 1], got {self.top_p}"
+        if not RANGES["top_p"].holds(self.top_p):
+            return "top_p", f"top_p must be in {RANGES['top_p']}, got {self.top_p}"
         if self.top_k < 0:
             return "top_k", f"top_k must be >= 0, got {self.top_k}"
         empty = [i for i, s in enumerate(self.stop) if not s]
         if empty:
             return "stop", f"stop[{empty[0]}] is empty (it would match at once)"
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -2 <= getattr(self, name) <= 2:
-                return name, f"{name} must be in [-2, 2], got {getattr(self, name)}"
-        if not 0 < self.repetition_penalty <= 2:
-            return "repetition_penalty", f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}"
-        if not 0 <= self.min_p <= 1:
-            return "min_p", f"min_p must be in [0, 1], got {self.min_p}"
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"):
+            if not RANGES[name].holds(getattr(self, name)):
+                return name, f"{name} must be in {RANGES[name]}, got {getattr(self, name)}"
         for token, bias in self.logit_bias:
             if not -100 <= bias <= 100:  # (NaN too)
                 return "logit_bias", f"logit_bias[{token}] must be in [-100, 100], got {bias}"

@@ -5,7 +5,7 @@ OpenAI's `response_format` {"type": "json_object"} (SamplingParams.json_object) 
 token to keep the output a prefix of JSON the schema accepts: before a structured request samples,
 the ids its grammar does not allow next get -inf logits; after, the grammar takes the chosen token.
 
-    schema_problem(json_schema) -> str | None    the router's check (400): no tokenizer needed
+    (schema_problem, the check before a request is admitted: common/text/schema.py)
     GrammarCompiler(tokenizer, vocab_size, eos_token_ids)    one per sampling rank
         .compile(params) -> Future               off the hot loop: a small thread pool, LRU-cached
         .matcher(params, prior_tokens=()) -> Matcher    waits for the compile; replays prior_tokens
@@ -38,7 +38,7 @@ Schemas: llguidance's JSON Schema support (Draft 2020-12, less a few keywords: `
 not ignored ("lenient" off), so an output always validates under the schema as written. Object
 properties come out in the order of `properties`. The JSON text is capped at MAX_SCHEMA_CHARS and
 its nesting at serde's recursion limit (128); its subschemas, their depth with $refs followed and
-the options one allOf combines are bounded before llguidance sees it (engine/schema_bounds.py:
+the options one allOf combines are bounded before llguidance sees it (common/text/schema_bounds.py:
 llguidance compiles on the caller's stack, and a long $ref chain overflowed it).
 
 Threads: compiles run in the compiler's pool (llguidance drops the GIL there); a Matcher belongs
@@ -47,8 +47,6 @@ to one request and must be used by one thread at a time (the sampling loop's).
 
 from __future__ import annotations
 
-import functools
-import json
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -59,62 +57,14 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer as HFTokenizer
 
-from common.sampling import MAX_SCHEMA_CHARS, SamplingParams
-from engine.schema_bounds import bounds_problem
-from engine.tokenizer import Tokenizer
+from common.sampling import SamplingParams
+from common.text.schema import ANY_OBJECT, grammar_of, one_line, unbounded
+from common.text.tokenizer import Tokenizer
 
-MAX_WHITESPACE = 20  # characters of one whitespace run between JSON tokens
-JSON_OPTIONS = {"whitespace_pattern": rf"[\x20\x0A\x0D\x09]{{0,{MAX_WHITESPACE}}}", "lenient": False}
-ANY_OBJECT = '{"type": "object"}'  # json_object's schema
 CACHE_SIZE = 256  # compiled grammars kept per compiler
 COMPILE_THREADS = 2
 
 _NUMPY_FLOATS = (torch.float32, torch.float64, torch.float16)
-_JSON_TYPES = {dict: "object", list: "array", str: "string", bool: "boolean", int: "number", float: "number"}
-
-
-@functools.lru_cache(maxsize=64)  # (the router and the node fronts call it on their event loops, per request)
-def schema_problem(json_schema: str) -> str | None:
-    """None when `json_schema` is a JSON object that llguidance compiles; else a one-line message
-    naming the problem. Needs no tokenizer."""
-    if len(json_schema) > MAX_SCHEMA_CHARS:
-        return f"json_schema is {len(json_schema)} characters; at most {MAX_SCHEMA_CHARS}"
-    try:
-        schema = json.loads(json_schema)
-    except json.JSONDecodeError as e:
-        return f"json_schema is not valid JSON: {e.msg} at line {e.lineno} column {e.colno} (char {e.pos})"
-    except RecursionError:
-        return "json_schema is not valid JSON: nested too deep"
-    if not isinstance(schema, dict):
-        kind = "null" if schema is None else _JSON_TYPES.get(type(schema), type(schema).__name__)
-        return f"json_schema must be a JSON object (a schema), got a JSON {kind}"
-    if problem := bounds_problem(schema):  # (before llguidance: past them it may overflow the stack)
-        return problem
-    try:
-        grammar = _grammar(json_schema)
-    except ValueError as e:
-        return f"json_schema: {_one_line(str(e))}"
-    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, None)
-    return f"json_schema: {_one_line(messages[0] if messages else 'rejected')}" if is_error else None
-
-
-def _unbounded(schema_text: str) -> str | None:
-    """bounds_problem of a schema's text; None for text that is not a JSON object (llguidance names that)."""
-    try:
-        schema = json.loads(schema_text)
-    except (ValueError, RecursionError):
-        return None
-    return bounds_problem(schema) if isinstance(schema, dict) else None
-
-
-def _grammar(schema_text: str) -> str:
-    """llguidance's grammar for a schema (JSON text), with our options (ValueError: not an object)."""
-    return llguidance.LLMatcher.grammar_from_json_schema(schema_text, overrides=JSON_OPTIONS)
-
-
-def _one_line(message: str) -> str:
-    """An llguidance message on one line, without the parser state dump its errors may append."""
-    return " ".join(message.split("<state>", 1)[0].split())[:500] or "rejected"
 
 
 def _key(params: SamplingParams) -> tuple[str, str]:
@@ -180,7 +130,7 @@ class Matcher:
         elif not 0 <= token < self.vocab_size or self._ll.validate_tokens([token]) != 1:
             raise ValueError(f"token {token} is not allowed by the grammar here{self._why()}")
         elif not self._ll.consume_token(token):  # (validated: only an llguidance failure gets here)
-            raise ValueError(f"token {token} failed in the grammar: {_one_line(self._ll.get_error())}")
+            raise ValueError(f"token {token} failed in the grammar: {one_line(self._ll.get_error())}")
 
     def accept_all(self, tokens: Sequence[int]) -> None:
         """accept() each token in turn, the runs between EOS ids at once. ValueError naming the first
@@ -207,7 +157,7 @@ class Matcher:
 
     def _why(self) -> str:
         if self._ll.is_error():
-            return f" (grammar failed: {_one_line(self._ll.get_error())})"
+            return f" (grammar failed: {one_line(self._ll.get_error())})"
         return " (the output is complete: only EOS may follow)" if self._ll.is_stopped() else ""
 
     @property
@@ -223,7 +173,7 @@ class Matcher:
     @property
     def error(self) -> str | None:
         """llguidance's failure, if it failed (then only EOS is allowed); None otherwise."""
-        return _one_line(self._ll.get_error()) if self._ll.is_error() else None
+        return one_line(self._ll.get_error()) if self._ll.is_error() else None
 
 
 class _Compiled:
@@ -290,11 +240,11 @@ class GrammarCompiler:
         return future
 
     def _build(self, schema_text: str) -> _Compiled:
-        if (problem := _unbounded(schema_text)) is not None:  # (the fronts refused it already: defence in depth)
+        if (problem := unbounded(schema_text)) is not None:  # (the fronts refused it already: defence in depth)
             raise ValueError(problem)
-        ll = llguidance.LLMatcher(self.lltokenizer, _grammar(schema_text), log_level=0)
+        ll = llguidance.LLMatcher(self.lltokenizer, grammar_of(schema_text), log_level=0)
         if ll.is_error():
-            raise ValueError(f"json_schema: {_one_line(ll.get_error())}")
+            raise ValueError(f"json_schema: {one_line(ll.get_error())}")
         return _Compiled(ll)
 
     def matcher(

@@ -13,7 +13,7 @@ from common.sampling import SamplingParams
 from engine.pages import PageTable
 
 if TYPE_CHECKING:
-    from engine.detok import StopChecker
+    from common.text.detok import StopChecker
     from engine.grammar import Matcher
     from engine.logits import Controls
 

@@ -36,12 +36,12 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from common import blocks
+from common.text.detok import StopChecker
+from common.text.tokenizer import Tokenizer
 from engine.batch import ForwardBatch
 from engine.config import EngineConfig
-from engine.detok import StopChecker
 from engine.pages import PageAllocator
 from engine.request import Phase, Request
-from engine.tokenizer import Tokenizer
 
 
 class ChunkPolicy(Protocol):
@@ -282,7 +282,7 @@ class Scheduler:
 
     def stop_reason(self, req: Request, tok: int) -> str | None:
         """Why `req` ends with its newest token `tok`, or None. Stop strings are looked for in the
-        token's new text only (engine/detok.py: O(1) per token), once min_tokens are out; EOS and
+        token's new text only (common/text/detok.py: O(1) per token), once min_tokens are out; EOS and
         stop_token_ids cannot be sampled before then (sampler.py). A stop token's text is searched
         only with include_stop_str_in_output (as vLLM: else the token leaves no text)."""
         p = req.params

@@ -31,8 +31,8 @@ from safetensors.torch import save_file
 
 from common.paths import cache_dir
 from common.progress import Progress
+from common.text.tokenizer import Tokenizer
 from engine.config import ModelConfig
-from engine.tokenizer import Tokenizer
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 PRESETS = ("smollm2-135m-instruct", "tiny-random")

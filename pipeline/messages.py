@@ -7,7 +7,7 @@
 
 Frozen dataclasses, dispatched by type (`match msg: case Add(): ...`). They cross a local
 multiprocessing queue between the front and the rank process it spawned, never a network
-socket: what arrives from the network is checked (serving/convert.py) before it becomes one.
+socket: what arrives from the network is checked (common/text/prompts.py) before it becomes one.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Router configuration: a frozen dataclass; the CLI flags are built from it."""
+"""Router configuration: a frozen dataclass, each setting with its default and help text (the
+CLI flags are built from it, router/cli.py)."""
 
 from __future__ import annotations
 
@@ -14,37 +15,98 @@ from router.policy import POLICIES, Policy
 
 @dataclass(frozen=True)
 class RouterConfig:
-    host: str = "127.0.0.1"  # address every server binds (gRPC, HTTP, metrics)
-    port: int = 50050  # gRPC port (Generation, Admin, health, reflection); 0 = a free one
-    http_port: int = 8000  # OpenAI-compatible HTTP port; 0 = a free one
-    colocated: tuple[str, ...] = ()  # host:port of nodes that serve Generation themselves
-    prefill: tuple[str, ...] = ()  # host:port of prefill nodes (Prefill service)
-    decode: tuple[str, ...] = ()  # host:port of decode nodes (Generation with a PrefillRoute)
-    discover: tuple[str, ...] = ()  # ROLE=NAME:PORT: nodes found in DNS, re-resolved (router/discovery.py)
-    discover_interval_s: float = 10.0  # how often every --discover name is resolved again, seconds
-    request_timeout_s: float = 300.0  # deadline of each upstream Generate / Prefill call, seconds
-    max_attempts: int = 3  # node pairs a request is tried on before its failure reaches the client
-    max_migrations: int = 3  # times a stream whose node failed after tokens reached the client moves on; 0 = never
-    retry_backoff_s: float = 0.05  # pause before the first retry, doubling for each next one (capped)
+    host: str = setting("127.0.0.1", "address every server binds (gRPC, HTTP, metrics)")
+    port: int = setting(
+        50050,
+        "gRPC port: Generation, Admin (unless --admin-port), health, reflection (0: a free one, printed when ready)",
+    )
+    http_port: int = setting(8000, "OpenAI-compatible HTTP port (0: a free one, printed when ready)")
+    colocated: tuple[str, ...] = setting(
+        (), "nodes serving Generation themselves (kvbridge serve), HOST:PORT[,HOST:PORT..]"
+    )
+    prefill: tuple[str, ...] = setting(
+        (), "prefill nodes, HOST:PORT[,HOST:PORT..]; disaggregated requests need a prefill and a decode node"
+    )
+    decode: tuple[str, ...] = setting(
+        (), "decode nodes, HOST:PORT[,HOST:PORT..]; disaggregated requests need a prefill and a decode node"
+    )
+    discover: tuple[str, ...] = setting(
+        (),
+        "nodes found in DNS, ROLE=NAME:PORT[,ROLE=NAME:PORT..] (a headless Service: one address per pod), "
+        "resolved again every --discover-interval-s; an address gone from the answer is removed",
+    )
+    discover_interval_s: float = setting(10.0, "how often every --discover name is resolved again, seconds")
+    request_timeout_s: float = setting(300.0, "deadline of each upstream Generate / Prefill call, seconds")
+    max_attempts: int = setting(
+        3,
+        "tries of a request in all: one that a node fails before any token reached the client "
+        "(UNAVAILABLE, RESOURCE_EXHAUSTED, a node timeout, no first token in time) is tried again on "
+        "other nodes",
+    )
+    max_migrations: int = setting(
+        3,
+        "times a stream whose node fails after tokens reached the client is moved to another pair "
+        "(resubmitted as prompt + the tokens sent; the client's stream goes on, nothing repeated or "
+        "lost); 0: never",
+    )
+    retry_backoff_s: float = setting(
+        0.05, "pause before the first retry, doubling for each next one (at most 1 s), seconds"
+    )
     # (a first token waits for the request's turn in the nodes' queues: this bounds a hang, not a burst)
-    first_token_timeout_s: float = 300.0  # an attempt without a first token this long is cancelled; 0 = off
-    idle_stream_timeout_s: float = 30.0  # a stream without a response this long after its first fails; 0 = off
-    health_retry_s: float = 1.0  # pause before re-watching the health of a node that failed, seconds
-    startup_wait_s: float = 5.0  # start_router waits this long at most for every node's first health report
-    metrics_port: int = -1  # Prometheus /metrics port; -1 = off, 0 = a free one
-    max_concurrent_requests: int = 4096  # HTTP requests handled at once; one more is answered 503 at once
-    # the largest HTTP request body; a larger one is answered 413 (its prompt must fit one 8 MiB gRPC message)
-    max_body_bytes: int = 4 << 20
-    # the largest non-streamed HTTP answer (its JSON, about); past it the request ends with a 400 naming this
-    # limit and is cancelled at the nodes (a stream's answer is not held: it has no limit)
-    max_answer_bytes: int = 16 << 20
-    http_header_timeout_s: float = 10.0  # a request's headers must be in this long after connect / the last response
-    http_body_timeout_s: float = 30.0  # a request body must be in this long after its headers, else 408
-    http_keep_alive_s: float = 5.0  # an HTTP connection idle this long after a response is closed
-    routing: str = "cache_aware"  # how a node is picked: cache_aware | least_loaded | round_robin (router/policy.py)
-    balance_abs_threshold: int = 64  # cache_aware routes least-loaded while max - min outstanding exceeds this ...
-    balance_rel_threshold: float = 1.5  # ... and max outstanding exceeds this times min (both over a role's nodes)
-    # the client-facing ports' certificate policy; Admin and /metrics keep mutual TLS (SECURITY.md)
+    first_token_timeout_s: float = setting(
+        300.0,
+        "cancel an attempt that got no first token within this and retry it elsewhere (the last attempt "
+        "fails with DEADLINE_EXCEEDED), seconds; 0: off",
+    )
+    idle_stream_timeout_s: float = setting(
+        30.0,
+        "fail a stream (DEADLINE_EXCEEDED) whose node sent nothing for this long after the first token, "
+        "seconds; 0: off",
+    )
+    health_retry_s: float = setting(1.0, "pause before re-checking a node whose health check failed, seconds")
+    startup_wait_s: float = setting(
+        5.0, "wait at most this long at start for every node's first health report, seconds"
+    )
+    metrics_port: int = setting(-1, "Prometheus /metrics port (-1: off; 0: a free one, printed when ready)")
+    max_concurrent_requests: int = setting(
+        4096, "HTTP requests handled at once; one more is answered 503 with Retry-After at once"
+    )
+    max_body_bytes: int = setting(
+        4 << 20, "the largest HTTP request body, bytes; a larger one is answered 413 (chunked bodies too)"
+    )
+    max_answer_bytes: int = setting(
+        16 << 20,
+        "the largest non-streamed HTTP answer (its JSON), bytes: one growing past it ends with a 400 "
+        "naming this limit and its requests are cancelled at the nodes; streamed answers are not held and "
+        "have no limit",
+    )
+    http_header_timeout_s: float = setting(
+        10.0,
+        "close an HTTP connection whose request headers are not in this long after it opened or after its "
+        "last response, seconds",
+    )
+    http_body_timeout_s: float = setting(
+        30.0, "answer 408 to an HTTP request whose body is not in this long after its headers, seconds"
+    )
+    http_keep_alive_s: float = setting(
+        5.0, "close an HTTP connection idle this long after a response (at most --http-header-timeout-s), seconds"
+    )
+    routing: str = setting(
+        "cache_aware",
+        "how nodes are picked: cache_aware (the node with the least of the prompt left to compute, by the "
+        "nodes' KV events; decode nodes by load, then cached prefix), least_loaded (fewest outstanding "
+        "requests) or round_robin",
+    )
+    balance_abs_threshold: int = setting(
+        64,
+        "cache_aware routes least-loaded while a role's nodes are imbalanced: max - min outstanding "
+        "requests above this, and max above --balance-rel-threshold times min",
+    )
+    balance_rel_threshold: float = setting(
+        1.5,
+        "the ratio of max to min outstanding requests above which (with --balance-abs-threshold) "
+        "cache_aware routes least-loaded",
+    )
     client_cert_reqs: str = setting(
         "required",
         "under --tls-ca, what the HTTP API and gRPC Generation ask of clients: required (a certificate "

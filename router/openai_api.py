@@ -26,16 +26,25 @@ priority...) and unknown fields are ignored.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 
 import grpc
 
 from common.limits import MAX_CHAT_MESSAGES, prompt_bytes_limit, text_size_problem
 from common.sampling import MAX_CHOICES
+from common.text.prompts import CHAT_ROLES as WIRE_ROLES
 from kvbridge.v1 import common_pb2, generation_pb2
 from router.checks import check_cache_salt, check_prompt
-from router.openai_fields import BadRequest, chat_options, check_sampling, flag, sampling_controls, show
+from router.openai_fields import (
+    TEMPERATURE,
+    BadRequest,
+    chat_options,
+    check_sampling,
+    flag,
+    number,
+    sampling_controls,
+    show,
+)
 from router.openai_fields import utf8_text as _text
 
 __all__ = ["BadRequest", "OpenAIRequest", "error_body", "parse_request"]
@@ -45,7 +54,7 @@ UINT32_MAX = (1 << 32) - 1
 UINT64_MAX = (1 << 64) - 1
 MAX_PROMPTS = 64  # prompts of one completion request (each routed on its own, with its n choices)
 MAX_ANSWER_CHOICES = 256  # prompts x n of one request: the sequences one HTTP request may start
-CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+CHAT_ROLES = {"developer": "system", **{role: role for role in WIRE_ROLES}}  # OpenAI's role -> ours
 
 # gRPC status -> (HTTP status, OpenAI error type), as google.rpc maps codes to HTTP.
 HTTP_OF_CODE = {
@@ -100,17 +109,6 @@ def _int(body: dict, name: str, low: int, high: int) -> int | None:
     if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= high:
         raise BadRequest(f"{name} must be an integer in [{low}, {high}], got {show(v)}", name)
     return v
-
-
-def _number(body: dict, name: str, low: float, high: float, low_open: bool = False) -> float | None:
-    v = body.get(name)
-    if v is None:
-        return None
-    ok = isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
-    if not (ok and (low < v if low_open else low <= v) and v <= high):
-        interval = f"{'(' if low_open else '['}{low:g}, {high:g}]"
-        raise BadRequest(f"{name} must be a number in {interval}, got {show(v)}", name)
-    return float(v)
 
 
 def _token_ids(v, name: str) -> list[int] | None:
@@ -303,9 +301,9 @@ def parse_request(raw: bytes, chat: bool, max_context: int | None = None) -> Ope
     max_tokens = max_tokens if max_tokens is not None else _int(body, "max_tokens", 1, UINT32_MAX)
     if max_tokens is not None:
         sampling.max_new_tokens = max_tokens
-    t = _number(body, "temperature", 0, 2)
+    t = number(body, "temperature", TEMPERATURE)
     sampling.temperature = 1.0 if t is None else t  # OpenAI's default: sampled, not greedy
-    if (p := _number(body, "top_p", 0, 1, low_open=True)) is not None:
+    if (p := number(body, "top_p")) is not None:
         sampling.top_p = p
     if (k := _int(body, "top_k", -1, UINT32_MAX)) is not None:
         sampling.top_k = max(k, 0)

@@ -14,8 +14,8 @@ import json
 
 from common import sampling as rules
 from common.sampling import MAX_SCHEMA_CHARS, MAX_TOP_LOGPROBS
+from common.text.prompts import MAX_TEMPLATE_KWARGS_BYTES as MAX_TEMPLATE_KWARGS_CHARS  # (sent as ASCII JSON)
 from kvbridge.v1 import common_pb2
-from serving.convert import MAX_TEMPLATE_KWARGS_BYTES as MAX_TEMPLATE_KWARGS_CHARS  # (sent as ASCII JSON)
 
 UINT32_MAX = (1 << 32) - 1
 
@@ -47,13 +47,17 @@ def is_number(v) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool)
 
 
-def _number(body: dict, name: str, low: float, high: float, low_open: bool = False) -> float | None:
+TEMPERATURE = rules.Range(0, 2)  # OpenAI's (a node takes any finite temperature >= 0)
+
+
+def number(body: dict, name: str, bounds: rules.Range | None = None) -> float | None:
+    """body[name] as a float within `bounds` (default: the sampling rules' RANGES[name]); None if absent."""
     v = body.get(name)
     if v is None:
         return None
-    if not (is_number(v) and (low < v if low_open else low <= v) and v <= high):
-        interval = f"{'(' if low_open else '['}{low:g}, {high:g}]"
-        raise BadRequest(f"{name} must be a number in {interval}, got {show(v)}", name)
+    bounds = bounds or rules.RANGES[name]
+    if not (is_number(v) and bounds.holds(v)):
+        raise BadRequest(f"{name} must be a number in {bounds}, got {show(v)}", name)
     return float(v)
 
 
@@ -153,7 +157,7 @@ def response_format(body: dict) -> common_pb2.StructuredOutput | None:
     text = json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
     if len(text) > MAX_SCHEMA_CHARS:
         raise BadRequest(f"response_format's schema is {len(text)} characters; at most {MAX_SCHEMA_CHARS}")
-    from engine.grammar import schema_problem
+    from common.text.schema import schema_problem
 
     if problem := schema_problem(text):
         raise BadRequest(f"response_format.json_schema.schema: {problem}", "response_format")
@@ -163,13 +167,9 @@ def response_format(body: dict) -> common_pb2.StructuredOutput | None:
 def sampling_controls(body: dict, chat: bool, sampling: common_pb2.SamplingParams) -> None:
     """Everything beyond the greedy core into `sampling`."""
     _logprobs(body, chat, sampling)
-    for name in ("presence_penalty", "frequency_penalty"):
-        if (x := _number(body, name, -2, 2)) is not None:
+    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"):
+        if (x := number(body, name)) is not None:
             setattr(sampling, name, x)
-    if (x := _number(body, "repetition_penalty", 0, 2, low_open=True)) is not None:
-        sampling.repetition_penalty = x
-    if (x := _number(body, "min_p", 0, 1)) is not None:
-        sampling.min_p = x
     sampling.logit_bias.update(_logit_bias(body))
     sampling.bad_words.extend(_strings(body, "bad_words"))
     sampling.allowed_token_ids.extend(_allowed(body))

@@ -3,15 +3,17 @@
 cache_aware routing (router/policy.py) compares a prompt's blocks with what each node holds
 (router/kv_index.py), so the router must tokenize exactly as the nodes do: it fetches a node's
 tokenizer (KVEvents.GetTokenizer) the first time it needs one, keeps one per model fingerprint,
-and turns prompts into ids with the nodes' own adapter (serving/convert.py prompt_ids). While no
+and turns prompts into ids with the nodes' own adapter (common/text/prompts.py prompt_ids). While no
 tokenizer could be fetched (every fetch failed; the next try is health_retry_s later), text and
 chat prompts have no blocks and are routed least-loaded ("no_index"), as are those that came while
 a fetch took longer than TOKENIZER_WAIT_S; token-id prompts need no tokenizer.
-A text or chat prompt is tokenized only within the size that could fit the longest context a node
-serves (`size_problem`, common/limits.py: the HTTP and gRPC fronts refuse a larger one before
-routing it). Tokenizing, and hashing long prompts, run in the bounded worker threads of
-serving/convert.py: the loop never waits on them, and no more than TOKENIZE_THREADS prompts expand
-at once.
+The ids of a text or chat prompt go on to the nodes in its place when they serve the model whose
+tokenizer made them (router/routed.py): a prompt is tokenized once per request, not once by the
+router and again by each node. A text or chat prompt is tokenized only within the size that could
+fit the longest context a node serves (`size_problem`, common/limits.py: the HTTP and gRPC fronts
+refuse a larger one before routing it). Tokenizing, and hashing long prompts, run in the bounded
+worker threads of common/text/prompts.py: the loop never waits on them, and no more than
+TOKENIZE_THREADS prompts expand at once.
 """
 
 from __future__ import annotations
@@ -26,10 +28,10 @@ import grpc
 from common.blocks import block_hashes
 from common.limits import prompt_size_problem
 from common.logs import log_event
-from engine.tokenizer import Tokenizer
+from common.text.prompts import in_worker, tokenized
+from common.text.tokenizer import Tokenizer
 from kvbridge.v1 import generation_pb2, kv_events_pb2, kv_events_pb2_grpc
 from router.pool import Node, NodePool
-from serving.convert import in_worker, tokenized
 
 TOKENIZER_DEADLINE_S = 5.0  # one GetTokenizer call
 TOKENIZER_WAIT_S = 3.0  # a request waits this long at most for a fetch (which goes on without it)
@@ -45,6 +47,14 @@ class PromptBlocks:
     hashes: dict[int, list[int]]  # page size -> the hashes of the prompt's full blocks at that size
 
 
+@dataclass(frozen=True)
+class PromptIds:
+    """A text or chat prompt tokenized at the router, sent on as ids to nodes of this model."""
+
+    ids: list[int]
+    fingerprint: str  # the model whose tokenizer made them
+
+
 class Prompts:
     """Block hashes of requests, with the tokenizers fetched from the pool's nodes. On the loop."""
 
@@ -54,25 +64,36 @@ class Prompts:
         self._fetch: asyncio.Task | None = None  # the fetch under way, shared by every request waiting on it
         self._failed_at = -float("inf")  # time.monotonic() of the last fetch that got no tokenizer
 
-    async def blocks(self, request: generation_pb2.GenerateRequest, page_sizes: set[int]) -> PromptBlocks | None:
-        """The request's blocks at each page size; None when there is no size to hash at or no
-        tokenizer for a text or chat prompt (or it would not tokenize: the node will say why)."""
+    async def ids(self, request: generation_pb2.GenerateRequest) -> PromptIds | None:
+        """A text or chat prompt's token ids; None for a token-id prompt, or when there is no
+        tokenizer at hand or the prompt would not tokenize (the node will say why)."""
+        if request.prompt.WhichOneof("kind") == "token_ids":
+            return None
+        tokenizer = await self.tokenizer()
+        if tokenizer is None:
+            return None
+        try:
+            ids = await tokenized(request.prompt, tokenizer, self.max_context())
+        except Exception:  # ValueError, or a template's own error: the node refuses it with the reason
+            return None
+        return PromptIds(ids, next((f for f, t in self.tokenizers.items() if t is tokenizer), ""))
+
+    async def blocks(
+        self, request: generation_pb2.GenerateRequest, page_sizes: set[int], known: PromptIds | None
+    ) -> PromptBlocks | None:
+        """The request's blocks at each page size; None when there is no size to hash at, or a
+        text or chat prompt has no ids (`known`: ids())."""
         if not page_sizes:
             return None
-        prompt, salt = request.prompt, request.cache_salt
-        if prompt.WhichOneof("kind") == "token_ids":
-            ids = list(prompt.token_ids.ids)
+        if request.prompt.WhichOneof("kind") == "token_ids":
+            ids = list(request.prompt.token_ids.ids)
+        elif known is not None:
+            ids = known.ids
         else:
-            tokenizer = await self.tokenizer()
-            if tokenizer is None:
-                return None
-            try:
-                ids = await tokenized(prompt, tokenizer, self.max_context())
-            except Exception:  # ValueError, or a template's own error: the node refuses it with the reason
-                return None
+            return None
         if len(ids) <= INLINE_TOKENS:
-            return _hashed(ids, page_sizes, salt)
-        return await in_worker(_hashed, ids, page_sizes, salt)
+            return _hashed(ids, page_sizes, request.cache_salt)
+        return await in_worker(_hashed, ids, page_sizes, request.cache_salt)
 
     def max_context(self) -> int | None:
         """The longest context a healthy node serves (None while none has reported its model)."""

@@ -64,10 +64,10 @@ from common.limits import room_tag
 from common.logs import log_event
 from common.metrics import outcome_of
 from common.security import message_proof
-from kvbridge.v1 import generation_pb2, generation_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from kvbridge.v1 import common_pb2, generation_pb2, generation_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from router.failures import MIGRATED_CODES, RETRIED_CODES, Interrupted, Migrate, Retry, RouteError, TimedOut
 from router.pool import Node, Pick
-from router.prompts import PromptBlocks
+from router.prompts import PromptBlocks, PromptIds
 
 if TYPE_CHECKING:
     from router.dispatch import Dispatcher
@@ -101,6 +101,7 @@ class Routed:
         self.attempts = 0  # attempts started so far
         self.prompt_tokens = len(request.prompt.token_ids.ids)  # 0 until known (text, chat: hashed, or the last usage)
         self.blocks: PromptBlocks | None = None  # the prompt's block hashes, for the policy (None: unknown)
+        self.ids: PromptIds | None = None  # a text or chat prompt's ids, made here (None: unknown, or ids sent)
         self._hashed = False  # blocks were looked for (once per request, before the first attempt)
         # token ids handed to the client so far (a migration resumes after them): 4 bytes each
         self.output_ids = array("I")
@@ -183,10 +184,15 @@ class Routed:
         self.phase, self.room, self.peer = "routing", 0, ""
         if self.cancelled.is_set():
             raise RouteError(grpc.StatusCode.CANCELLED, self.why)
-        if not self._hashed and self.pool.policy.needs_prompt:
+        if not self._hashed:  # (once per request, whatever its attempts)
             self._hashed = True
-            self.blocks = await self.dispatcher.prompts.blocks(self.request, self.pool.page_sizes())
-            if self.blocks is not None:
+            prompts = self.dispatcher.prompts
+            self.ids = await prompts.ids(self.request)
+            if self.pool.policy.needs_prompt:
+                self.blocks = await prompts.blocks(self.request, self.pool.page_sizes(), self.ids)
+            if self.ids is not None:
+                self.prompt_tokens = len(self.ids.ids)
+            elif self.blocks is not None:
                 self.prompt_tokens = self.blocks.tokens
         timeout = self._remaining()
         roles = GENERATION_ROLES if self.pool.has_eligible("prefill", excluded) else ("colocated",)
@@ -205,6 +211,7 @@ class Routed:
             request.sampling.ClearField("prompt_logprobs")
         self._attempt_sent = 0
         if node.role == "colocated":
+            self._send_ids(request, node)
             self.peer, self.phase = node.address, "colocated"
             self._log("routed", colocated=node.address)
             served = self._colocated(picked, request, timeout)
@@ -213,6 +220,7 @@ class Routed:
             if prefill is None:  # the last prefill node turned unhealthy just now
                 self.pool.release(node, picked.tokens)
                 raise self._none_left()
+            self._send_ids(request, node)  # (D refuses a P of another model: the layout's fingerprint)
             self.room, self.peer = secrets.randbits(63), f"{prefill.node.address} -> {node.address}"
             self.phase = "prefill+decode"
             self._log("routed", prefill=prefill.node.address, decode=node.address)
@@ -220,6 +228,12 @@ class Routed:
         async with contextlib.aclosing(served) as responses:
             async for resp in responses:
                 yield resp
+
+    def _send_ids(self, request: generation_pb2.GenerateRequest, node: Node) -> None:
+        """The prompt as the ids the router made, when `node` serves the model whose tokenizer made
+        them (else the nodes tokenize it themselves)."""
+        if self.ids is not None and node.model is not None and node.model.fingerprint == self.ids.fingerprint:
+            request.prompt.CopyFrom(common_pb2.Prompt(token_ids=common_pb2.TokenIds(ids=self.ids.ids)))
 
     def _pick(self, roles: tuple[str, ...], excluded: list[Node]) -> Pick | None:
         picked = self.pool.pick(roles, excluded, self.blocks)

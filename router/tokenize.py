@@ -11,7 +11,7 @@
     GET  /version     {"version": the package's version (common.__version__, = kvbridge.__version__)}
 
 The ids are those a generation of the same prompt uses: the router tokenizes with the nodes' own
-tokenizer (router/prompts.py fetches it) and their own adapter (serving/convert.py prompt_ids), in a
+tokenizer (router/prompts.py fetches it) and their own adapter (common/text/prompts.py prompt_ids), in a
 worker thread. add_special_tokens false on a prompt leaves out the BOS the model would add (true on
 messages is refused, as for chat completions: the template carries the special tokens).
 Answers are (HTTP status, JSON body); errors in the OpenAI format: 400 naming the field, 404 for a
@@ -26,13 +26,13 @@ import grpc
 
 from common import __version__
 from common.limits import prompt_size_problem
-from engine.tokenizer import Tokenizer
+from common.text.prompts import encode, in_worker, prompt_ids
+from common.text.tokenizer import Tokenizer
 from kvbridge.v1 import common_pb2, generation_pb2
 from router.openai_api import BadRequest, OpenAIRequest, _messages, _show, _text, error_body
 from router.openai_fields import chat_options
 from router.pool import NodePool
 from router.prompts import Prompts
-from serving.convert import encode, in_worker, prompt_ids
 
 # The chat-only fields whose error a ValueError of prompt_ids names, in the order they are looked for.
 _CHAT_FIELDS = ("chat_template_kwargs", "continue_final_message", "add_generation_prompt")

@@ -5,7 +5,7 @@ costs an asyncio queue and the coroutine that reads it, never a thread. One disp
 thread reads rank 0's event queue (a multiprocessing queue, so a blocking read), takes every
 event already there in one go, and hands the batch to the loop, which routes each event to
 its request's stream or to a status waiter. Text is detokenized incrementally here
-(engine/detok.py: bounded work per token), holding back what might still turn out to be
+(common/text/detok.py: bounded work per token), holding back what might still turn out to be
 the start of a stop string.
 
 Callers on the loop use `submit`, `abort`, `astatus`, `arequests`, `acheck`; other threads
@@ -29,7 +29,7 @@ from common.limits import rid_problem
 from common.metrics import outcome_of
 from common.rpc import EventLoop, shown
 from common.sampling import SamplingParams
-from engine.detok import TextStream
+from common.text.detok import TextStream
 from engine.logits import Logprob, logprob_to_proto
 from kvbridge.v1 import common_pb2, generation_pb2
 from pipeline.group import RankGroup
@@ -107,7 +107,7 @@ class NodeFront:
     # ------------------------------------------------------------------ on the loop
 
     async def prompt_ids(self, prompt: common_pb2.Prompt) -> list[int]:
-        """The prompt's token ids, tokenized off the loop (serving/convert.py `tokenized`); ValueError
+        """The prompt's token ids, tokenized off the loop (common/text/prompts.py `tokenized`); ValueError
         for one that cannot fit the context by its size, found before the template or the tokenizer
         runs on it (common/limits.py)."""
         return await convert.tokenized(prompt, self.tokenizer, self.ranks.max_context)
@@ -235,7 +235,7 @@ class NodeFront:
         if params.bad_words:
             params = params.with_bad_words_ids(lambda text: self.tokenizer.encode(text, add_special_tokens=False))
         if params.json_schema:
-            from engine.grammar import schema_problem
+            from common.text.schema import schema_problem
 
             if problem := schema_problem(params.json_schema):
                 raise ValueError(f"sampling.structured.json_schema: {problem}")

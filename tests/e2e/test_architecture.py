@@ -54,6 +54,12 @@ def product_files() -> dict[str, pathlib.Path]:
 
 
 def imports_of(path: pathlib.Path, module: str) -> set[str]:
+    """The product modules (and names in them) that `module` imports."""
+    return {n for n in all_imports(path, module) if package_of(n)}
+
+
+def all_imports(path: pathlib.Path, module: str) -> set[str]:
+    """Every name `module` imports, at any depth, product or not (relative imports resolved)."""
     names = set()
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
@@ -66,7 +72,7 @@ def imports_of(path: pathlib.Path, module: str) -> set[str]:
                 base = ".".join([*up, base] if base else up)
             names.add(base)
             names |= {f"{base}.{a.name}" for a in node.names}  # `from pkg import module`
-    return {n for n in names if package_of(n)}
+    return names
 
 
 def test_the_layers_import_downward_only():
@@ -84,6 +90,36 @@ def test_the_layers_import_downward_only():
             elif LEVEL[dst] == LEVEL[src]:
                 wrong.append(f"{module} imports {target}: {src} and {dst} share a layer")
     assert wrong == []
+
+
+def reachable(roots: set[str], files: dict[str, pathlib.Path]) -> dict[str, str]:
+    """Every product module an import of `roots` runs (a module's packages' __init__ included),
+    each with the module that first imported it."""
+    seen = {r: "" for r in roots}
+    todo = list(roots)
+    while todo:
+        module = todo.pop()
+        for name in all_imports(files[module], module):
+            parts = name.split(".")
+            for i in range(1, len(parts) + 1):
+                target = ".".join(parts[:i])
+                if target in files and target not in seen:
+                    seen[target] = module
+                    todo.append(target)
+    return seen
+
+
+def test_the_router_runs_no_torch_and_no_node_internals():
+    """The router (and the text layer it shares with the nodes) imports, at any depth and however
+    deferred, nothing that imports torch, and nothing of engine/, serving/, pipeline/ or the roles:
+    a router process never maps libtorch (tests/router/test_router_process.py checks a live one)."""
+    files = product_files()
+    reached = reachable({m for m in files if m.split(".")[0] == "router" or m.startswith("common.text")}, files)
+    assert len(reached) > 30
+    torch = {m: reached[m] for m in reached if any(n.split(".")[0] == "torch" for n in all_imports(files[m], m))}
+    assert torch == {}, "module: imported by"
+    packages = {package_of(m) for m in reached if m != "kvbridge"}  # (its __init__ runs for the stubs)
+    assert packages == {"kvbridge.v1", "common", "router"}
 
 
 def test_the_layer_check_sees_a_wrong_import(tmp_path):

@@ -1,5 +1,5 @@
 """The chat template options of a chat prompt (add_generation_prompt, continue_final_message,
-chat_template_kwargs) through the nodes' adapter (serving/convert.py prompt_ids), against
+chat_template_kwargs) through the nodes' adapter (common/text/prompts.py prompt_ids), against
 transformers' apply_chat_template on the same tokenizer and template; and every refusal."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import json
 
 import pytest
 
-from engine.tokenizer import Tokenizer
+from common.text.prompts import MAX_TEMPLATE_KWARGS_BYTES, chat_text, prompt_ids
+from common.text.tokenizer import Tokenizer
 from engine.weights import smollm2_path
 from kvbridge.v1 import common_pb2
-from serving.convert import MAX_TEMPLATE_KWARGS_BYTES, chat_text, prompt_ids
 
 transformers = pytest.importorskip("transformers")
 

@@ -1,4 +1,4 @@
-"""engine/detok.py: streaming detokenization with bounded work per token, stop strings found on the
+"""common/text/detok.py: streaming detokenization with bounded work per token, stop strings found on the
 new text only (also across token boundaries), and the scheduler's stop strings unchanged by it."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from common.sampling import MAX_STOP_CHARS, MAX_STOP_STRING_CHARS, SamplingParams
-from engine.detok import (
+from common.text.detok import (
     MAX_WORK_PER_TOKEN,
     IncrementalDetokenizer,
     StopChecker,
@@ -240,7 +240,7 @@ def test_no_tokenizer_streams_no_text():
 
 
 def reference_stop(tok, free_run: list[int], stops: tuple[str, ...], include=False) -> tuple[list[int], str, str]:
-    """The rule before engine/detok.py: after each token decode the whole output; the first time any
+    """The rule before common/text/detok.py: after each token decode the whole output; the first time any
     stop string is in it, the output ends there and the text is cut at the earliest one (include:
     right after the earliest ending one)."""
     for n in range(1, len(free_run) + 1):

@@ -12,8 +12,8 @@ import grpc
 import pytest
 
 from common import rpc
+from common.text.detok import TextStream
 from engine.config import PPConfig
-from engine.detok import TextStream
 from kvbridge.nodes import start_node
 from kvbridge.v1 import common_pb2, generation_pb2, generation_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from serving.config import NodeConfig

@@ -121,7 +121,7 @@ def ref_chain(n: int) -> str:
 
 
 DEEP = "json_schema nests subschemas up to 2000 deep, following its $refs (each counted once); at most 256"
-BOUNDS = [  # (schema, what the refusal says): past two of engine/schema_bounds.py's limits
+BOUNDS = [  # (schema, what the refusal says): past two of common/text/schema_bounds.py's limits
     (ref_chain(1500), "json_schema has more than 2048 subschemas; at most 2048"),
     (ref_chain(1000), DEEP),
 ]

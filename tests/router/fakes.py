@@ -18,7 +18,7 @@ import grpc
 from grpc_health.v1 import health_pb2
 
 from common import rpc
-from engine.tokenizer import Tokenizer
+from common.text.tokenizer import Tokenizer
 from kvbridge.v1 import (
     admin_pb2,
     admin_pb2_grpc,
@@ -100,7 +100,7 @@ class FakeGeneration(generation_pb2_grpc.GenerationServicer):
     def GetModelInfo(self, request, context):
         node = self.node
         return generation_pb2.ModelInfo(
-            model="fake", fingerprint=FINGERPRINT, max_context=node.max_context, role=node.role
+            model="fake", fingerprint=node.fingerprint, max_context=node.max_context, role=node.role
         )
 
 
@@ -231,7 +231,7 @@ class FakeKVEvents(kv_events_pb2_grpc.KVEventsServicer):
             context.abort(node.tokenizer_fail, f"{node.address} has no tokenizer to give, as told")
         return kv_events_pb2.TokenizerInfo(
             tokenizer_json=TOKENIZER.to_json(),
-            model_fingerprint=FINGERPRINT,
+            model_fingerprint=node.fingerprint,
             page_size=node.kv.page_size,
             max_context=node.max_context,
         )
@@ -264,6 +264,7 @@ class FakeNode:
         self.role, self.rooms = role, rooms
         self.tokens, self.token_s, self.first_s = tokens, token_s, first_s  # tokens per request, seconds
         self.max_context = max_context  # what GetModelInfo and GetTokenizer say (the router bounds prompts by it)
+        self.fingerprint = FINGERPRINT  # the model GetModelInfo and GetTokenizer name
         self.requests: list = []  # every request received, in order
         self.arrived: list[float] = []  # time.monotonic() of each Generate's arrival
         self.cancelled: list[str] = []  # rids whose call ended before its last message (cancel, deadline, abort)

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import pathlib
 import subprocess
 import sys
 import urllib.request
 
+import grpc
 import pytest
 
 from common import rpc
 from common.logs import parse_line
-from kvbridge.v1 import generation_pb2_grpc
+from kvbridge.v1 import common_pb2, generation_pb2_grpc
 from tests.router.fakes import FakeNode, Rooms, make_request
 
 
@@ -77,3 +79,26 @@ def test_log_level_takes_only_the_known_levels():
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 2
     assert "argument --log-level: invalid choice: 'loud'" in err
+
+
+def test_a_json_schema_request_leaves_the_router_without_libtorch():
+    """The router checks a schema itself (llguidance, common/text/schema.py) and never loads torch:
+    after a good and a bad json_schema request its process maps llguidance and no libtorch."""
+    node = FakeNode("colocated", Rooms())
+    proc = router_process("--colocated", node.address, "--port", "0", "--http-port", "0")
+    try:
+        port = int(proc.stderr.readline().split(", ")[0].rsplit(":", 1)[1])
+        stub = generation_pb2_grpc.GenerationStub(rpc.make_channel(f"127.0.0.1:{port}"))
+        good = make_request(structured=common_pb2.StructuredOutput(json_schema='{"type": "object"}'))
+        assert [t for r in stub.Generate(good, timeout=30) for t in r.token_ids] == [100, 101, 102, 103]
+        bad = make_request(structured=common_pb2.StructuredOutput(json_schema='{"type": "nosuchtype"}'))
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(bad, timeout=30))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert e.value.details() == "sampling.structured.json_schema: json_schema: Invalid type: nosuchtype"
+        maps = pathlib.Path(f"/proc/{proc.pid}/maps").read_text()
+        assert "llguidance" in maps  # (the check ran in this process)
+        assert [line for line in maps.splitlines() if "libtorch" in line or "libc10" in line] == []
+    finally:
+        proc.kill()
+        node.stop()

@@ -1,5 +1,5 @@
 """The router's /tokenize, /detokenize and /version against in-test nodes: the ids are those the
-nodes' own adapter (serving/convert.py prompt_ids) makes with the tokenizer they hand out (the
+nodes' own adapter (common/text/prompts.py prompt_ids) makes with the tokenizer they hand out (the
 fakes' byte-level one, and the default model's), text round-trips, and every refusal is an
 OpenAI error naming its field; 503 while no tokenizer could be fetched."""
 
@@ -13,9 +13,11 @@ import pytest
 
 import common
 import kvbridge
-from engine.tokenizer import CHATML_TEMPLATE, Tokenizer
+from common.text.prompts import TRIM_AFTER_TOKENS, encode, prompt_ids
+from common.text.tokenizer import CHATML_TEMPLATE, Tokenizer
 from kvbridge.v1 import common_pb2
-from serving.convert import TRIM_AFTER_TOKENS, encode, prompt_ids
+from router.config import RouterConfig
+from router.server import start_router
 from tests.router import fakes
 from tests.router.fakes import wait_until
 
@@ -121,7 +123,7 @@ def test_add_special_tokens_false_leaves_out_the_bos(fleet, handed_out):
 
 @pytest.mark.parametrize("add_bos", [False, True])
 def test_the_adapters_encode_gives_the_tokenizers_own_ids(add_bos):
-    """serving/convert.py encode (the tokenizers library's batch call: it lets go of the GIL) against
+    """common/text/prompts.py encode (the tokenizers library's batch call: it lets go of the GIL) against
     Tokenizer.encode (its single call), with and without a BOS, past TRIM_AFTER_TOKENS too."""
     tok = Tokenizer(fakes.TOKENIZER.backend, CHATML_TEMPLATE, "<|endoftext|>", "<|im_end|>", add_bos=add_bos)
     long = "".join(TEXTS) * 3000  # ~250,000 ids
@@ -282,3 +284,60 @@ def test_version_methods_and_the_api_key(fleet):
         assert (status, answer["error"]["code"]) == (401, "invalid_api_key")
         assert call(router, "POST", path, body, {"Authorization": "Bearer sesame"})[0] == 200
     assert call(router, "GET", "/version") == (200, {"version": kvbridge.__version__})
+
+
+# ---------------------------------------------------------------- once per request
+
+
+def chat_request(messages: list[dict]):
+    req = fakes.make_request()
+    req.prompt.CopyFrom(chat_prompt(messages))
+    return req
+
+
+@pytest.mark.parametrize("roles", [{"colocated": 1}, {"prefill": 1, "decode": 1}])
+def test_the_nodes_get_the_ids_the_router_made(fleet, roles):
+    """A text or chat prompt is tokenized once, at the router: the node (P and D alike) gets the
+    ids the nodes' own adapter makes, not the text to tokenize again."""
+    router, nodes = fleet(kv_events=True, **roles)
+    stub = fakes.router_stub(router)
+    for prompt in (text_prompt(TEXTS[1]), chat_prompt(CHAT)):
+        req = fakes.make_request()
+        req.prompt.CopyFrom(prompt)
+        assert [t for r in stub.Generate(req, timeout=30) for t in r.token_ids] == [100, 101, 102, 103]
+    expected = [prompt_ids(text_prompt(TEXTS[1]), fakes.TOKENIZER), prompt_ids(chat_prompt(CHAT), fakes.TOKENIZER)]
+    for node in (n for group in nodes.values() for n in group):
+        assert [list(r.prompt.token_ids.ids) for r in node.requests] == expected
+
+
+def test_without_the_nodes_tokenizer_the_text_goes_on_as_text(fleet):
+    """The router sends ids only when the node serves the model whose tokenizer made them; with
+    no tokenizer at hand (every fetch fails) the node gets the prompt as sent."""
+    router, nodes = fleet(colocated=1, kv_events=True)
+    [node] = nodes["colocated"]
+    node.tokenizer_fail = grpc.StatusCode.UNAVAILABLE
+    req = chat_request(CHAT)
+    assert len(list(fakes.router_stub(router).Generate(req, timeout=30))) == 5
+    assert node.requests[-1].prompt == req.prompt
+
+
+def test_a_node_of_another_model_gets_the_prompt_as_sent():
+    """Two nodes, two models: the router's one tokenizer is that of the node it fetched it from;
+    only that node gets ids, the other the prompt as sent."""
+    nodes = [fakes.FakeNode("colocated", fakes.Rooms(), kv_events=True) for _ in range(2)]
+    nodes[1].fingerprint = "another model"
+    addresses = tuple(n.address for n in nodes)
+    router = start_router(RouterConfig(port=0, http_port=0, colocated=addresses, routing="round_robin"))
+    try:
+        stub = fakes.router_stub(router)
+        for _ in range(6):  # (in turn: three each)
+            assert len(list(stub.Generate(chat_request(CHAT), timeout=30))) == 5
+    finally:
+        router.stop(grace_s=0)
+        for n in nodes:
+            n.stop()
+    ids = common_pb2.Prompt(token_ids=common_pb2.TokenIds(ids=prompt_ids(chat_prompt(CHAT), fakes.TOKENIZER)))
+    assert sorted(n.tokenizer_calls for n in nodes) == [0, 1]
+    for node in nodes:
+        sent = [r.prompt for r in node.requests]
+        assert len(sent) == 3 and sent == [ids if node.tokenizer_calls else chat_prompt(CHAT)] * 3

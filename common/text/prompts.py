@@ -20,9 +20,10 @@ from concurrent.futures import ThreadPoolExecutor
 from common.heap import release_freed_heap
 from common.limits import prompt_size_problem, rendered_size_problem
 from common.rpc import shown
-from engine.tokenizer import TEMPLATE_VARIABLES, Tokenizer
+from common.text.tokenizer import TEMPLATE_VARIABLES, Tokenizer
 from kvbridge.v1 import common_pb2
 
+CHAT_ROLES = ("system", "user", "assistant")  # a wire chat message's roles (OpenAI's developer: system)
 MAX_TEMPLATE_KWARGS_BYTES = 8 << 10  # prompt.chat.chat_template_kwargs, as UTF-8
 TOKENIZE_THREADS = min(4, os.cpu_count() or 1)  # prompts tokenized at once in one process (router or node front)
 # after a prompt of at least this many tokens, freed heap goes back to the system (malloc_trim): the
@@ -83,7 +84,7 @@ def encode(tokenizer: Tokenizer, text: str, add_special_tokens: bool = True) -> 
 def chat_text(chat: common_pb2.ChatMessages, tokenizer: Tokenizer) -> str:
     """The chat rendered by the model's template, with the chat's template options."""
     messages = [{"role": m.role, "content": m.content} for m in chat.messages]
-    bad = [m["role"] for m in messages if m["role"] not in ("system", "user", "assistant")]
+    bad = [m["role"] for m in messages if m["role"] not in CHAT_ROLES]
     if bad:
         raise ValueError(f"chat message role must be system, user or assistant, got {shown(bad[0])}")
     if not messages:
