@@ -30,11 +30,11 @@ from common.metrics import outcome_of
 from common.rpc import EventLoop, shown
 from common.sampling import SamplingParams
 from common.text.detok import TextStream
+from common.text.prompts import tokenized
 from engine.logits import Logprob, logprob_to_proto
 from kvbridge.v1 import common_pb2, generation_pb2
 from pipeline.group import RankGroup
 from pipeline.messages import Answer, Ask, CacheEvents, Finish, PromptLogprobs, Register, Token
-from serving import convert
 from serving.kv_events import KVEventHub
 from serving.metrics import NodeRecorder
 
@@ -110,7 +110,7 @@ class NodeFront:
         """The prompt's token ids, tokenized off the loop (common/text/prompts.py `tokenized`); ValueError
         for one that cannot fit the context by its size, found before the template or the tokenizer
         runs on it (common/limits.py)."""
-        return await convert.tokenized(prompt, self.tokenizer, self.ranks.max_context)
+        return await tokenized(prompt, self.tokenizer, self.ranks.max_context)
 
     def submit(
         self,

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import subprocess
+import sys
 from collections import defaultdict
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -175,3 +177,11 @@ def test_every_imported_top_level_module_exists():
                 names = [node.module]
             missing |= {f"{module}: {n}" for n in names if importlib.util.find_spec(n.split(".")[0]) is None}
     assert missing == set()
+
+
+def test_every_product_module_imports():
+    """A moved module that `from pkg import module` still names is caught here (the walk above checks
+    top-level names only), not when a node first starts."""
+    modules = sorted(m for m in product_files() if not m.endswith("__main__"))
+    code = "import importlib, sys\nfor m in sys.argv[1:]:\n    importlib.import_module(m)"
+    subprocess.run([sys.executable, "-c", code, *modules], check=True, cwd=ROOT, timeout=300)
