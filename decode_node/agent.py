@@ -19,7 +19,7 @@ from common.logs import log_event
 from consensus import LocalStatus, Stream
 from engine import faults
 from engine.faults import INJECTED
-from kv_transfer import KVPoll, KVReceiverEndpoint, Source, StatusChange
+from kv_transfer import KVPoll, KVReceiverEndpoint, StatusChange
 from pipeline.agent import KVAgent
 from pipeline.control import ControlChannel
 from pipeline.log import ABORT, ADMIT, FINISH, RESUME, RETRACT, LogEntry
@@ -39,16 +39,14 @@ class DecodeAgent(KVAgent):
         self.doomed: set[str] = set()  # fault injection: rids whose transfer fails on this rank
 
     def on_decision(self, d: LogEntry) -> None:
-        pd = (d.info or {}).get("room")
-        if d.kind == ADMIT and pd is not None:
-            info = d.info
-            room = int(info["room"])
+        if d.kind == ADMIT and d.info.destination is not None:
+            to = d.info.destination
+            room = to.room
             self.chan.set_local(Stream.DECODE_TRANSFERRED, d.rid, LocalStatus.PENDING)
-            sources = [Source(*s) for s in info["sources"]]
             try:
-                secret = bytes.fromhex(info["secret"])
-                held = int(info.get("held_pages", 0))
-                self.receiver.expect(room, d.rid, info["page_ids"], sources, info["backend"], secret, held)
+                self.receiver.expect(
+                    room, d.rid, list(to.page_ids), list(to.sources), to.backend, to.secret, to.held_pages
+                )
                 self.rooms[d.rid] = room  # (only once it is ours: a room in use stays its owner's)
             except ValueError as e:
                 self._log_failure(d.rid, room, str(e))
@@ -59,9 +57,9 @@ class DecodeAgent(KVAgent):
                 self.doomed.add(d.rid)
             self.chan.set_local(Stream.DECODE_PREALLOCATED, d.rid, LocalStatus.READY)
         elif d.kind == RETRACT:  # before any later step can reuse the pages: copy this rank's layers out
-            self.offloaded[d.rid] = self.receiver.pool.buffer[d.info["pages"]].to("cpu", copy=True)
+            self.offloaded[d.rid] = self.receiver.pool.buffer[list(d.info.pages)].to("cpu", copy=True)
         elif d.kind == RESUME:
-            pages, buffer = d.info["pages"], self.receiver.pool.buffer
+            pages, buffer = list(d.info.pages), self.receiver.pool.buffer
             buffer[pages] = self.offloaded.pop(d.rid)[: len(pages)].to(buffer.device)
             self.chan.set_local(Stream.DECODE_RETRACTED, d.rid, LocalStatus.READY)
         elif d.kind in (FINISH, ABORT):

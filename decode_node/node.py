@@ -6,9 +6,9 @@ from decode_node.agent import DecodeAgent
 from decode_node.role import DecodeRole
 from engine.llm import resolve_device
 from kv_transfer import KVReceiverEndpoint, ReceiverConfig, remove_stale_segments
-from kv_transfer import adapters as kv_wire
 from kv_transfer.factory import drivable
-from kv_transfer.layout import dtype_name, node_layout
+from kv_transfer.layout import RankInfo, dtype_name, node_layout
+from pipeline import codec
 from pipeline import dist as pp_dist
 from pipeline.group import RankContext, RankGroup, RankSetup
 from pipeline.messages import Fail
@@ -60,7 +60,7 @@ def decode_rank(ctx: RankContext) -> RankSetup:
         )  # fmt: skip
     else:
         loop = StageLoop(ctx.rank, pp.pp_size, ctx.stage, receiver.pool, link, agent, ctx.model.tokenizer)
-    endpoint = kv_wire.rank_to_dict(receiver.endpoint)
+    endpoint = codec.to_json(receiver.endpoint)  # (the rank's start-up report to the front)
     return RankSetup(loop, endpoint=endpoint, close=close)
 
 
@@ -75,7 +75,7 @@ class DecodeNode:
         self.ranks = RankGroup(config.engine, pp, progress=progress, build=decode_rank, role_args=role_args)
         self.front = NodeFront(self.ranks)
         self.device = resolve_device(config.engine.device)
-        ranks = tuple(kv_wire.rank_from_dict(self.ranks.endpoints[r]) for r in range(pp.pp_size))
+        ranks = tuple(codec.from_json(RankInfo, self.ranks.endpoints[r]) for r in range(pp.pp_size))
         backends = tuple(b for b in drivable(self.device) if b != "torch" or role_args["torch_store"])
         self.layout = node_layout(config.engine, self.ranks.model, ranks, backends)
 

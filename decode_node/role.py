@@ -23,8 +23,9 @@ from decode_node.queues import PreallocQueue, Quarantine, RetractedQueue, Transf
 from engine.logits import logprob_from_proto
 from engine.pages import PageAllocator
 from engine.request import Handoff, Phase, Request
+from kv_transfer.handoff import Destination
 from pipeline.control import ControlChannel
-from pipeline.log import ABORT, APPEND, FINISH, RESUME, RETRACT
+from pipeline.log import ABORT, APPEND, FINISH, RESUME, RETRACT, Appended, Pages
 from pipeline.messages import Add, Fail, PeerDown, Preallocated, Token
 from pipeline.rank0 import Rank0Loop
 from pipeline.roles import Deadlines, live_rulings
@@ -65,14 +66,15 @@ class DecodeRole:
     # ---------------------------------------------------------------- inputs
 
     def admit(self, req: Request, add: Add) -> None:
-        if not add.room:  # a choice of an n > 1 request (add.fork_of): it starts from its parent's pages here
+        if add.pairing is None:  # a choice of an n > 1 request (add.fork_of): it starts from its parent's pages here
             self.loop.move(req, Phase.WAITING)
             self.loop.scheduler.add(req)
             return
-        req.handoff = Handoff(add.room, add.peer, add.sources, add.backend, add.secret)
-        if any(r.handoff and r.handoff.room == add.room for r in self.loop.requests.values() if r is not req):
+        p = add.pairing
+        req.handoff = Handoff(p.room, p.peer, p.sources, p.backend, p.secret)
+        if any(r.handoff and r.handoff.room == p.room for r in self.loop.requests.values() if r is not req):
             req.finish_reason = "error"
-            error = f"room {add.room} is in use by another request"
+            error = f"room {p.room} is in use by another request"
             self.loop.retire(req, ABORT, error=error, code="ALREADY_EXISTS")
             return
         req.handoff.expires(req.arrival_s, self.config.prealloc_timeout_s, "prealloc")
@@ -131,7 +133,7 @@ class DecodeRole:
     def evicted(self, req: Request, pages: list[int]) -> None:
         """The scheduler freed a running request's pages: every rank copies them out first (the
         RETRACT entry reaches each rank before any step that could reuse them)."""
-        self.loop.decide(RETRACT, req.rid, info={"pages": pages})
+        self.loop.decide(RETRACT, req.rid, info=Pages(tuple(pages)))
         self.loop.move(req, Phase.RETRACTED, pages=len(pages))
         self.retracted.admit(req)
         self.loop.recorder.retracted()
@@ -145,7 +147,7 @@ class DecodeRole:
                 return
             req.page_table.pages = alloc.allocate(req.rid, need)
             self.loop.move(req, Phase.RESUMING)
-            self.loop.decide(RESUME, req.rid, info={"pages": list(req.page_table.pages)})
+            self.loop.decide(RESUME, req.rid, info=Pages(tuple(req.page_table.pages)))
 
     def _preallocate(self) -> None:
         scheduler, ps = self.loop.scheduler, self.loop.pool.page_size
@@ -169,16 +171,8 @@ class DecodeRole:
             h.held_pages = len(held)
             self.loop.recorder.pages_skipped(len(held))
             h.expires(time.perf_counter(), self.config.transfer_timeout_s, "transfer")
-            info = {
-                "room": h.room,
-                "page_ids": moved,
-                "held_pages": len(held),
-                "sources": [list(s) for s in h.sources],
-                "backend": h.backend,
-                "secret": h.secret,
-                "first_sample_index": req.resumed + 1,  # the prefill node sampled the one before
-            }
-            self.loop.announce(req, info)
+            destination = Destination(h.room, tuple(moved), len(held), h.sources, h.backend, h.secret)
+            self.loop.announce(req, destination, first_sample_index=req.resumed + 1)  # (P sampled the one before)
             self.loop.move(req, Phase.TRANSFERRING)
             self.transfer.admit(req)
 
@@ -205,7 +199,7 @@ class DecodeRole:
         req.num_sampled = req.resumed + 1
         req.output_ids.append(token)
         if req.params.needs_history and self.loop.sampler is None:  # the last rank samples: it needs the token
-            self.loop.decide(APPEND, req.rid, info={"ids": [token]})
+            self.loop.decide(APPEND, req.rid, info=Appended((token,)))
         req.first_token_s = time.perf_counter()
         kv_seconds = req.first_token_s - (req.handoff.preallocated_s or req.first_token_s)
         self.loop.outbox.put(Token(req.rid, token, req.resumed, kv_seconds, req.handoff.held_pages, logprob))

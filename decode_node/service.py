@@ -26,7 +26,7 @@ from kvbridge.v1 import (
     prefill_pb2,
     prefill_pb2_grpc,
 )
-from pipeline.messages import PeerDown, Preallocated
+from pipeline.messages import Pairing, PeerDown, Preallocated
 from serving.front import Overloaded
 from serving.server import NodeServer
 
@@ -196,17 +196,16 @@ class DecodeGenerationService(generation_pb2_grpc.GenerationServicer):
                 f"transfer backend {backend!r} is not one the prefill node drives ({', '.join(layout.backends)})",
             )
         # the room's write key: only the prefill node it is registered with can write its pages
-        secret = secrets.token_hex(ROOM_SECRET_BYTES)
+        secret = secrets.token_bytes(ROOM_SECRET_BYTES)
         entry = (stub, route.room, backend, secret)  # until rank 0 preallocated the pages (see _register)
         try:
             ids = await front.prompt_ids(request.prompt)
             params = replace(sampling.from_proto(request.sampling), prompt_logprobs=None)  # (P computes the prompt)
-            sources = [(s.rank, s.layer_start, s.layer_end) for s in kv_wire.sources_of(layout)]
+            sources = tuple(kv_wire.sources_of(layout))
             if self.pending.setdefault(rid, entry) is not entry:  # (the front would refuse it too, but later)
                 raise ValueError(f"duplicate request id {rpc.shown(rid)}")
-            extra = {"room": route.room, "sources": sources, "backend": backend, "peer": prefill_addr}
-            extra["secret"] = secret
-            deltas = front.submit(ids, params, rid, extra, request.cache_salt, request.resume_ids)
+            pairing = Pairing(route.room, prefill_addr, sources, backend, secret)
+            deltas = front.submit(ids, params, rid, pairing, request.cache_salt, request.resume_ids)
             ids = [*ids, *request.resume_ids]  # (the KV moved covers the resumed outputs too)
         except ValueError as e:
             self._forget(rid, entry)
@@ -249,7 +248,7 @@ class DecodeGenerationService(generation_pb2_grpc.GenerationServicer):
 
     async def _register(self, ev: Preallocated) -> None:
         rid = ev.rid
-        stub, room, backend, secret = self.pending.pop(rid, (None, 0, "", ""))
+        stub, room, backend, secret = self.pending.pop(rid, (None, 0, "", b""))
         if stub is None:
             return
         req = prefill_pb2.RegisterRequest(
@@ -260,7 +259,7 @@ class DecodeGenerationService(generation_pb2_grpc.GenerationServicer):
             page_ids=ev.page_ids,
             held_pages=ev.held_pages,
             decode_addr=self.server.address,
-            secret=bytes.fromhex(secret),
+            secret=secret,
         )
         req.proof = message_proof(self.peers.fleet_key, req)  # the pages are this node's: only it names them
         try:

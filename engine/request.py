@@ -38,9 +38,9 @@ class Handoff:
 
     room: int  # the key pairing its prefill and decode halves
     peer: str = ""  # the other node's address (shown by Admin)
-    sources: tuple[tuple[int, int, int], ...] = ()  # decode: (prefill rank, layer_start, layer_end) of its KV
+    sources: tuple = ()  # decode: the prefill ranks that write its KV (kv_transfer Sources; opaque here)
     backend: str = ""  # decode: the transfer backend the pair uses
-    secret: str = ""  # decode: the room's write key (hex); every KV write carries it
+    secret: bytes = b""  # decode: the room's write key; every KV write carries it
     routed: bool = False  # prefill: the decode node's registration arrived (a ROUTE decision went out)
     transferred: bool = False  # prefill: consensus agreed every push landed (may come before the first token)
     deadline: float = float("inf")  # perf_counter time at which the phase it waits in times out

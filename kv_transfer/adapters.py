@@ -1,14 +1,12 @@
 """Thin adapters between kv_transfer's dataclasses and kvbridge.v1 protobuf messages: the one
-checked conversion of a peer's layout (`layout_from_proto`), and the JSON form a layout and a
-rank endpoint take inside a node (a pipeline log entry, a rank's start-up report).
+checked conversion of a peer's layout (`layout_from_proto`). (Inside a node, the dataclasses
+travel as themselves: pipeline/codec.py.)
 
 RankEndpoint has no field for a CUDA IPC handle: a rank whose pool is on a GPU puts
 "cuda-ipc:" + the handle in hex in shm_name (the field for "the rank's shared pool").
 """
 
 from __future__ import annotations
-
-from google.protobuf import json_format
 
 from common.rpc import shown
 from kv_transfer.layout import DTYPES, NodeLayout, PageGeometry, RankInfo
@@ -89,28 +87,6 @@ def layout_from_proto(msg: prefill_pb2.KVLayout) -> NodeLayout:
         backends=tuple(msg.backends),
         host_id=msg.host_id,
     )
-
-
-def layout_to_dict(layout: NodeLayout) -> dict:
-    """JSON-safe form, for entries sent down a pipeline."""
-    return json_format.MessageToDict(layout_to_proto(layout), preserving_proto_field_name=True)
-
-
-def layout_from_dict(d: dict) -> NodeLayout:
-    """Checked like layout_from_proto; ValueError for a dict that is not a layout."""
-    try:
-        return layout_from_proto(json_format.ParseDict(d, prefill_pb2.KVLayout()))
-    except json_format.ParseError as e:
-        raise ValueError(f"not a layout: {e}") from None
-
-
-def rank_to_dict(info: RankInfo) -> dict:
-    """JSON-safe form, for a rank's start-up report to its node's front."""
-    return json_format.MessageToDict(rank_to_proto(info), preserving_proto_field_name=True)
-
-
-def rank_from_dict(d: dict) -> RankInfo:
-    return rank_from_proto(json_format.ParseDict(d, prefill_pb2.RankEndpoint()))
 
 
 def sources_of(prefill: NodeLayout) -> list[Source]:

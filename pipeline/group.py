@@ -43,7 +43,7 @@ from engine.scheduler import Scheduler
 from engine.weights import LoadedModel, load_model
 from pipeline import cores
 from pipeline import dist as pp_dist
-from pipeline.messages import Abort, Add, CacheEvents, Finish, Shutdown, Token
+from pipeline.messages import Abort, Add, CacheEvents, Finish, Pairing, Shutdown, Token
 from pipeline.metrics import RankRecorder
 
 
@@ -140,14 +140,21 @@ class RankGroup:
     # ------------------------------------------------------------------ requests
 
     def add_request(
-        self, prompt_ids: list[int], params: SamplingParams, rid: str | None = None, extra: dict | None = None
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        rid: str | None = None,
+        pairing: Pairing | None = None,
+        cache_salt: str = "",
+        resumed: int = 0,
+        fork_of: str = "",
     ) -> str:
-        """Queue a request at rank 0. extra: role-specific fields of messages.Add (room, peer, sources,
-        backend; resumed: the last prompt ids are a migrated request's outputs so far)."""
+        """Queue a request at rank 0 (messages.Add: pairing, a disaggregated request's half; resumed,
+        the last prompt ids are a migrated request's outputs so far; fork_of, a choice i > 0's
+        choice 0)."""
         vocab = self.model.config.vocab_size
         if params.n != 1:
             raise ValueError(f"n is {params.n}: a rank group runs one choice a request (NodeFront forks the others)")
-        resumed = (extra or {}).get("resumed", 0)
         if len(prompt_ids) <= resumed:
             raise ValueError("prompt is empty")
         bad = [i for i, t in enumerate(prompt_ids) if not (isinstance(t, int) and 0 <= t < vocab)]
@@ -168,7 +175,7 @@ class RankGroup:
         if rid in self._pending:
             raise ValueError(f"duplicate request id {rid!r}")
         self._pending[rid] = {"arrival": time.perf_counter(), "first": None, "done": None}
-        self.inbox.put(Add(rid, tuple(prompt_ids), params, **(extra or {})))
+        self.inbox.put(Add(rid, tuple(prompt_ids), params, pairing, cache_salt, resumed, fork_of))
         return rid
 
     def forget(self, rid: str) -> None:

@@ -14,12 +14,14 @@ from dataclasses import asdict, dataclass
 
 from common.sampling import SamplingParams
 from engine.batch import ForwardBatch
+from kv_transfer.handoff import Destination, Registration
+from pipeline import codec
 
 ADMIT, ROUTE, FINISH, ABORT = "admit", "route", "finish", "abort"
-RETRACT, RESUME = "retract", "resume"  # decode: a request's KV to host memory and back (info: its pages)
-REUSE = "reuse"  # the request starts from these pages of the prefix cache (info: {"pages": [...]}), not computed
-# the request's next tokens, for the last rank's sampling state (info: {"ids": [...]}): a decode
-# node's first token (the prefill node sampled it), when the params need the request's tokens
+RETRACT, RESUME = "retract", "resume"  # decode: a request's KV to host memory and back (info: Pages)
+REUSE = "reuse"  # the request starts from these pages of the prefix cache (info: Pages), not computed
+# the request's next tokens, for the last rank's sampling state (info: Appended): a decode node's
+# first token (the prefill node sampled it), when the params need the request's tokens
 APPEND = "append"
 KINDS = (ADMIT, ROUTE, FINISH, ABORT, RETRACT, RESUME, REUSE, APPEND)
 ENDS = (FINISH, ABORT)  # the request is gone after these
@@ -27,13 +29,48 @@ STEP, CONTROL, SHUTDOWN = "step", "control", "shutdown"
 
 
 @dataclass(frozen=True)
+class Admitted:
+    """ADMIT's record: what every rank learns of a new request beyond its params."""
+
+    first_sample_index: int = 0  # the output index its sampling starts at (a continuation, a decode node's)
+    prompt: tuple[int, ...] = ()  # its tokens, when the last rank's sampling needs them (penalties, grammars)
+    resumed: int = 0  # the last `resumed` prompt tokens are outputs an earlier attempt streamed
+    destination: Destination | None = None  # decode node: where its KV lands
+
+
+@dataclass(frozen=True)
+class Pages:
+    """REUSE, RETRACT and RESUME's record: the request's pages."""
+
+    pages: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Appended:
+    """APPEND's record: the request's next tokens."""
+
+    ids: tuple[int, ...]
+
+
+Record = Admitted | Registration | Pages | Appended
+# each kind's record (pipeline/codec.py checks every field of one that arrives); FINISH, ABORT: none
+RECORDS = {ADMIT: Admitted, ROUTE: Registration, RETRACT: Pages, RESUME: Pages, REUSE: Pages, APPEND: Appended}
+
+
+@dataclass(frozen=True)
 class LogEntry:
     seq: int  # position in the node's decision log, from 0, contiguous
     kind: str  # ADMIT (the request exists; carries its sampling params) | ROUTE (where its KV goes) | FINISH | ABORT
-    # | RETRACT / RESUME | REUSE
+    # | RETRACT / RESUME | REUSE | APPEND
     rid: str
     params: SamplingParams | None = None  # ADMIT only: the last rank samples with it
-    info: dict | None = None  # role-specific, JSON-safe (e.g. a disaggregated request's room and pages)
+    info: Record | None = None  # the kind's record (RECORDS; ADMIT: always one), FINISH and ABORT: None
+
+    def __post_init__(self) -> None:
+        want = RECORDS.get(self.kind)
+        if not (isinstance(self.info, want) if want else self.info is None):
+            holds = getattr(want, "__name__", "no record")
+            raise TypeError(f"{self.kind} entries hold {holds}, got {type(self.info).__name__}")
 
     def key(self) -> tuple[int, str, str]:
         return (self.seq, self.kind, self.rid)
@@ -75,7 +112,8 @@ class Message:
             {
                 "kind": self.kind,
                 "decisions": [
-                    [d.seq, d.kind, d.rid, asdict(d.params) if d.params else None, d.info] for d in self.decisions
+                    [d.seq, d.kind, d.rid, asdict(d.params) if d.params else None, _info_out(d.info)]
+                    for d in self.decisions
                 ],
                 "batch": None
                 if b is None
@@ -95,16 +133,13 @@ class Message:
     def decode(data: bytes) -> Message:
         try:
             raw = json.loads(data)
+            kinds = [d[1] for d in raw["decisions"]]
+            if any(kind not in KINDS for kind in kinds) or raw["kind"] not in (STEP, CONTROL, SHUTDOWN):
+                raise ValueError("unknown message or decision kind")
             decisions = tuple(
-                LogEntry(int(seq), kind, str(rid), _params(params), info)
+                LogEntry(int(seq), kind, str(rid), _params(params), _info_in(kind, info))
                 for seq, kind, rid, params, info in raw["decisions"]
             )
-            if any(d.kind not in KINDS for d in decisions) or raw["kind"] not in (
-                STEP,
-                CONTROL,
-                SHUTDOWN,
-            ):
-                raise ValueError("unknown message or decision kind")
             batch = None
             if raw["batch"] is not None:
                 rids, starts, q_lens, tables, sample, scored = raw["batch"]
@@ -124,6 +159,19 @@ class Message:
         # (json.loads raises RecursionError on deep nesting; int() OverflowError on Infinity)
         except (KeyError, TypeError, ValueError, OverflowError, RecursionError) as e:
             raise ValueError(f"malformed pipeline message: {e!r}") from None
+
+
+def _info_out(info) -> dict | None:
+    return None if info is None else codec.to_json(info)
+
+
+def _info_in(kind: str, raw) -> Record | None:
+    record = RECORDS.get(kind)
+    if record is None:
+        if raw is not None:
+            raise ValueError(f"a {kind} entry carries no record")
+        return None
+    return codec.from_json(record, raw)
 
 
 def _params(raw: dict | None) -> SamplingParams | None:

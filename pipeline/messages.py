@@ -16,8 +16,23 @@ from dataclasses import dataclass
 
 from common.sampling import SamplingParams
 from engine.logits import Logprob
+from kv_transfer.handoff import Registration
+from kv_transfer.rooms import Source
 
 # ---------------------------------------------------------------- front -> rank 0
+
+
+@dataclass(frozen=True)
+class Pairing:
+    """A disaggregated request's half, as the node's service checked it: the room that pairs the
+    prefill and decode halves, and on a decode node where the KV comes from."""
+
+    room: int
+    peer: str = ""  # decode: the prefill node's address (shown by Admin)
+    sources: tuple[Source, ...] = ()  # decode: the prefill node's ranks (each writes the layers it overlaps)
+    backend: str = ""  # decode: the transfer engine the pair uses
+    secret: bytes = b""  # decode: the room's write key, minted by the decode node; every KV write carries it
+    caller: str = ""  # prefill: the host the Prefill call came from (rpc.peer_host)
 
 
 @dataclass(frozen=True)
@@ -27,15 +42,10 @@ class Add:
     rid: str
     prompt_ids: tuple[int, ...]
     params: SamplingParams
-    room: int = 0  # disaggregated: the key pairing the prefill and decode halves (0: colocated)
-    peer: str = ""  # disaggregated: the other node's address (shown by Admin)
-    sources: tuple[tuple[int, int, int], ...] = ()  # decode: (prefill rank, layer_start, layer_end) of its KV
-    backend: str = ""  # decode: the transfer engine the pair uses
-    secret: str = ""  # decode: the room's write key (hex), minted by the decode node; every KV write carries it
+    pairing: Pairing | None = None  # disaggregated (None: colocated, or a choice i > 0 on a decode node)
     cache_salt: str = ""  # the prefix cache shares pages only between requests with equal salts
     resumed: int = 0  # migration: the last `resumed` prompt ids are outputs an earlier attempt streamed
     fork_of: str = ""  # choice i > 0 of an n > 1 request: the rid of choice 0, whose prompt pages it shares
-    caller: str = ""  # prefill: the host the Prefill call came from (rpc.peer_host)
 
 
 @dataclass(frozen=True)
@@ -62,8 +72,7 @@ class Shutdown:
 class Register:
     """Prefill node: a decode node's registration of a room (its destination pages and layout)."""
 
-    room: int
-    registration: dict  # room, backend, page_ids, decode (layout as a dict), decode_addr
+    registration: Registration
     token: int  # rank 0 answers with an Answer carrying it: {"code": "" or a gRPC status name, "error"}
 
 

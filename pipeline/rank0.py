@@ -34,10 +34,25 @@ from engine.pages import PageTable
 from engine.request import Phase, Request
 from engine.sampler import Sampler
 from engine.scheduler import ScheduledStep, Scheduler
+from kv_transfer.handoff import Destination
 from pipeline import cores
 from pipeline.agent import KVAgent
 from pipeline.dist import Link
-from pipeline.log import ABORT, ADMIT, CONTROL, FINISH, REUSE, SHUTDOWN, STEP, LogEntry, Message, PipelineLog
+from pipeline.log import (
+    ABORT,
+    ADMIT,
+    CONTROL,
+    FINISH,
+    REUSE,
+    SHUTDOWN,
+    STEP,
+    Admitted,
+    LogEntry,
+    Message,
+    Pages,
+    PipelineLog,
+    Record,
+)
 from pipeline.messages import (
     Abort,
     Add,
@@ -132,7 +147,7 @@ class Rank0Loop:
             self.announce(req)
             start = req.num_computed - q_len
             if req.phase is Phase.WAITING and start:  # admitted past its cached prefix: every rank learns it
-                self.decide(REUSE, req.rid, info={"pages": req.page_table.pages[: start // self.pool.page_size]})
+                self.decide(REUSE, req.rid, info=Pages(tuple(req.page_table.pages[: start // self.pool.page_size])))
             if req.num_computed <= len(req.prompt_ids):  # (num_computed already counts this step)
                 self.recorder.chunk(q_len)
                 self.move(req, Phase.PREFILLING)
@@ -297,24 +312,32 @@ class Rank0Loop:
             req.phase = phase
             self._log_phase(req, phase.value, **fields)
 
-    def decide(self, kind: str, rid: str, params: SamplingParams | None = None, info: dict | None = None) -> None:
-        """Append an entry to the node's log; it goes down the pipeline with the next message."""
+    def decide(self, kind: str, rid: str, params: SamplingParams | None = None, info: Record | None = None) -> None:
+        """Append an entry to the node's log (info: the kind's record, pipeline/log.py RECORDS); it goes
+        down the pipeline with the next message."""
         d = LogEntry(self.log.count, kind, rid, params, info)
         self.log.append(d)
         self._unsent.append(d)
         self.recorder.decided(kind)
         self.agent.on_decision(d)
 
-    def announce(self, req: Request, info: dict | None = None) -> None:
-        """Every rank learns the request (its ADMIT, with the seed it samples with, the token index
-        its sampling starts at unless the role's `info` says, and that `info`), once."""
+    def announce(
+        self, req: Request, destination: Destination | None = None, first_sample_index: int | None = None
+    ) -> None:
+        """Every rank learns the request, once: its ADMIT, with the seed it samples with and the output
+        index its sampling starts at (a migrated request's continuation: its outputs so far, unless the
+        role says), the prompt when the last rank's sampling needs it, and on a decode node where its
+        KV lands."""
         if not req.announced:
             req.announced = True
-            if req.num_sampled:  # (a migrated request's continuation)
-                info = {"first_sample_index": req.num_sampled, **(info or {})}
-            if self.sampler is None and req.params.needs_history:  # the last rank needs the prompt (and resumed)
-                info = {"prompt": req.prompt_ids, "resumed": req.resumed, **(info or {})}
-            self.decide(ADMIT, req.rid, replace(req.params, seed=req.seed), info)
+            history = self.sampler is None and req.params.needs_history  # the last rank needs the prompt (and resumed)
+            record = Admitted(
+                first_sample_index=req.num_sampled if first_sample_index is None else first_sample_index,
+                prompt=tuple(req.prompt_ids) if history else (),
+                resumed=req.resumed if history else 0,
+                destination=destination,
+            )
+            self.decide(ADMIT, req.rid, replace(req.params, seed=req.seed), record)
 
     def end(self, req: Request, error: str, code: str, reason: str = "error", release: bool = True, **event) -> None:
         """What every role's fail() ends with: out of the scheduler, its pages freed (unless the role

@@ -73,17 +73,16 @@ class StageLoop:
         for d in decisions:
             self.log.append(d)  # raises on a gap or a repeat
             if d.kind == ADMIT:
-                info = d.info or {}
                 # (the prompt comes when the params need the request's tokens: penalties, grammars)
-                self.live[d.rid] = req = Request(d.rid, list(info.get("prompt", ())), d.params, None)
-                req.resumed = info.get("resumed", 0)
-                req.num_sampled = info.get("first_sample_index", 0)
+                self.live[d.rid] = req = Request(d.rid, list(d.info.prompt), d.params, None)
+                req.resumed = d.info.resumed
+                req.num_sampled = d.info.first_sample_index
                 if self.sampler is not None:
                     self.sampler.prepare(req)
             elif d.kind == APPEND:
-                self.live[d.rid].output_ids.extend(d.info["ids"])
+                self.live[d.rid].output_ids.extend(d.info.ids)
             elif d.kind == REUSE:
-                self.reused[d.rid] = list(d.info["pages"])
+                self.reused[d.rid] = list(d.info.pages)
             elif d.kind in ENDS:
                 del self.live[d.rid]
                 self.reused.pop(d.rid, None)

@@ -28,7 +28,6 @@ from engine.faults import INJECTED
 from engine.kv_pool import KVPool
 from engine.logits import logprob_to_proto
 from kv_transfer import KVPoll, StatusChange, make_sender
-from kv_transfer.adapters import layout_from_dict
 from pipeline.agent import KVAgent
 from pipeline.control import ControlChannel
 from pipeline.log import ABORT, FINISH, REUSE, ROUTE, LogEntry
@@ -84,13 +83,12 @@ class PrefillAgent(KVAgent):
 
     def on_decision(self, d: LogEntry) -> None:
         if d.kind == ROUTE:
-            info = d.info
-            route = Route(d.rid, info["room"], info["backend"], list(info["page_ids"]), int(info.get("held_pages", 0)))
+            r = d.info
+            route = Route(d.rid, r.room, r.backend, list(r.page_ids), r.held_pages)
             route.doomed = self.faults.fail_transfer()
             self.routes[d.rid] = route
             self.chan.set_local(Stream.PREFILL_TRANSFERRED, d.rid, LocalStatus.PENDING)
-            decode, secret = layout_from_dict(info["decode"]), bytes.fromhex(info["secret"])
-            self._sender(route.backend).connect(route.room, decode, route.page_ids, secret, d.rid)
+            self._sender(route.backend).connect(route.room, r.decode, route.page_ids, r.secret, d.rid)
             done = self.unrouted.pop(d.rid, None)
             if done is not None and self._push(route, done.table, 0, done.end, done.done) and done.done:
                 if self.is_last:

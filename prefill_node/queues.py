@@ -12,6 +12,7 @@ from __future__ import annotations
 from consensus import Ruling, Verdict
 from consensus import Stream as S
 from engine.request import Phase, Request
+from kv_transfer.handoff import Registration
 from pipeline.roles import PhaseQueue
 
 
@@ -39,7 +40,7 @@ class Registrations:
 
     def __init__(self, limit: int, ttl_s: float):
         self.limit, self.ttl_s = limit, ttl_s
-        self._by_room: dict[int, tuple[float, dict]] = {}  # room -> (arrival, registration)
+        self._by_room: dict[int, tuple[float, Registration]] = {}  # room -> (arrival, registration)
 
     def __contains__(self, room: int) -> bool:
         return room in self._by_room
@@ -50,10 +51,10 @@ class Registrations:
     def full(self) -> bool:
         return len(self._by_room) >= self.limit
 
-    def add(self, room: int, registration: dict, now: float) -> None:
+    def add(self, room: int, registration: Registration, now: float) -> None:
         self._by_room[room] = (now, registration)
 
-    def pop(self, room: int) -> dict | None:
+    def pop(self, room: int) -> Registration | None:
         entry = self._by_room.pop(room, None)
         return entry and entry[1]
 

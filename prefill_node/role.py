@@ -17,6 +17,7 @@ from dataclasses import replace
 from consensus import Stream as S
 from consensus import Verdict
 from engine.request import Handoff, Phase, Request
+from kv_transfer.handoff import Registration
 from pipeline.control import ControlChannel
 from pipeline.log import ABORT, FINISH, ROUTE
 from pipeline.messages import Add, Answer, Register
@@ -54,16 +55,17 @@ class PrefillRole:
         # back from EOS when min_tokens is not reached by it)
         first = req.resumed + 1
         req.params = replace(req.params, max_new_tokens=first, min_tokens=min(req.params.min_tokens, first))
-        req.handoff = Handoff(add.room, caller=add.caller)
-        if add.room in self.rooms:  # the registration for it would route this request's KV to another's pages
+        room = add.pairing.room  # (the Prefill service sends every request with its room)
+        req.handoff = Handoff(room, caller=add.pairing.caller)
+        if room in self.rooms:  # the registration for it would route this request's KV to another's pages
             req.finish_reason = "error"
-            error = f"room {add.room} is in use by another request"
+            error = f"room {room} is in use by another request"
             self.loop.retire(req, ABORT, error=error, code="ALREADY_EXISTS")
             return
-        registration = self.registrations.pop(add.room)
+        registration = self.registrations.pop(room)
         req.handoff.expires(req.arrival_s, self.config.bootstrap_timeout_s, "bootstrap")
-        self.rooms[add.room] = req.rid
-        self.ended.pop(add.room)  # (a room's earlier request's end is not this one's)
+        self.rooms[room] = req.rid
+        self.ended.pop(room)  # (a room's earlier request's end is not this one's)
         if registration is not None and self._route(req, registration):
             return  # (refused: the two halves disagree on the prompt)
         self.loop.move(req, Phase.WAITING)
@@ -71,12 +73,13 @@ class PrefillRole:
 
     def handle(self, msg: object) -> bool:
         if isinstance(msg, Register):
-            self.loop.outbox.put(Answer(msg.token, self._register(msg.room, msg.registration)))
+            self.loop.outbox.put(Answer(msg.token, self._register(msg.registration)))
             return True
         return False
 
-    def _register(self, room: int, registration: dict) -> dict:
-        """A decode node's registration of `room`: routes its request, or waits for it; the verdict."""
+    def _register(self, registration: Registration) -> dict:
+        """A decode node's registration of a room: routes its request, or waits for it; the verdict."""
+        room = registration.room
         rid = self.rooms.get(room)
         if rid is not None and not self.loop.requests[rid].handoff.routed:
             if error := self._route(self.loop.requests[rid], registration):
@@ -91,11 +94,11 @@ class PrefillRole:
             self.registrations.add(room, registration, time.perf_counter())
         return {"code": "", "error": ""}
 
-    def _route(self, req: Request, registration: dict) -> str:
+    def _route(self, req: Request, registration: Registration) -> str:
         """Every rank learns where the KV goes (a ROUTE entry), connects and pushes what it has. A
         registration for another number of pages than the prompt's fails the request: the error."""
         pages = -(-len(req.prompt_ids) // self.loop.pool.page_size)
-        registered = int(registration.get("held_pages", 0)) + len(registration["page_ids"])
+        registered = registration.held_pages + len(registration.page_ids)
         if registered != pages:  # (a prompt, or resumed outputs, that differ between the two halves)
             error = (
                 f"room {req.handoff.room}: the decode node registered {registered} pages; the prompt here "
@@ -104,8 +107,8 @@ class PrefillRole:
             self.fail(req, error, "FAILED_PRECONDITION")
             return error
         h = req.handoff
-        h.peer, h.routed = registration.get("decode_addr", ""), True
-        h.held_pages = int(registration.get("held_pages", 0))
+        h.peer, h.routed = registration.decode_addr, True
+        h.held_pages = registration.held_pages
         h.no_deadline()  # no bootstrap deadline any more; the transfer's starts at the first token
         self.loop.announce(req)  # (registered before its first chunk ran)
         self.loop.decide(ROUTE, req.rid, info=registration)

@@ -9,8 +9,10 @@ from common import rpc, sampling
 from common.rpc import peer_host, shown
 from common.security import message_proof, message_proof_ok
 from kv_transfer import adapters as kv_wire
+from kv_transfer.handoff import Registration
 from kv_transfer.layout import incompatibility
 from kvbridge.v1 import prefill_pb2, prefill_pb2_grpc
+from pipeline.messages import Pairing
 from prefill_node.node import PrefillNode
 from serving.front import Overloaded
 from serving.server import NodeServer
@@ -37,8 +39,8 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
                 raise ValueError(
                     f"sampling.n is {params.n}: a prefill node computes choice 0 (the decode node forks the others)"
                 )
-            extra = {"room": request.room, "caller": peer_host(context.peer())}  # (what one caller holds is bounded)
-            deltas = front.submit(ids, params, request.rid, extra, request.cache_salt, request.resume_ids)
+            pairing = Pairing(request.room, caller=peer_host(context.peer()))  # (what one caller holds is bounded)
+            deltas = front.submit(ids, params, request.rid, pairing, request.cache_salt, request.resume_ids)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except Overloaded as e:
@@ -126,18 +128,18 @@ class BootstrapService(prefill_pb2_grpc.BootstrapServicer):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"room {request.room}: secret must be 16 bytes, got {len(request.secret)}",
             )
-        registration = {
-            "room": request.room,
-            "secret": request.secret.hex(),
-            "backend": request.backend,
-            "page_ids": list(request.page_ids),
-            "held_pages": request.held_pages,
-            "decode": kv_wire.layout_to_dict(decode),
-            "decode_addr": request.decode_addr,
-        }
+        registration = Registration(
+            room=request.room,
+            secret=bytes(request.secret),
+            backend=request.backend,
+            page_ids=tuple(request.page_ids),
+            held_pages=request.held_pages,
+            decode=decode,
+            decode_addr=request.decode_addr,
+        )
         wait_s = self.node.ranks.config.bootstrap_timeout_s  # rank 0 answers between steps, behind its queue
         try:
-            verdict = await self.node.front.register(request.room, registration, timeout=wait_s)
+            verdict = await self.node.front.register(registration, timeout=wait_s)
         except TimeoutError:
             why = f"rank 0 did not rule on the registration of room {request.room} within {wait_s:g} s"
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, why)

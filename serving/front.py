@@ -32,9 +32,10 @@ from common.sampling import SamplingParams
 from common.text.detok import TextStream
 from common.text.prompts import tokenized
 from engine.logits import Logprob, logprob_to_proto
+from kv_transfer.handoff import Registration
 from kvbridge.v1 import common_pb2, generation_pb2
 from pipeline.group import RankGroup
-from pipeline.messages import Answer, Ask, CacheEvents, Finish, PromptLogprobs, Register, Token
+from pipeline.messages import Answer, Ask, CacheEvents, Finish, Pairing, PromptLogprobs, Register, Token
 from serving.kv_events import KVEventHub
 from serving.metrics import NodeRecorder
 
@@ -117,7 +118,7 @@ class NodeFront:
         prompt_ids: list[int],
         params: SamplingParams,
         rid: str,
-        extra: dict | None = None,
+        pairing: Pairing | None = None,
         cache_salt: str = "",
         resumed: Sequence[int] = (),
     ) -> AsyncIterator[Delta]:
@@ -132,10 +133,6 @@ class NodeFront:
             raise ValueError(problem)
         if problem := blocks.salt_problem(cache_salt):
             raise ValueError(problem)
-        if cache_salt:
-            extra = {**(extra or {}), "cache_salt": cache_salt}
-        if resumed:
-            extra = {**(extra or {}), "resumed": len(resumed)}
         params = self._checked(params)
         if params.n > limit:
             held = f"this node holds at most {limit} requests (--max-pending-requests)"
@@ -147,10 +144,10 @@ class NodeFront:
         if len(self._streams) + params.n > limit:
             raise Overloaded(f"the node holds {len(self._streams)} requests, its limit (--max-pending-requests)")
         if params.n > 1:
-            return self._choices(prompt_ids, params, rid, extra or {}, cache_salt)
-        return self._start(prompt_ids, params, rid, extra, resumed)
+            return self._choices(prompt_ids, params, rid, pairing, cache_salt)
+        return self._start(prompt_ids, params, rid, pairing, cache_salt, resumed)
 
-    def _choices(self, prompt_ids: list[int], params: SamplingParams, rid: str, extra: dict, salt: str):
+    def _choices(self, prompt_ids: list[int], params: SamplingParams, rid: str, pairing: Pairing | None, salt: str):
         """n choices of one prompt: choice 0 is the request as asked (its prefill, or its hand-off on a
         decode node); choice i > 0 (rid `RID:nI`) samples with seed + i and starts from choice 0's prompt
         pages at rank 0 (Add.fork_of; engine/scheduler.py), so the prompt is computed once."""
@@ -158,11 +155,13 @@ class NodeFront:
         taken = [r for r in rids[1:] if r in self._streams]
         if taken:
             raise ValueError(f"request id {shown(taken[0])} (a choice of {shown(rid)}) is in use")
-        forked = {"fork_of": rid, **({"cache_salt": salt} if salt else {})}
         streams = []
         try:
             for i, r in enumerate(rids):
-                streams.append(self._start(prompt_ids, params.choice(i), r, extra if i == 0 else forked))
+                if i == 0:
+                    streams.append(self._start(prompt_ids, params.choice(0), r, pairing, salt))
+                else:
+                    streams.append(self._start(prompt_ids, params.choice(i), r, None, salt, fork_of=rid))
         except BaseException:
             self._drop(rids)
             raise
@@ -209,9 +208,19 @@ class NodeFront:
                 t.cancel()
             self._drop(rids)  # the choices still running (or never read) are aborted on every rank
 
-    def _start(self, prompt_ids, params: SamplingParams, rid: str, extra: dict | None, resumed: Sequence[int] = ()):
+    def _start(
+        self,
+        prompt_ids,
+        params: SamplingParams,
+        rid: str,
+        pairing: Pairing | None,
+        cache_salt: str,
+        resumed: Sequence[int] = (),
+        fork_of: str = "",
+    ):
         """Queue one request at rank 0 and open its event stream."""
-        self.ranks.add_request([*prompt_ids, *resumed], params, rid, extra)  # ValueError: nothing was registered yet
+        ids = [*prompt_ids, *resumed]  # (add_request raises ValueError before anything is registered)
+        self.ranks.add_request(ids, params, rid, pairing, cache_salt, resumed=len(resumed), fork_of=fork_of)
         events: asyncio.Queue = asyncio.Queue()
         self._streams[rid] = events
         self._timing[rid] = [time.perf_counter(), None]
@@ -334,10 +343,10 @@ class NodeFront:
         """Drop the prefix cache's index (idle pages are free again); how many pages that freed."""
         return (await self._ask("clear_cache", timeout))["pages_dropped"]
 
-    async def register(self, room: int, registration: dict, timeout: float = 10.0) -> dict:
-        """Prefill node: hand a decode node's registration of `room` to rank 0; its verdict
+    async def register(self, registration: Registration, timeout: float = 10.0) -> dict:
+        """Prefill node: hand a decode node's registration of a room to rank 0; its verdict
         {"code": gRPC status name or "", "error": why} (a room registered twice: ALREADY_EXISTS)."""
-        return await self._ask("register", timeout, lambda token: Register(room, registration, token))
+        return await self._ask("register", timeout, lambda token: Register(registration, token))
 
     async def _ask(self, op: str, timeout: float, message=None) -> dict:
         token = next(self._tokens)

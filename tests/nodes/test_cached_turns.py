@@ -19,7 +19,7 @@ from engine.batch import ForwardBatch
 from engine.config import PPConfig
 from kvbridge.nodes import start_node
 from kvbridge.v1 import common_pb2, generation_pb2, generation_pb2_grpc, kv_events_pb2, kv_events_pb2_grpc
-from pipeline.log import ADMIT, REUSE, LogEntry
+from pipeline.log import ADMIT, REUSE, Admitted, LogEntry, Pages
 from pipeline.stage import StageLoop
 from serving.config import NodeConfig
 from tests.conftest import make_llm
@@ -246,9 +246,9 @@ def test_a_rank_stops_on_a_chunk_that_does_not_start_on_the_reused_pages():
     """Rank 0's REUSE entry names the cached pages a request starts from; a later rank checks the
     next chunk against it (it would read another prefix's KV)."""
     loop = StageLoop(1, 2, None, SimpleNamespace(page_size=PS), None)
-    loop._apply((LogEntry(0, ADMIT, "r", SamplingParams()), LogEntry(1, REUSE, "r", info={"pages": [5, 6]})))
+    loop._apply((LogEntry(0, ADMIT, "r", SamplingParams(), Admitted()), LogEntry(1, REUSE, "r", info=Pages((5, 6)))))
     loop._check_reuse(ForwardBatch(("r",), (8,), (3,), ((5, 6, 9),), (), (True,)))
     assert loop.reused == {}  # checked once: the chunks after it start anywhere
-    loop._apply((LogEntry(2, REUSE, "r", info={"pages": [5, 6]}),))
+    loop._apply((LogEntry(2, REUSE, "r", info=Pages((5, 6))),))
     with pytest.raises(AssertionError, match=r"rank 1: r starts at 4 on pages \(5, 7, 9\), not on \[5, 6\]"):
         loop._check_reuse(ForwardBatch(("r",), (4,), (3,), ((5, 7, 9),), (), (True,)))

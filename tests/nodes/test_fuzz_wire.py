@@ -14,6 +14,7 @@ prefixes (pipeline/dist.py, control.py) and the nudge word (any value but NUDGE_
 from __future__ import annotations
 
 import collections
+import itertools
 import json
 
 import pytest
@@ -25,9 +26,28 @@ from consensus.codec import RoundMsg, Tally
 from consensus.types import Ruling, Stream, Verdict
 from engine.batch import ForwardBatch
 from kv_transfer import adapters as kv_wire
-from kv_transfer.layout import DTYPES, incompatibility
+from kv_transfer.handoff import Destination, Registration
+from kv_transfer.layout import DTYPES, NodeLayout, PageGeometry, RankInfo, incompatibility
+from kv_transfer.rooms import Source
 from kvbridge.v1 import prefill_pb2
-from pipeline.log import ADMIT, CONTROL, KINDS, SHUTDOWN, STEP, LogEntry, Message
+from pipeline import codec
+from pipeline.log import (
+    ADMIT,
+    APPEND,
+    CONTROL,
+    KINDS,
+    RESUME,
+    RETRACT,
+    REUSE,
+    ROUTE,
+    SHUTDOWN,
+    STEP,
+    Admitted,
+    Appended,
+    LogEntry,
+    Message,
+    Pages,
+)
 from tests.nodes.fuzz_fleet import SCALES, say, summary
 
 # default examples per test (x SLOW_SCALE under -m slow)
@@ -61,11 +81,6 @@ JSON_LEAF = st.one_of(
 )
 JSON = st.recursive(
     JSON_LEAF, lambda kids: st.lists(kids, max_size=4) | st.dictionaries(TEXT, kids, max_size=4), max_leaves=12
-)
-FINITE_JSON = st.recursive(
-    st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=False), TEXT),
-    lambda kids: st.lists(kids, max_size=3) | st.dictionaries(TEXT, kids, max_size=3),
-    max_leaves=8,
 )
 
 
@@ -101,6 +116,41 @@ def batches(draw) -> ForwardBatch:
     )
 
 
+IDS = st.lists(st.integers(0, 2**31), max_size=4).map(tuple)
+U31 = st.integers(0, 2**31)
+
+
+@st.composite
+def node_layouts(draw) -> NodeLayout:
+    """A layout as the Bootstrap service admits one (ranks tiling the layers)."""
+    cuts = sorted(set(draw(st.lists(st.integers(1, 63), max_size=3))))
+    bounds = [0, *cuts, 64]
+    ranks = tuple(
+        RankInfo(i, lo, hi, draw(TEXT), draw(TEXT), draw(TEXT), draw(st.binary(max_size=8)), draw(TEXT))
+        for i, (lo, hi) in enumerate(itertools.pairwise(bounds))
+    )
+    geometry = PageGeometry(draw(U31), draw(U31), draw(U31), draw(st.sampled_from(DTYPES)))
+    backends = tuple(draw(st.lists(TEXT, max_size=3)))
+    return NodeLayout(geometry, 64, draw(U31), ranks, draw(TEXT), backends, draw(TEXT))
+
+
+@st.composite
+def records(draw, kind: str):
+    """The record a `kind` entry carries (pipeline/log.py RECORDS)."""
+    if kind == ADMIT:
+        sources = tuple(Source(draw(U31), draw(U31), draw(U31)) for _ in range(draw(st.integers(0, 2))))
+        to = Destination(draw(U31), draw(IDS), draw(U31), sources, draw(TEXT), draw(st.binary(max_size=16)))
+        return Admitted(draw(U31), draw(IDS), draw(U31), draw(st.none() | st.just(to)))
+    if kind == ROUTE:
+        secret, layout = draw(st.binary(max_size=16)), draw(node_layouts())
+        return Registration(draw(U31), secret, draw(TEXT), draw(IDS), draw(U31), layout, draw(TEXT))
+    if kind in (RETRACT, RESUME, REUSE):
+        return Pages(draw(IDS))
+    if kind == APPEND:
+        return Appended(draw(IDS))
+    return None
+
+
 @st.composite
 def messages(draw) -> Message:
     kind = draw(st.sampled_from([STEP, STEP, CONTROL, SHUTDOWN]))
@@ -109,8 +159,7 @@ def messages(draw) -> Message:
     for i in range(draw(st.integers(0, 4))):
         d_kind = draw(st.sampled_from(KINDS))
         params = draw(sampling()) if d_kind == ADMIT else None
-        info = draw(st.none() | st.dictionaries(TEXT, FINITE_JSON, max_size=3))
-        decisions.append(LogEntry(first + i, d_kind, draw(TEXT), params, info))
+        decisions.append(LogEntry(first + i, d_kind, draw(TEXT), params, draw(records(d_kind))))
     return Message(kind, tuple(decisions), draw(batches()) if kind == STEP else None)
 
 
@@ -380,6 +429,6 @@ def test_a_kv_layout_is_decoded_or_refused(scale):
         assert kv_wire.layout_to_proto(layout) == expected
         assert layout.layer_ranges[0][0] == 0 and layout.layer_ranges[-1][1] == layout.num_layers
         assert layout.geometry.layer_block_bytes > 0 and incompatibility(layout, layout) == ""
-        assert kv_wire.layout_from_dict(kv_wire.layout_to_dict(layout)) == layout
+        assert codec.from_json(NodeLayout, codec.to_json(layout)) == layout  # (as a ROUTE entry carries it)
 
     one()

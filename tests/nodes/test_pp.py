@@ -10,7 +10,7 @@ from common.sampling import SamplingParams
 from engine.batch import ForwardBatch
 from engine.config import EngineConfig, PPConfig
 from pipeline.group import RankGroup
-from pipeline.log import ABORT, ADMIT, STEP, LogEntry, Message
+from pipeline.log import ABORT, ADMIT, STEP, Admitted, LogEntry, Message
 from pipeline.messages import Finish
 from tests.conftest import make_llm, make_prompts
 
@@ -28,7 +28,7 @@ def make_node(pp_size: int, **overrides) -> RankGroup:
 def test_message_round_trip_and_malformed_bytes_are_refused():
     batch = ForwardBatch(("a", "b"), (0, 7), (5, 1), ((3, 4), (9, 2)), (), (True, False))
     params = SamplingParams(max_new_tokens=3, temperature=0.5, stop=("x",), seed=4)
-    msg = Message(STEP, (LogEntry(0, ADMIT, "a", params), LogEntry(1, ABORT, "c")), batch)
+    msg = Message(STEP, (LogEntry(0, ADMIT, "a", params, Admitted()), LogEntry(1, ABORT, "c")), batch)
     assert Message.decode(msg.encode()) == msg
     for bad in (b"", b"{}", b"[1]", b'{"kind":"step","decisions":[[0,"boom","a",null]],"batch":null}'):
         with pytest.raises(ValueError, match="malformed pipeline message"):
