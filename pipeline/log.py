@@ -133,12 +133,12 @@ class Message:
     def decode(data: bytes) -> Message:
         try:
             raw = json.loads(data)
-            kinds = [d[1] for d in raw["decisions"]]
-            if any(kind not in KINDS for kind in kinds) or raw["kind"] not in (STEP, CONTROL, SHUTDOWN):
+            entries = [(seq, kind, rid, params, info) for seq, kind, rid, params, info in raw["decisions"]]
+            if any(e[1] not in KINDS for e in entries) or raw["kind"] not in (STEP, CONTROL, SHUTDOWN):
                 raise ValueError("unknown message or decision kind")
             decisions = tuple(
                 LogEntry(int(seq), kind, str(rid), _params(params), _info_in(kind, info))
-                for seq, kind, rid, params, info in raw["decisions"]
+                for seq, kind, rid, params, info in entries
             )
             batch = None
             if raw["batch"] is not None:

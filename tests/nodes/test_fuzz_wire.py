@@ -129,7 +129,7 @@ def node_layouts(draw) -> NodeLayout:
         RankInfo(i, lo, hi, draw(TEXT), draw(TEXT), draw(TEXT), draw(st.binary(max_size=8)), draw(TEXT))
         for i, (lo, hi) in enumerate(itertools.pairwise(bounds))
     )
-    geometry = PageGeometry(draw(U31), draw(U31), draw(U31), draw(st.sampled_from(DTYPES)))
+    geometry = PageGeometry(draw(U31), draw(U31), draw(U31), draw(st.sampled_from(sorted(DTYPES))))
     backends = tuple(draw(st.lists(TEXT, max_size=3)))
     return NodeLayout(geometry, 64, draw(U31), ranks, draw(TEXT), backends, draw(TEXT))
 
