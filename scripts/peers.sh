@@ -13,7 +13,7 @@
 # SERVERS=vllm,llamacpp,colocated,pd picks some (add `before` with BEFORE=DIR: kvbridge colocated
 # from another checkout with its own .venv, e.g. an older commit); PROMPTS (default 4 x concurrency,
 # at least 16);
-# DRIVERS=bench,aiperf picks the load generators.
+# DRIVERS=bench,aiperf picks the load generators; CONCS="1 8 32" the concurrencies.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PEERS=${PEERS:-$HOME/.cache/kvbridge-peers}
@@ -65,7 +65,7 @@ wait_http() {  # URL, seconds
 
 bench() {  # label, base URL, served model name
     for driver in ${DRIVERS//,/ }; do
-        for c in 1 8 32; do
+        for c in ${CONCS:-1 8 32}; do
             n=${PROMPTS:-$((c * 4 < 16 ? 16 : c * 4))}
             echo "peers: $1 at concurrency $c ($n prompts, $driver) ..." >&2
             case $driver in

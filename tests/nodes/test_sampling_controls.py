@@ -168,13 +168,15 @@ def test_the_new_wire_fields_round_trip_and_malformed_ones_are_refused():
     from engine.batch import ForwardBatch
     from engine.logits import Logprob, logprob_from_proto, logprob_to_proto
     from kvbridge.v1 import common_pb2
-    from pipeline.log import ADMIT, APPEND, STEP, LogEntry, Message
+    from pipeline.log import ADMIT, APPEND, STEP, Admitted, Appended, LogEntry, Message
 
     params = SamplingParams(logit_bias=((5, 1.5),), bad_words=("ab",), bad_words_ids=((97, 98),), logprobs=3,
                             prompt_logprobs=0, allowed_token_ids=(1, 2), json_object=True)  # fmt: skip
     batch = ForwardBatch(("a", "b"), (0, 7), (5, 1), ((3, 4), (9, 2)), (), (True, True), scored=(True, False))
-    entries = (LogEntry(0, ADMIT, "a", params, {"prompt": [1, 2, 3], "resumed": 0}), LogEntry(1, APPEND, "a", None,
-                                                                                            {"ids": [7]}))  # fmt: skip
+    entries = (
+        LogEntry(0, ADMIT, "a", params, Admitted(prompt=(1, 2, 3))),
+        LogEntry(1, APPEND, "a", None, Appended((7,))),
+    )
     msg = Message(STEP, entries, batch)
     assert Message.decode(msg.encode()) == msg
     bad = json.loads(msg.encode())

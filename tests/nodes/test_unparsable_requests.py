@@ -4,6 +4,8 @@ found (grpcio alone answers UNKNOWN), and the node serves on."""
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import pytest
 
@@ -87,5 +89,8 @@ def test_a_page_chunk_that_does_not_parse_ends_its_stream_invalid_argument():
             grpc.StatusCode.INVALID_ARGUMENT,
             f"the request does not parse: Error parsing message with type 'kvbridge.v1.PageChunk': {TRUNCATED_ERROR}",
         )
+        deadline = time.monotonic() + 10  # (the stream's slot is given back just after its status went out)
+        while receiver.servicer.waiting.count() and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert receiver.servicer.waiting.count() == 0
         channel.close()
