@@ -211,10 +211,11 @@ class ModelStage:
         # all the layers in one kernel call (decoder_bf16.cpp: the packed path of DecoderLayer.forward,
         # op for op), where every op of a layer takes the packed path
         self.fused = packed and config.head_dim % 32 == 0 and not config.attention_bias and _kernel_takes(config)
-        six = [
-            (x.input_norm, x.qkv.packed, x.o.packed, x.post_norm, x.gate_up.packed, x.down.packed) for x in self.layers
+        self.fused_weights = [
+            t
+            for x in (self.layers if self.fused else ())
+            for t in (x.input_norm, x.qkv.packed, x.o.packed, x.post_norm, x.gate_up.packed, x.down.packed)
         ]
-        self.fused_weights = [t for layer in six for t in layer] if self.fused else []
         self.norm = needed["model.norm.weight"] if self.is_last else None
         if self.is_last:
             head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
@@ -240,7 +241,7 @@ class ModelStage:
         """
         h = F.embedding(inputs, self.embed) if self.is_first else inputs
         cos, sin = self.cos[meta.positions], self.sin[meta.positions]
-        if self.fused and kv.buffer.device.type == "cpu":
+        if self.fused:  # (packed: the stage and its pool are on the CPU)
             c = self.config
             shape = (c.num_attention_heads, c.num_key_value_heads, c.intermediate_size)
             attention = (meta.tables, meta.row_table, meta.row_ctx)

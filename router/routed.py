@@ -101,7 +101,7 @@ class Routed:
         self.attempts = 0  # attempts started so far
         self.prompt_tokens = len(request.prompt.token_ids.ids)  # 0 until known (text, chat: hashed, or the last usage)
         self.blocks: PromptBlocks | None = None  # the prompt's block hashes, for the policy (None: unknown)
-        self.ids: PromptIds | None = None  # a text or chat prompt's ids, made here (None: unknown, or ids sent)
+        self.ids: PromptIds | None = None  # a text or chat prompt's ids, made here (None: no tokenizer, or sent as ids)
         self._hashed = False  # blocks were looked for (once per request, before the first attempt)
         # token ids handed to the client so far (a migration resumes after them): 4 bytes each
         self.output_ids = array("I")
