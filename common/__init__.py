@@ -1,4 +1,2 @@
 """What every layer shares (gRPC factory, TLS and keys, logs, metrics plumbing, input bounds, progress
 lines). It imports nothing of the project but the generated stubs (kvbridge.v1)."""
-
-__version__ = "0.1.0"

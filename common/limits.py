@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from common.rpc import shown
+from kvbridge.common.rpc import shown
 from kvbridge.v1 import common_pb2
 
 MAX_CLIENT_RID_CHARS = 128  # a request id a client chose (the router's check)

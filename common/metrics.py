@@ -36,7 +36,7 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from common import rpc
+from kvbridge.common import rpc
 
 disable_created_metrics()  # no `_created` series: start times say nothing a dashboard uses
 

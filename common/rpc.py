@@ -37,8 +37,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from common.rpc_parse import parse_checked
-from common.security import Security, bearer
+from kvbridge.common.rpc_parse import parse_checked
+from kvbridge.common.security import Security, bearer
 
 MAX_MESSAGE_BYTES = 8 << 20  # every request and answer but KV pages stays far below
 KV_MESSAGE_BYTES = 64 << 20  # the KV plane (KVReceiver): page chunks of up to SenderConfig.grpc_chunk_bytes

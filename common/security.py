@@ -37,7 +37,7 @@ import ssl
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.paths import cache_dir
+from kvbridge.common.paths import cache_dir
 
 MAX_KEY_BYTES = 4096  # a key file is one line
 MIN_FLEET_KEY_CHARS = 32  # a fleet key file holds at least this many characters (`openssl rand -hex 32`: 64)

@@ -11,12 +11,12 @@
 No torch, no sockets, no threads, no pickle; transports are passed in.
 """
 
-from consensus.codec import RoundMsg, Tally
-from consensus.driver import RingDriver, StepResult, run_round
-from consensus.roles import Follower, Leader, make_role
-from consensus.state import RankState
-from consensus.transport import InMemoryRing, Transport
-from consensus.types import LocalStatus, ProtocolError, Report, Ruling, Stream, Verdict
+from kvbridge.consensus.codec import RoundMsg, Tally
+from kvbridge.consensus.driver import RingDriver, StepResult, run_round
+from kvbridge.consensus.roles import Follower, Leader, make_role
+from kvbridge.consensus.state import RankState
+from kvbridge.consensus.transport import InMemoryRing, Transport
+from kvbridge.consensus.types import LocalStatus, ProtocolError, Report, Ruling, Stream, Verdict
 
 __all__ = [
     "Follower",

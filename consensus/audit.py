@@ -17,8 +17,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from consensus.state import RankState
-from consensus.types import STREAMS, Report, Ruling, Stream, Verdict
+from kvbridge.consensus.state import RankState
+from kvbridge.consensus.types import STREAMS, Report, Ruling, Stream, Verdict
 
 
 @dataclass(frozen=True)

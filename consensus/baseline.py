@@ -15,11 +15,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from consensus.codec import RoundMsg
-from consensus.driver import StepResult
-from consensus.roles import Follower, Leader
-from consensus.scenario import RequestPlan
-from consensus.simulator import DEFAULT_TIMING, Timing, _Simulation
+from kvbridge.consensus.codec import RoundMsg
+from kvbridge.consensus.driver import StepResult
+from kvbridge.consensus.roles import Follower, Leader
+from kvbridge.consensus.scenario import RequestPlan
+from kvbridge.consensus.simulator import DEFAULT_TIMING, Timing, _Simulation
 
 
 class MicrobatchSimulation(_Simulation):

@@ -31,7 +31,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from itertools import pairwise
 
-from consensus.types import NUM_STREAMS, STREAMS, Ruling, Stream, Verdict
+from kvbridge.consensus.types import NUM_STREAMS, STREAMS, Ruling, Stream, Verdict
 
 MAGIC = b"KC"
 VERSION = 1

@@ -30,11 +30,11 @@ from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
-from consensus.codec import RoundMsg
-from consensus.roles import Follower, Leader, Role
-from consensus.state import RankState
-from consensus.transport import Transport
-from consensus.types import Report, Ruling
+from kvbridge.consensus.codec import RoundMsg
+from kvbridge.consensus.roles import Follower, Leader, Role
+from kvbridge.consensus.state import RankState
+from kvbridge.consensus.transport import Transport
+from kvbridge.consensus.types import Report, Ruling
 
 
 @dataclass(frozen=True)

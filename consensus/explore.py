@@ -26,11 +26,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from consensus import audit
-from consensus.codec import RoundMsg, Tally
-from consensus.roles import Follower, Leader
-from consensus.state import RankState
-from consensus.types import STREAMS, LocalStatus, Report, Stream
+from kvbridge.consensus import audit
+from kvbridge.consensus.codec import RoundMsg, Tally
+from kvbridge.consensus.roles import Follower, Leader
+from kvbridge.consensus.state import RankState
+from kvbridge.consensus.types import STREAMS, LocalStatus, Report, Stream
 
 READY, FAILED, PENDING = LocalStatus.READY, LocalStatus.FAILED, LocalStatus.PENDING
 

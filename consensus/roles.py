@@ -28,9 +28,9 @@ from __future__ import annotations
 
 from collections import deque
 
-from consensus.codec import RoundMsg, Tally
-from consensus.state import RankState
-from consensus.types import STREAMS, ProtocolError, Report, Ruling, Stream, Verdict
+from kvbridge.consensus.codec import RoundMsg, Tally
+from kvbridge.consensus.state import RankState
+from kvbridge.consensus.types import STREAMS, ProtocolError, Report, Ruling, Stream, Verdict
 
 
 class Leader:

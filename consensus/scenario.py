@@ -14,7 +14,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from consensus.types import Stream
+from kvbridge.consensus.types import Stream
 
 PATHS: tuple[tuple[Stream, ...], ...] = (
     (Stream.PREFILL_BOOTSTRAPPED, Stream.PREFILL_TRANSFERRED),

@@ -20,12 +20,12 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from consensus.audit import RoundRecord
-from consensus.driver import RingDriver, StepResult
-from consensus.roles import Leader, make_role
-from consensus.scenario import RequestPlan
-from consensus.state import RankState
-from consensus.types import LocalStatus, Report, Ruling, Stream, Verdict
+from kvbridge.consensus.audit import RoundRecord
+from kvbridge.consensus.driver import RingDriver, StepResult
+from kvbridge.consensus.roles import Leader, make_role
+from kvbridge.consensus.scenario import RequestPlan
+from kvbridge.consensus.state import RankState
+from kvbridge.consensus.types import LocalStatus, Report, Ruling, Stream, Verdict
 
 Key = tuple[Stream, str]  # (stream, rid)
 

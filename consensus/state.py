@@ -23,7 +23,7 @@ import struct
 from collections.abc import Iterable, Mapping
 from types import MappingProxyType
 
-from consensus.types import STREAMS, LocalStatus, ProtocolError, Report, Ruling, Stream, Verdict
+from kvbridge.consensus.types import STREAMS, LocalStatus, ProtocolError, Report, Ruling, Stream, Verdict
 
 _DIGEST_RECORD = struct.Struct("!QBBH")  # seq, stream (255: none), verdict, rid length
 

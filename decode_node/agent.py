@@ -14,16 +14,16 @@ import time
 
 import torch
 
-from common.limits import room_tag
-from common.logs import log_event
-from consensus import LocalStatus, Stream
-from engine import faults
-from engine.faults import INJECTED
-from kv_transfer import KVPoll, KVReceiverEndpoint, StatusChange
-from pipeline.agent import KVAgent
-from pipeline.control import ControlChannel
-from pipeline.log import ABORT, ADMIT, FINISH, RESUME, RETRACT, LogEntry
-from pipeline.metrics import RankRecorder
+from kvbridge.common.limits import room_tag
+from kvbridge.common.logs import log_event
+from kvbridge.consensus import LocalStatus, Stream
+from kvbridge.engine import faults
+from kvbridge.engine.faults import INJECTED
+from kvbridge.kv_transfer import KVPoll, KVReceiverEndpoint, StatusChange
+from kvbridge.pipeline.agent import KVAgent
+from kvbridge.pipeline.control import ControlChannel
+from kvbridge.pipeline.log import ABORT, ADMIT, FINISH, RESUME, RETRACT, LogEntry
+from kvbridge.pipeline.metrics import RankRecorder
 
 log = logging.getLogger("kvbridge.transfer")
 

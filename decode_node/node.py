@@ -2,20 +2,20 @@
 
 from __future__ import annotations
 
-from decode_node.agent import DecodeAgent
-from decode_node.role import DecodeRole
-from engine.llm import resolve_device
-from kv_transfer import KVReceiverEndpoint, ReceiverConfig, remove_stale_segments
-from kv_transfer.factory import drivable
-from kv_transfer.layout import RankInfo, dtype_name, node_layout
-from pipeline import codec
-from pipeline import dist as pp_dist
-from pipeline.group import RankContext, RankGroup, RankSetup
-from pipeline.messages import Fail
-from pipeline.rank0 import Rank0Loop
-from pipeline.stage import StageLoop
-from serving.config import NodeConfig
-from serving.front import NodeFront
+from kvbridge.decode_node.agent import DecodeAgent
+from kvbridge.decode_node.role import DecodeRole
+from kvbridge.engine.llm import resolve_device
+from kvbridge.kv_transfer import KVReceiverEndpoint, ReceiverConfig, remove_stale_segments
+from kvbridge.kv_transfer.factory import drivable
+from kvbridge.kv_transfer.layout import RankInfo, dtype_name, node_layout
+from kvbridge.pipeline import codec
+from kvbridge.pipeline import dist as pp_dist
+from kvbridge.pipeline.group import RankContext, RankGroup, RankSetup
+from kvbridge.pipeline.messages import Fail
+from kvbridge.pipeline.rank0 import Rank0Loop
+from kvbridge.pipeline.stage import StageLoop
+from kvbridge.serving.config import NodeConfig
+from kvbridge.serving.front import NodeFront
 
 RESERVE_TOKENS = 64  # free room kept for decoding when a request's pages are preallocated
 
@@ -39,7 +39,7 @@ def decode_rank(ctx: RankContext) -> RankSetup:
             dtype=dtype_name(ctx.stage.dtype),
             device=str(ctx.stage.device),
             host=ctx.role_args.get("host", "127.0.0.1"),
-            torch_store=ctx.role_args.get("torch_store", True),
+            backends=ctx.role_args.get("backends"),
             awaits_first_token=ctx.rank == 0,
             stream_idle_s=config.kv_stream_idle_s,
         ),
@@ -70,13 +70,14 @@ class DecodeNode:
     def __init__(self, config: NodeConfig, progress: bool = False):
         pp = config.pp
         remove_stale_segments()  # pools of decode ranks killed before they could unlink them
-        # a TCPStore per rank only where the torch backend may be used
-        role_args = {"host": config.host, "torch_store": config.transfer_backend in ("auto", "torch")}
+        self.device = resolve_device(config.engine.device)
+        # every backend that moves pools on the device, but a TCPStore per rank only where torch may be used
+        torch_too = config.transfer_backend in ("auto", "torch")
+        backends = tuple(b for b in drivable(self.device) if b != "torch" or torch_too)
+        role_args = {"host": config.host, "backends": backends}
         self.ranks = RankGroup(config.engine, pp, progress=progress, build=decode_rank, role_args=role_args)
         self.front = NodeFront(self.ranks)
-        self.device = resolve_device(config.engine.device)
         ranks = tuple(codec.from_json(RankInfo, self.ranks.endpoints[r]) for r in range(pp.pp_size))
-        backends = tuple(b for b in drivable(self.device) if b != "torch" or role_args["torch_store"])
         self.layout = node_layout(config.engine, self.ranks.model, ranks, backends)
 
     def fail(self, rid: str, code: str, error: str) -> None:

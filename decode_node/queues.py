@@ -13,10 +13,10 @@ Pages of a hand-off that failed while the KV may still have been landing rest in
 
 from __future__ import annotations
 
-from consensus import Ruling, Verdict
-from consensus import Stream as S
-from engine.request import Phase, Request
-from pipeline.roles import PhaseQueue
+from kvbridge.consensus import Ruling, Verdict
+from kvbridge.consensus import Stream as S
+from kvbridge.engine.request import Phase, Request
+from kvbridge.pipeline.roles import PhaseQueue
 
 
 class PreallocQueue(PhaseQueue):

@@ -17,18 +17,18 @@ from __future__ import annotations
 
 import time
 
-from consensus import Stream as S
-from consensus import Verdict
-from decode_node.queues import PreallocQueue, Quarantine, RetractedQueue, TransferQueue
-from engine.logits import logprob_from_proto
-from engine.pages import PageAllocator
-from engine.request import Handoff, Phase, Request
-from kv_transfer.handoff import Destination
-from pipeline.control import ControlChannel
-from pipeline.log import ABORT, APPEND, FINISH, RESUME, RETRACT, Appended, Pages
-from pipeline.messages import Add, Fail, PeerDown, Preallocated, Token
-from pipeline.rank0 import Rank0Loop
-from pipeline.roles import Deadlines, live_rulings
+from kvbridge.consensus import Stream as S
+from kvbridge.consensus import Verdict
+from kvbridge.decode_node.queues import PreallocQueue, Quarantine, RetractedQueue, TransferQueue
+from kvbridge.engine.logits import logprob_from_proto
+from kvbridge.engine.pages import PageAllocator
+from kvbridge.engine.request import Handoff, Phase, Request
+from kvbridge.kv_transfer.handoff import Destination
+from kvbridge.pipeline.control import ControlChannel
+from kvbridge.pipeline.log import ABORT, APPEND, FINISH, RESUME, RETRACT, Appended, Pages
+from kvbridge.pipeline.messages import Add, Fail, PeerDown, Preallocated, Token
+from kvbridge.pipeline.rank0 import Rank0Loop
+from kvbridge.pipeline.roles import Deadlines, live_rulings
 
 QUARANTINE_S = 2.0  # pages of a hand-off that failed rest this long before reuse (late writes land harmlessly)
 AWAITING_KV = (Phase.PREALLOC, Phase.TRANSFERRING)  # phases that still need the prefill node

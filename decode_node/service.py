@@ -14,21 +14,21 @@ from dataclasses import replace
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from common import rpc, sampling
-from common.limits import normalized_address
-from common.security import message_proof, message_proof_ok
-from decode_node.node import DecodeNode
-from kv_transfer import NodeLayout, choose_backend, incompatibility
-from kv_transfer import adapters as kv_wire
+from kvbridge.common import rpc, sampling
+from kvbridge.common.limits import normalized_address
+from kvbridge.common.security import message_proof, message_proof_ok
+from kvbridge.decode_node.node import DecodeNode
+from kvbridge.kv_transfer import NodeLayout, choose_backend, incompatibility
+from kvbridge.kv_transfer import adapters as kv_wire
+from kvbridge.pipeline.messages import Pairing, PeerDown, Preallocated
+from kvbridge.serving.front import Overloaded
+from kvbridge.serving.server import NodeServer
 from kvbridge.v1 import (
     generation_pb2,
     generation_pb2_grpc,
     prefill_pb2,
     prefill_pb2_grpc,
 )
-from pipeline.messages import Pairing, PeerDown, Preallocated
-from serving.front import Overloaded
-from serving.server import NodeServer
 
 SERVICES = ("kvbridge.v1.Generation", "kvbridge.v1.Admin", "kvbridge.v1.KVEvents")
 ROOM_SECRET_BYTES = 16

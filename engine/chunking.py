@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from common.progress import Progress
+from kvbridge.common.progress import Progress
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ import json
 import re
 from dataclasses import dataclass, field, fields
 
-from common.flags import setting
+from kvbridge.common.flags import setting
 
 
 @dataclass(frozen=True)
@@ -175,7 +175,7 @@ class EngineConfig:
     )
 
     def __post_init__(self) -> None:
-        from engine.faults import parse
+        from kvbridge.engine.faults import parse
 
         parse(self.fault_inject, 0)  # raises on a bad spec, naming the item
         timeouts = ("bootstrap_timeout_s", "unregistered_timeout_s", "prealloc_timeout_s", "transfer_timeout_s")

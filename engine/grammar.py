@@ -57,9 +57,9 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer as HFTokenizer
 
-from common.sampling import SamplingParams
-from common.text.schema import ANY_OBJECT, grammar_of, one_line, unbounded
-from common.text.tokenizer import Tokenizer
+from kvbridge.common.sampling import SamplingParams
+from kvbridge.common.text.schema import ANY_OBJECT, grammar_of, one_line, unbounded
+from kvbridge.common.text.tokenizer import Tokenizer
 
 CACHE_SIZE = 256  # compiled grammars kept per compiler
 COMPILE_THREADS = 2

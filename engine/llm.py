@@ -13,18 +13,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common.sampling import SamplingParams
-from engine import kernels
-from engine.batch import AttentionMetadata, ForwardBatch
-from engine.config import EngineConfig
-from engine.logits import prompt_logprobs, prompt_spans, split_logits
-from engine.model import ModelStage, stage_ranges
-from engine.pages import PageAllocator, PageTable
-from engine.prefix_cache import PrefixCache
-from engine.request import Request
-from engine.sampler import Sampler
-from engine.scheduler import ChunkPolicy, Scheduler
-from engine.weights import LoadedModel, load_model
+from kvbridge.common.sampling import SamplingParams
+from kvbridge.engine import kernels
+from kvbridge.engine.batch import AttentionMetadata, ForwardBatch
+from kvbridge.engine.config import EngineConfig
+from kvbridge.engine.logits import prompt_logprobs, prompt_spans, split_logits
+from kvbridge.engine.model import ModelStage, stage_ranges
+from kvbridge.engine.pages import PageAllocator, PageTable
+from kvbridge.engine.prefix_cache import PrefixCache
+from kvbridge.engine.request import Request
+from kvbridge.engine.sampler import Sampler
+from kvbridge.engine.scheduler import ChunkPolicy, Scheduler
+from kvbridge.engine.weights import LoadedModel, load_model
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -194,7 +194,7 @@ class LLM:
 
     def enable_dynamic_chunking(self, progress: bool = True) -> None:
         """Profile prefill latency now (the engine must be idle) and size prompt chunks from it."""
-        from engine.profile import plan_chunks, prefill_timer
+        from kvbridge.engine.profile import plan_chunks, prefill_timer
 
         run = prefill_timer(self.stages, self.pools)
         self.scheduler.chunk_policy = plan_chunks(self.config, run, self.max_context, progress)

@@ -30,9 +30,9 @@ from dataclasses import dataclass
 
 import torch
 
-from common.sampling import SamplingParams
-from engine.batch import ForwardBatch, logit_rows
-from engine.request import Request
+from kvbridge.common.sampling import SamplingParams
+from kvbridge.engine.batch import ForwardBatch, logit_rows
+from kvbridge.engine.request import Request
 from kvbridge.v1 import common_pb2
 
 

@@ -12,10 +12,10 @@ import math
 import torch
 import torch.nn.functional as F
 
-from engine import kernels
-from engine.batch import AttentionMetadata
-from engine.config import ModelConfig
-from engine.kv_pool import KVPool
+from kvbridge.engine import kernels
+from kvbridge.engine.batch import AttentionMetadata
+from kvbridge.engine.config import ModelConfig
+from kvbridge.engine.kv_pool import KVPool
 
 
 def stage_ranges(num_layers: int, num_stages: int) -> list[tuple[int, int]]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from engine.prefix_cache import PrefixCache
+from kvbridge.engine.prefix_cache import PrefixCache
 
 
 class PageAllocator:

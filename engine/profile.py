@@ -7,11 +7,11 @@ from collections.abc import Callable
 
 import torch
 
-from engine.batch import AttentionMetadata, ForwardBatch
-from engine.chunking import ChunkPlanner, default_profile_lengths, profile_prefill
-from engine.config import EngineConfig
-from engine.kv_pool import KVPool
-from engine.model import ModelStage
+from kvbridge.engine.batch import AttentionMetadata, ForwardBatch
+from kvbridge.engine.chunking import ChunkPlanner, default_profile_lengths, profile_prefill
+from kvbridge.engine.config import EngineConfig
+from kvbridge.engine.kv_pool import KVPool
+from kvbridge.engine.model import ModelStage
 
 
 def prefill_timer(stages: list[ModelStage], pools: list[KVPool]) -> Callable[[int], float]:

@@ -9,13 +9,13 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING
 
-from common.sampling import SamplingParams
-from engine.pages import PageTable
+from kvbridge.common.sampling import SamplingParams
+from kvbridge.engine.pages import PageTable
 
 if TYPE_CHECKING:
-    from common.text.detok import StopChecker
-    from engine.grammar import Matcher
-    from engine.logits import Controls
+    from kvbridge.common.text.detok import StopChecker
+    from kvbridge.engine.grammar import Matcher
+    from kvbridge.engine.logits import Controls
 
 
 class Phase(str, Enum):

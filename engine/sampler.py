@@ -20,8 +20,8 @@ import logging
 
 import torch
 
-from engine.logits import Logprob, held_back, logprobs_of, outputs_of, process
-from engine.request import Request
+from kvbridge.engine.logits import Logprob, held_back, logprobs_of, outputs_of, process
+from kvbridge.engine.request import Request
 
 __all__ = ["Sampler", "held_back", "sample", "token_generator"]
 log = logging.getLogger("kvbridge.sampler")
@@ -39,7 +39,7 @@ class Sampler:
     @property
     def grammars(self):
         if self._grammars is None:
-            from engine.grammar import GrammarCompiler
+            from kvbridge.engine.grammar import GrammarCompiler
 
             if self.tokenizer is None:
                 raise ValueError("structured output needs the model's tokenizer; this model has none")

@@ -35,13 +35,13 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
-from common import blocks
-from common.text.detok import StopChecker
-from common.text.tokenizer import Tokenizer
-from engine.batch import ForwardBatch
-from engine.config import EngineConfig
-from engine.pages import PageAllocator
-from engine.request import Phase, Request
+from kvbridge.common import blocks
+from kvbridge.common.text.detok import StopChecker
+from kvbridge.common.text.tokenizer import Tokenizer
+from kvbridge.engine.batch import ForwardBatch
+from kvbridge.engine.config import EngineConfig
+from kvbridge.engine.pages import PageAllocator
+from kvbridge.engine.request import Phase, Request
 
 
 class ChunkPolicy(Protocol):

@@ -29,10 +29,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from common.paths import cache_dir
-from common.progress import Progress
-from common.text.tokenizer import Tokenizer
-from engine.config import ModelConfig
+from kvbridge.common.paths import cache_dir
+from kvbridge.common.progress import Progress
+from kvbridge.common.text.tokenizer import Tokenizer
+from kvbridge.engine.config import ModelConfig
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 PRESETS = ("smollm2-135m-instruct", "tiny-random")

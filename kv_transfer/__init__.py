@@ -10,8 +10,9 @@ Operations, who calls them, and when (in request order):
 Decode rank (one KVReceiverEndpoint per rank process; ReceiverConfig):
   KVReceiverEndpoint(config, on_change=None)
       at start-up. Owns the rank's KVPool (`.pool`; in /dev/shm for CPU, IPC-exported for CUDA)
-      and serves the KVReceiver gRPC service. `.endpoint` (RankInfo) is what the node
-      publishes in its KVLayout (wire.rank_to_proto).
+      and serves the KVReceiver gRPC service; opens each backend's receiving half. `.endpoint`
+      (RankInfo, with each backend's endpoint) is what the node publishes in its KVLayout
+      (adapters.rank_to_proto).
   expect(room, rid, page_ids, sources, backend)
       once the room's pages are preallocated, BEFORE registering with the prefill node:
       its destination pages here, the prefill ranks (wire.sources_of(prefill_layout)) and
@@ -58,23 +59,27 @@ Prefill rank (one Sender per backend per rank process; make_sender(name, pool, r
 KVPoll (poll.py): BOOTSTRAPPING -> WAITING_FOR_INPUT -> TRANSFERRING -> SUCCESS, or FAILED
 from any non-terminal state; moving backwards or out of a terminal state raises.
 
-Backends (backends/): shm, cuda_ipc, torch, grpc; chosen once, by name, in factory.make_sender.
-Every backend's TransferDone and FirstToken notices go over gRPC to the decode rank's
-KVReceiver, which checks every page id, layer and byte count it is told about.
+Backends (backends/): shm, cuda_ipc, torch, grpc, each one module with both halves
+(backends/base.py: a Sender subclass, a Receiving, a check of a peer's endpoint) registered in
+factory.REGISTRY, whose order is auto's preference. Every backend's TransferDone and
+FirstToken notices go over gRPC to the decode rank's KVReceiver, which checks every page id, layer
+and byte count it is told about.
 """
 
-from kv_transfer.backends.shm import remove_segments_of, remove_stale_segments
-from kv_transfer.factory import BACKENDS, CHOICES, choose_backend, make_sender
-from kv_transfer.layers import overlap, overlaps
-from kv_transfer.layout import NodeLayout, PageGeometry, RankInfo, incompatibility, local_host_id
-from kv_transfer.poll import IllegalTransition, KVPoll, PollState, StatusChange
-from kv_transfer.receiver import KVReceiverEndpoint, ReceiverConfig
-from kv_transfer.rooms import Source
-from kv_transfer.sender import Sender, SenderConfig
+from kvbridge.kv_transfer.backends.shm import remove_segments_of, remove_stale_segments
+from kvbridge.kv_transfer.factory import BACKENDS, CHOICES, REGISTRY, choose_backend, make_sender
+from kvbridge.kv_transfer.layers import overlap, overlaps
+from kvbridge.kv_transfer.layout import Endpoint, NodeLayout, PageGeometry, RankInfo, incompatibility, local_host_id
+from kvbridge.kv_transfer.poll import IllegalTransition, KVPoll, PollState, StatusChange
+from kvbridge.kv_transfer.receiver import KVReceiverEndpoint, ReceiverConfig
+from kvbridge.kv_transfer.rooms import Source
+from kvbridge.kv_transfer.sender import Sender, SenderConfig
 
 __all__ = [
     "BACKENDS",
     "CHOICES",
+    "REGISTRY",
+    "Endpoint",
     "IllegalTransition",
     "KVPoll",
     "KVReceiverEndpoint",

@@ -2,38 +2,40 @@
 checked conversion of a peer's layout (`layout_from_proto`). (Inside a node, the dataclasses
 travel as themselves: pipeline/codec.py.)
 
-RankEndpoint has no field for a CUDA IPC handle: a rank whose pool is on a GPU puts
-"cuda-ipc:" + the handle in hex in shm_name (the field for "the rank's shared pool").
+A rank's backend endpoints travel in RankEndpoint.endpoints, by backend name, as each backend's
+own bytes; each registered backend checks its own (backends/base.py Backend.check), and one this
+node does not know is dropped.
 """
 
 from __future__ import annotations
 
-from common.rpc import shown
-from kv_transfer.layout import DTYPES, NodeLayout, PageGeometry, RankInfo
-from kv_transfer.rooms import Source
+from kvbridge.common.rpc import shown
+from kvbridge.kv_transfer.factory import REGISTRY
+from kvbridge.kv_transfer.layout import DTYPES, Endpoint, NodeLayout, PageGeometry, RankInfo
+from kvbridge.kv_transfer.rooms import Source
 from kvbridge.v1 import prefill_pb2
-
-CUDA_IPC_PREFIX = "cuda-ipc:"
 
 
 def rank_to_proto(info: RankInfo) -> prefill_pb2.RankEndpoint:
-    shm = CUDA_IPC_PREFIX + info.cuda_ipc_handle.hex() if info.cuda_ipc_handle else info.shm_name
     return prefill_pb2.RankEndpoint(
         rank=info.rank,
         layer_start=info.layer_start,
         layer_end=info.layer_end,
         receiver_addr=info.receiver_addr,
-        shm_name=shm,
-        torch_addr=info.torch_addr,
-        torch_key=info.torch_key,
+        endpoints={e.backend: e.data for e in info.endpoints},
     )
 
 
 def rank_from_proto(m: prefill_pb2.RankEndpoint) -> RankInfo:
-    shm, handle = m.shm_name, b""
-    if shm.startswith(CUDA_IPC_PREFIX):
-        shm, handle = "", bytes.fromhex(shm[len(CUDA_IPC_PREFIX) :])
-    return RankInfo(m.rank, m.layer_start, m.layer_end, m.receiver_addr, shm, m.torch_addr, handle, m.torch_key)
+    """A peer's rank, its endpoints checked by their backends (ValueError); unknown backends dropped."""
+    endpoints = []
+    for name in sorted(m.endpoints):
+        if name in REGISTRY:
+            problem = REGISTRY[name].check(m.endpoints[name])
+            if problem:
+                raise ValueError(f"layout rank {m.rank}: its {name} endpoint is unusable: {problem}")
+            endpoints.append(Endpoint(name, m.endpoints[name]))
+    return RankInfo(m.rank, m.layer_start, m.layer_end, m.receiver_addr, tuple(endpoints))
 
 
 def layout_to_proto(layout: NodeLayout) -> prefill_pb2.KVLayout:
@@ -71,13 +73,6 @@ def layout_from_proto(msg: prefill_pb2.KVLayout) -> NodeLayout:
         raise ValueError(f"layout num_kv_heads {msg.num_kv_heads} and head_dim {msg.head_dim} must be > 0")
     if msg.dtype not in DTYPES:
         raise ValueError(f"layout dtype must be one of {', '.join(DTYPES)}, got {shown(msg.dtype)}")
-    for r in msg.ranks:
-        shm = r.shm_name
-        if shm.startswith(CUDA_IPC_PREFIX):
-            try:
-                bytes.fromhex(shm[len(CUDA_IPC_PREFIX) :])
-            except ValueError:
-                raise ValueError(f"layout rank {r.rank}: shm_name {shown(shm)} holds no hex CUDA IPC handle") from None
     return NodeLayout(
         geometry=PageGeometry(msg.page_size, msg.num_kv_heads, msg.head_dim, msg.dtype),
         num_layers=msg.num_layers,

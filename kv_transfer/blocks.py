@@ -13,8 +13,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from engine import kernels
-from kv_transfer.layers import LayerRange, local_slice, page_runs
+from kvbridge.engine import kernels
+from kvbridge.kv_transfer.layers import LayerRange, local_slice, page_runs
 
 RUN_BYTES = 64 << 10  # a run copy this large pays for its Python call; smaller runs go by index ops
 STREAM_BYTES = 256 << 10  # a CPU run copy this large goes by streaming stores

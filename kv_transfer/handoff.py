@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kv_transfer.layout import NodeLayout
-from kv_transfer.rooms import Source
+from kvbridge.kv_transfer.layout import NodeLayout
+from kvbridge.kv_transfer.rooms import Source
 
 
 @dataclass(frozen=True)

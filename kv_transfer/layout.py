@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from kv_transfer.layers import LayerRange
+from kvbridge.kv_transfer.layers import LayerRange
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -75,21 +75,32 @@ class PageGeometry:
 
 
 @dataclass(frozen=True)
+class Endpoint:
+    """What one backend's receiving half on a decode rank published: how a sender reaches it
+    through that backend (backends/base.py). The data is the backend's own: a segment name, an
+    address and key, an IPC handle; b"" where the rank's KVReceiver address is all it takes."""
+
+    backend: str
+    data: bytes = b""
+
+
+@dataclass(frozen=True)
 class RankInfo:
     """One rank's share of the layers and where to reach it (proto RankEndpoint)."""
 
     rank: int  # index of the rank in its node, 0 = the node's front
     layer_start: int  # the rank owns model layers [layer_start, layer_end)
     layer_end: int
-    receiver_addr: str = ""  # host:port of the rank's KVReceiver gRPC service (decode ranks)
-    shm_name: str = ""  # the rank's pool segment in /dev/shm ("" when not shared)
-    torch_addr: str = ""  # host:port of the rank's TCPStore for torch pairs ("" when none)
-    cuda_ipc_handle: bytes = b""  # the rank's pool as a CUDA IPC handle (backends/cuda_ipc.py); b"" when none
-    torch_key: str = ""  # the secret prefix of every key of its TCPStore that a torch pair uses (hex)
+    receiver_addr: str = ""  # host:port of the rank's KVReceiver gRPC service (decode ranks): every notice goes there
+    endpoints: tuple[Endpoint, ...] = ()  # one per backend whose receiving half the rank opened, by name
 
     @property
     def layers(self) -> LayerRange:
         return (self.layer_start, self.layer_end)
+
+    def endpoint(self, backend: str) -> bytes | None:
+        """The data `backend` published on this rank; None when the rank did not open it."""
+        return next((e.data for e in self.endpoints if e.backend == backend), None)
 
 
 @dataclass(frozen=True)
@@ -127,7 +138,7 @@ def incompatibility(prefill: NodeLayout, decode: NodeLayout) -> str:
 
 def node_layout(config, model, ranks: tuple[RankInfo, ...], backends: tuple[str, ...]) -> NodeLayout:
     """A node's layout from its EngineConfig and LoadedModel (engine/), its ranks and the backends it drives."""
-    from engine.llm import resolve_device, resolve_dtype
+    from kvbridge.engine.llm import resolve_device, resolve_dtype
 
     mc = model.config
     dtype = dtype_name(resolve_dtype(config.dtype, resolve_device(config.device)))

@@ -1,9 +1,8 @@
-"""The decode rank's side: its KV pool, laid out so every backend can reach it, and its KVReceiver.
-
-CPU pools live in a shared-memory segment (shm backend); CUDA pools export an IPC handle
-(cuda_ipc backend); the torch backend dials the rank's TCPStore; the grpc backend and every
-TransferDone / FirstToken notice go to its KVReceiver gRPC service (grpc.aio, on an event loop
-thread of its own; kv_transfer/service.py bounds its streams).
+"""The decode rank's side: its KV pool, the receiving half of each backend it opens
+(backends/base.py Receiving: a shared segment for shm, an IPC handle for cuda_ipc, a TCPStore for
+torch), and its KVReceiver gRPC service, where the grpc backend's pages and every TransferDone /
+FirstToken notice arrive (grpc.aio, on an event loop thread of its own; kv_transfer/service.py
+bounds its streams).
 """
 
 from __future__ import annotations
@@ -14,17 +13,16 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from common.rpc import KV_MESSAGE_BYTES, AioServer
-from engine.kv_pool import KVPool
-from kv_transfer.backends import cuda_ipc
-from kv_transfer.backends.shm import Segment
-from kv_transfer.backends.torch_p2p import TorchReceiverPort
-from kv_transfer.blocks import scatter
-from kv_transfer.layers import local_slice, page_runs
-from kv_transfer.layout import PageGeometry, RankInfo, dtype_from_name
-from kv_transfer.poll import KVPoll, StatusBoard, StatusChange
-from kv_transfer.rooms import RoomTable, Source
-from kv_transfer.service import STREAM_IDLE_S, KVReceiverServicer
+from kvbridge.common.rpc import KV_MESSAGE_BYTES, AioServer
+from kvbridge.engine.kv_pool import KVPool
+from kvbridge.kv_transfer.backends.base import Receiving
+from kvbridge.kv_transfer.blocks import scatter
+from kvbridge.kv_transfer.factory import FALLBACK, REGISTRY, backend, drivable
+from kvbridge.kv_transfer.layers import local_slice, page_runs
+from kvbridge.kv_transfer.layout import Endpoint, PageGeometry, RankInfo, dtype_from_name
+from kvbridge.kv_transfer.poll import KVPoll, StatusBoard, StatusChange
+from kvbridge.kv_transfer.rooms import RoomTable, Source
+from kvbridge.kv_transfer.service import STREAM_IDLE_S, KVReceiverServicer
 from kvbridge.v1 import kv_transfer_pb2_grpc
 
 SERVICE_NAME = "kvbridge.v1.KVReceiver"
@@ -40,10 +38,10 @@ class ReceiverConfig:
     num_kv_heads: int
     head_dim: int
     dtype: str = "float32"  # "float32" | "float16" | "bfloat16"
-    device: str = "cpu"  # "cpu": the pool lives in /dev/shm; "cuda[:i]": on the GPU, exported by IPC handle
+    device: str = "cpu"  # where the pool lives: "cpu" or "cuda[:i]"
     host: str = "127.0.0.1"  # where the gRPC service and the torch store listen (port 0: any free port)
-    shared_memory: bool = True  # CPU only: put the pool in a /dev/shm segment (the shm backend needs it)
-    torch_store: bool = True  # host a TCPStore so prefill ranks can open torch pairs
+    backends: tuple[str, ...] | None = None  # whose receiving halves to open (the fallback, grpc, always: its data
+    #                                          path is the KVReceiver); None: every one that moves pools on `device`
     awaits_first_token: bool = False  # rank 0: SUCCESS also needs the FirstToken notice
     max_chunk_bytes: int = 64 << 20  # largest torch message accepted (bounds the staging buffer)
     torch_timeout_s: float = 120.0  # torch pair receive timeout (senders ping well within it)
@@ -57,6 +55,15 @@ class ReceiverConfig:
     def geometry(self) -> PageGeometry:
         return PageGeometry(self.page_size, self.num_kv_heads, self.head_dim, self.dtype)
 
+    @property
+    def opened(self) -> tuple[str, ...]:
+        """The backends whose receiving halves this rank opens."""
+        names = drivable(self.device) if self.backends is None else self.backends
+        for name in names:
+            if not backend(name).moves(self.device):
+                raise ValueError(f"the {name} backend does not move pools on {self.device}")
+        return tuple(dict.fromkeys((*names, FALLBACK)))
+
 
 class KVReceiverEndpoint:
     """One decode rank's pool and KVReceiver service. Use as a context manager, or close()."""
@@ -64,11 +71,11 @@ class KVReceiverEndpoint:
     def __init__(self, config: ReceiverConfig, on_change: Callable[[StatusChange], None] | None = None):
         self.config = config
         self.board = StatusBoard(on_change)
-        self._segment: Segment | None = None
+        self._halves: dict[str, Receiving] = {}
         self._server: AioServer | None = None
-        self._torch: TorchReceiverPort | None = None
         try:
-            self.pool, ipc_handle = self._make_pool()
+            self._halves = {name: backend(name).receiving(config) for name in config.opened}
+            self.pool = self._make_pool()
             g = config.geometry
             self.rooms = RoomTable(
                 config.rank, config.layers, config.num_pages, config.page_size,
@@ -83,11 +90,7 @@ class KVReceiverEndpoint:
                 name=f"kv-receiver-{config.rank}",
                 max_message_bytes=KV_MESSAGE_BYTES,
             )
-            if config.torch_store:
-                self._torch = TorchReceiverPort(
-                    config.host, self.rooms, self.pool.buffer, config.layers, g.layer_block_bytes,
-                    config.max_chunk_bytes, config.torch_timeout_s,
-                )  # fmt: skip
+            endpoints = tuple(Endpoint(name, half.start(self.pool, self.rooms)) for name, half in self._halves.items())
         except BaseException:
             self.close()
             raise
@@ -96,24 +99,18 @@ class KVReceiverEndpoint:
             layer_start=config.layer_start,
             layer_end=config.layer_end,
             receiver_addr=f"{config.host}:{self._server.port}",
-            shm_name=self._segment.name if self._segment else "",
-            torch_addr=self._torch.addr if self._torch else "",
-            torch_key=self._torch.key if self._torch else "",
-            cuda_ipc_handle=ipc_handle,
+            endpoints=endpoints,
         )  # what the daemon publishes in its KVLayout (kv_transfer.adapters.rank_to_proto)
 
-    def _make_pool(self) -> tuple[KVPool, bytes]:
+    def _make_pool(self) -> KVPool:
+        """The pool, in the memory a backend asks for (shm: a shared segment), else where the engine puts it."""
         c = self.config
         shape, dtype = c.geometry.pool_shape(c.num_pages, c.layers), dtype_from_name(c.dtype)
-        buffer, handle = None, b""
-        if torch.device(c.device).type == "cuda":
-            buffer = torch.zeros(shape, dtype=dtype, device=c.device)
-            handle = cuda_ipc.export_pool(buffer)
-        elif c.shared_memory:
-            self._segment = Segment(c.geometry.pool_bytes(c.num_pages, c.layers), tag=f"r{c.rank}")
-            buffer = self._segment.tensor(shape, dtype)
-        pool = KVPool(c.num_pages, c.layers, c.page_size, c.num_kv_heads, c.head_dim, dtype, c.device, buffer=buffer)
-        return pool, handle
+        buffer = None
+        for half in self._halves.values():
+            if buffer is None:
+                buffer = half.buffer(shape, dtype)
+        return KVPool(c.num_pages, c.layers, c.page_size, c.num_kv_heads, c.head_dim, dtype, c.device, buffer=buffer)
 
     # ---- the daemon ----
 
@@ -130,7 +127,11 @@ class KVReceiverEndpoint:
         """Before registering `room` with the prefill node: its destination pages here, the prefill
         ranks (with their layer ranges; non-overlapping ones are ignored), the chosen backend and the
         room's write key (what the prefill node gets in the registration)."""
-        self.rooms.expect(room, rid, page_ids, sources, backend, secret, held_pages)
+        if backend not in self._halves:
+            raise ValueError(
+                f"room {room}: backend {backend!r} is not open on this rank (open: {', '.join(self._halves)})"
+            )
+        self.rooms.expect(room, rid, page_ids, sources, REGISTRY[backend].direct, secret, held_pages)
 
     def forget(self, room: int) -> None:
         """Done with the room (terminal, or aborted): waits for copies into its pages in flight."""
@@ -158,18 +159,15 @@ class KVReceiverEndpoint:
         return self.board.pop_changes()
 
     def close(self) -> None:
-        """Stop serving and unlink the pool's segment (idempotent). Drop your own views of
-        `pool` first: the memory goes with its last view, the segment's name goes now."""
-        if self._torch is not None:
-            self._torch.close()
-            self._torch = None
+        """Stop serving, close every backend's half and unlink the pool's segment (idempotent). Drop
+        your own views of `pool` first: the memory goes with its last view, the segment's name goes now."""
         if self._server is not None:
             self._server.stop(grace_s=1.0)
             self._server = None
         self.pool = None
-        if self._segment is not None:
-            self._segment.close()
-            self._segment = None
+        halves, self._halves = self._halves, {}
+        for half in halves.values():
+            half.close()
 
     def __enter__(self):
         return self

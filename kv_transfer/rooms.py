@@ -15,11 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kv_transfer.layers import LayerRange, overlap
-from kv_transfer.poll import KVPoll, StatusBoard
-
-DATA_PATH_BACKENDS = frozenset({"grpc", "torch"})  # bytes arrive through this rank: counted here
-DIRECT_BACKENDS = frozenset({"shm", "cuda_ipc"})  # the prefill rank writes into the pool: notices count
+from kvbridge.kv_transfer.layers import LayerRange, overlap
+from kvbridge.kv_transfer.poll import KVPoll, StatusBoard
 
 
 class TransferError(Exception):
@@ -78,7 +75,7 @@ class SourceProgress:
 class Room:
     room: int  # pairing key
     rid: str  # request id, for messages
-    backend: str  # the backend the decode node chose
+    direct: bool  # the backend writes into the pool itself (shm, cuda_ipc): its notices count the bytes
     page_ids: tuple[int, ...]  # destination pages, in prompt order (after the held ones)
     position: dict[int, int]  # page id -> index in page_ids
     sources: dict[int, SourceProgress]  # prefill rank -> progress
@@ -138,7 +135,7 @@ class RoomTable:
         rid: str,
         page_ids: Sequence[int],
         sources: Sequence[Source],
-        backend: str,
+        direct: bool,
         secret: bytes,
         held_pages: int = 0,
     ) -> None:
@@ -149,8 +146,6 @@ class RoomTable:
             raise ValueError(f"room {room}: no pages ({len(page_ids)} to write, {held_pages} held)")
         if len(secret) != 16:
             raise ValueError(f"room {room}: a write key has 16 bytes, got {len(secret)}")
-        if backend not in DATA_PATH_BACKENDS | DIRECT_BACKENDS:
-            raise ValueError(f"unknown backend {backend!r}")
         bad = [p for p in page_ids if not 0 <= p < self.num_pages]
         if bad:
             raise ValueError(f"room {room}: page id {bad[0]} out of range [0, {self.num_pages})")
@@ -167,7 +162,7 @@ class RoomTable:
         with self._locked():
             self.board.add(room, rid, KVPoll.WAITING_FOR_INPUT)
             position = {p: i for i, p in enumerate(ids)}
-            self._rooms[room] = Room(room, rid, backend, ids, position, progress, secret, held_pages=held_pages)
+            self._rooms[room] = Room(room, rid, direct, ids, position, progress, secret, held_pages=held_pages)
 
     def forget(self, room: int, timeout_s: float = 30.0) -> None:
         """Drop a room, once no copy into its pages is in flight (its pages may then be reused)."""
@@ -349,7 +344,7 @@ class RoomTable:
     def _accounting(self, r: Room, src: int, s: SourceProgress, need: int) -> tuple[str, bool]:
         """(problem, still waiting) for one source whose notice arrived."""
         n, block = s.notice, (s.hi - s.lo) * self.layer_block_bytes
-        if r.backend in DIRECT_BACKENDS and s.bytes_landed == 0:
+        if r.direct and s.bytes_landed == 0:
             if n.bytes < need * block or n.bytes % self.layer_block_bytes:
                 return f"prefill rank {src} reports {n.bytes} bytes; {need} pages need {need * block}", False
             return "", False

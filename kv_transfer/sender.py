@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
-from common.rpc import KV_MESSAGE_BYTES, make_channel
-from engine.kv_pool import KVPool
-from kv_transfer.layers import overlap
-from kv_transfer.layout import NodeLayout, PageGeometry, RankInfo
-from kv_transfer.poll import IllegalTransition, KVPoll, StatusBoard, StatusChange
+from kvbridge.common.rpc import KV_MESSAGE_BYTES, make_channel
+from kvbridge.engine.kv_pool import KVPool
+from kvbridge.kv_transfer.layers import overlap
+from kvbridge.kv_transfer.layout import NodeLayout, PageGeometry, RankInfo
+from kvbridge.kv_transfer.poll import IllegalTransition, KVPoll, StatusBoard, StatusChange
 from kvbridge.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 
 log = logging.getLogger(__name__)

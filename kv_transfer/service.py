@@ -28,9 +28,9 @@ from dataclasses import dataclass
 
 import grpc
 
-from common.rpc import peer_host
-from common.rpc_parse import rejected
-from kv_transfer.rooms import Notice, TransferError
+from kvbridge.common.rpc import peer_host
+from kvbridge.common.rpc_parse import rejected
+from kvbridge.kv_transfer.rooms import Notice, TransferError
 from kvbridge.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 
 STREAM_IDLE_S = 10.0  # default of ReceiverConfig.stream_idle_s (a sender's chunks come milliseconds apart)

@@ -20,7 +20,7 @@ import math
 import sys
 from typing import TYPE_CHECKING
 
-from common.security import add_tls_flags
+from kvbridge.common.security import add_tls_flags
 from kvbridge.v1 import admin_pb2  # grpc itself is imported when a command runs: `kvbridge --help` stays fast
 
 if TYPE_CHECKING:
@@ -236,7 +236,7 @@ def run_admin(args: argparse.Namespace) -> int:
     """Parse the values, make the call(s), print the result. Exit status 0, 1 (gRPC error) or 2 (bad value)."""
     import grpc
 
-    from common import rpc, security
+    from kvbridge.common import rpc, security
     from kvbridge.v1 import admin_pb2_grpc
 
     try:

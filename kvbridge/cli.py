@@ -6,10 +6,10 @@ import argparse
 import json
 import sys
 
-from common.flags import add_config_flags, from_flags
-from common.sampling import SamplingParams
-from common.security import add_tls_flags
-from engine.config import EngineConfig, PPConfig
+from kvbridge.common.flags import add_config_flags, from_flags
+from kvbridge.common.sampling import SamplingParams
+from kvbridge.common.security import add_tls_flags
+from kvbridge.engine.config import EngineConfig, PPConfig
 
 
 class UsageError(Exception):
@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--quiet", action="store_true", help="no progress output")
 
     from kvbridge.nodes import COMMANDS
-    from serving.config import NodeConfig
+    from kvbridge.serving.config import NodeConfig
 
     for command, spec in COMMANDS.items():
         role = spec.name
@@ -74,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from kvbridge.admin_cli import add_admin_parser
     from kvbridge.demo import add_demo_parser
-    from router.cli import add_router_parser
+    from kvbridge.router.cli import add_router_parser
 
     add_router_parser(sub)
     add_demo_parser(sub)
@@ -87,8 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from engine.llm import LLM, completion  # deferred: torch import is slow and `--help` should not pay for it
-    from pipeline.group import RankGroup
+    from kvbridge.engine.llm import LLM, completion  # deferred: torch import is slow and `--help` should not pay for it
+    from kvbridge.pipeline.group import RankGroup
 
     if not (args.prompt or args.chat or args.prompt_ids):
         raise UsageError("give at least one of --prompt, --chat, --prompt-ids")
@@ -174,7 +174,7 @@ def stop_on_signal():
 def cmd_node(args: argparse.Namespace) -> int:
     """`kvbridge serve|prefill|decode`: a node with its gRPC server, until SIGINT or SIGTERM.
     The server is bound first (health NOT_SERVING, Admin answering) and serves once the ranks are up."""
-    from common import logs, rpc, security
+    from kvbridge.common import logs, rpc, security
 
     try:  # before any server or channel exists; the ranks get it from the node
         rpc.configure(security.from_flags(args))
@@ -187,7 +187,7 @@ def cmd_node(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise UsageError(str(e)) from None
     from kvbridge.nodes import COMMANDS, bind_node, load_node
-    from serving.config import NodeConfig
+    from kvbridge.serving.config import NodeConfig
 
     role, progress = COMMANDS[args.command].name, not args.quiet
     try:

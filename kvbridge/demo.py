@@ -13,9 +13,9 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from common.progress import Progress
-from common.security import add_tls_flags
-from engine.config import EngineConfig, PPConfig
+from kvbridge.common.progress import Progress
+from kvbridge.common.security import add_tls_flags
+from kvbridge.engine.config import EngineConfig, PPConfig
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -44,7 +44,7 @@ def add_demo_parser(sub) -> None:
 
 
 def ask(port: int, question: str, max_new_tokens: int) -> dict:
-    from common import rpc
+    from kvbridge.common import rpc
     from kvbridge.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
     stub = generation_pb2_grpc.GenerationStub(rpc.make_channel(f"127.0.0.1:{port}"))
@@ -69,9 +69,9 @@ def start_fleet(config: EngineConfig, prefill_pp: int, decode_pp: int, backend: 
     """A prefill node, a decode node and a router over them, on free ports (started in that order;
     the caller stops them in reverse). metrics: each serves /metrics on a free port too."""
     from kvbridge.nodes import start_node
-    from router.config import RouterConfig
-    from router.server import start_router
-    from serving.config import NodeConfig
+    from kvbridge.router.config import RouterConfig
+    from kvbridge.router.server import start_router
+    from kvbridge.serving.config import NodeConfig
 
     port = 0 if metrics else -1
     with ThreadPoolExecutor(2) as pool:
@@ -102,7 +102,7 @@ def run_traffic(port: int, requests: int, max_new_tokens: int, progress: bool = 
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    from common import logs, rpc, security
+    from kvbridge.common import logs, rpc, security
 
     try:  # every server and channel of the demo's processes, their ranks included
         rpc.configure(security.from_flags(args))

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
-from serving.config import NodeConfig
+from kvbridge.serving.config import NodeConfig
 
 
 @dataclass(frozen=True)
@@ -31,23 +31,23 @@ class RoleSpec:
 
 
 def _colocated() -> tuple:
-    from serving.colocated import ColocatedNode, ColocatedServer
+    from kvbridge.serving.colocated import ColocatedNode, ColocatedServer
 
     return ColocatedServer, ColocatedNode, ("auto",)  # it moves no KV
 
 
 def _prefill() -> tuple:
-    from kv_transfer.factory import CHOICES
-    from prefill_node.node import PrefillNode
-    from prefill_node.service import PrefillServer
+    from kvbridge.kv_transfer.factory import CHOICES
+    from kvbridge.prefill_node.node import PrefillNode
+    from kvbridge.prefill_node.service import PrefillServer
 
     return PrefillServer, PrefillNode, CHOICES  # (PrefillNode refuses one its pools' device cannot drive)
 
 
 def _decode() -> tuple:
-    from decode_node.node import DecodeNode
-    from decode_node.service import DecodeServer
-    from kv_transfer.factory import CHOICES
+    from kvbridge.decode_node.node import DecodeNode
+    from kvbridge.decode_node.service import DecodeServer
+    from kvbridge.kv_transfer.factory import CHOICES
 
     return DecodeServer, DecodeNode, CHOICES
 

@@ -6,8 +6,8 @@ chunk wrote (prefill_node/), decode ranks prepare to receive them (decode_node/)
 
 from __future__ import annotations
 
-from engine.batch import ForwardBatch
-from pipeline.log import LogEntry
+from kvbridge.engine.batch import ForwardBatch
+from kvbridge.pipeline.log import LogEntry
 
 
 class KVAgent:

@@ -29,10 +29,10 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from consensus import LocalStatus, RankState, RingDriver, Ruling, Stream, make_role
-from engine import faults
-from pipeline.dist import Sends
-from pipeline.metrics import RankRecorder
+from kvbridge.consensus import LocalStatus, RankState, RingDriver, Ruling, Stream, make_role
+from kvbridge.engine import faults
+from kvbridge.pipeline.dist import Sends
+from kvbridge.pipeline.metrics import RankRecorder
 
 log = logging.getLogger("kvbridge.consensus")
 

@@ -13,7 +13,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from common.net import gloo_backend, listening_store, local_address
+from kvbridge.common.net import gloo_backend, listening_store, local_address
 
 
 @dataclass(frozen=True)

@@ -27,24 +27,24 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.multiprocessing as mp
 
-from common import logs, rpc
-from common.metrics import RankFiles, init_rank_metrics
-from common.progress import Progress
-from common.sampling import SamplingParams
-from common.security import Security
-from engine import faults
-from engine.config import EngineConfig, PPConfig
-from engine.kv_pool import KVPool
-from engine.llm import Completion, resolve_device, resolve_dtype
-from engine.model import ModelStage, stage_ranges
-from engine.pages import PageAllocator
-from engine.prefix_cache import PrefixCache
-from engine.scheduler import Scheduler
-from engine.weights import LoadedModel, load_model
-from pipeline import cores
-from pipeline import dist as pp_dist
-from pipeline.messages import Abort, Add, CacheEvents, Finish, Pairing, Shutdown, Token
-from pipeline.metrics import RankRecorder
+from kvbridge.common import logs, rpc
+from kvbridge.common.metrics import RankFiles, init_rank_metrics
+from kvbridge.common.progress import Progress
+from kvbridge.common.sampling import SamplingParams
+from kvbridge.common.security import Security
+from kvbridge.engine import faults
+from kvbridge.engine.config import EngineConfig, PPConfig
+from kvbridge.engine.kv_pool import KVPool
+from kvbridge.engine.llm import Completion, resolve_device, resolve_dtype
+from kvbridge.engine.model import ModelStage, stage_ranges
+from kvbridge.engine.pages import PageAllocator
+from kvbridge.engine.prefix_cache import PrefixCache
+from kvbridge.engine.scheduler import Scheduler
+from kvbridge.engine.weights import LoadedModel, load_model
+from kvbridge.pipeline import cores
+from kvbridge.pipeline import dist as pp_dist
+from kvbridge.pipeline.messages import Abort, Add, CacheEvents, Finish, Pairing, Shutdown, Token
+from kvbridge.pipeline.metrics import RankRecorder
 
 
 @dataclass(frozen=True)
@@ -306,8 +306,8 @@ class RankContext:
     def control_channel(self):
         """This rank's consensus channel (pipeline/control.py). A failed channel: rank 0's loop wakes
         and its role's next take_decisions raises; any other rank ends at once."""
-        from pipeline.control import ControlChannel, GlooTransport, end_rank
-        from pipeline.messages import Wake
+        from kvbridge.pipeline.control import ControlChannel, GlooTransport, end_rank
+        from kvbridge.pipeline.messages import Wake
 
         pp, lead = self.pp, self.rank == 0
         transport = GlooTransport(self.control_group, self.rank, pp.pp_size) if pp.pp_size > 1 else None
@@ -322,7 +322,7 @@ class RankContext:
         options: Scheduler's (hold_finished, evict)."""
         policy = None
         if self.pp.enable_dynamic_chunking:
-            from engine.profile import plan_chunks, prefill_timer
+            from kvbridge.engine.profile import plan_chunks, prefill_timer
 
             policy = plan_chunks(self.config, prefill_timer([self.stage], [pool]), self.max_context, progress=False)
         mc = self.model.config
@@ -342,8 +342,8 @@ class RankSetup:
 
 
 def colocated_rank(ctx: RankContext) -> RankSetup:
-    from pipeline.rank0 import Rank0Loop
-    from pipeline.stage import StageLoop
+    from kvbridge.pipeline.rank0 import Rank0Loop
+    from kvbridge.pipeline.stage import StageLoop
 
     pool = ctx.stage.new_kv_pool(ctx.config.total_pages, ctx.config.page_size)
     link = pp_dist.Link(ctx.data_group)

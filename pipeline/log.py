@@ -12,10 +12,10 @@ import json
 from collections import deque
 from dataclasses import asdict, dataclass
 
-from common.sampling import SamplingParams
-from engine.batch import ForwardBatch
-from kv_transfer.handoff import Destination, Registration
-from pipeline import codec
+from kvbridge.common.sampling import SamplingParams
+from kvbridge.engine.batch import ForwardBatch
+from kvbridge.kv_transfer.handoff import Destination, Registration
+from kvbridge.pipeline import codec
 
 ADMIT, ROUTE, FINISH, ABORT = "admit", "route", "finish", "abort"
 RETRACT, RESUME = "retract", "resume"  # decode: a request's KV to host memory and back (info: Pages)

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.sampling import SamplingParams
-from engine.logits import Logprob
-from kv_transfer.handoff import Registration
-from kv_transfer.rooms import Source
+from kvbridge.common.sampling import SamplingParams
+from kvbridge.engine.logits import Logprob
+from kvbridge.kv_transfer.handoff import Registration
+from kvbridge.kv_transfer.rooms import Source
 
 # ---------------------------------------------------------------- front -> rank 0
 

@@ -22,23 +22,23 @@ from dataclasses import replace
 
 import torch
 
-from common.limits import room_tag
-from common.logs import log_event
-from common.sampling import SamplingParams
-from engine import faults
-from engine.batch import AttentionMetadata
-from engine.kv_pool import KVPool
-from engine.logits import logprob_width, prompt_logprobs, prompt_spans, split_logits, unpack_logprobs
-from engine.model import ModelStage
-from engine.pages import PageTable
-from engine.request import Phase, Request
-from engine.sampler import Sampler
-from engine.scheduler import ScheduledStep, Scheduler
-from kv_transfer.handoff import Destination
-from pipeline import cores
-from pipeline.agent import KVAgent
-from pipeline.dist import Link
-from pipeline.log import (
+from kvbridge.common.limits import room_tag
+from kvbridge.common.logs import log_event
+from kvbridge.common.sampling import SamplingParams
+from kvbridge.engine import faults
+from kvbridge.engine.batch import AttentionMetadata
+from kvbridge.engine.kv_pool import KVPool
+from kvbridge.engine.logits import logprob_width, prompt_logprobs, prompt_spans, split_logits, unpack_logprobs
+from kvbridge.engine.model import ModelStage
+from kvbridge.engine.pages import PageTable
+from kvbridge.engine.request import Phase, Request
+from kvbridge.engine.sampler import Sampler
+from kvbridge.engine.scheduler import ScheduledStep, Scheduler
+from kvbridge.kv_transfer.handoff import Destination
+from kvbridge.pipeline import cores
+from kvbridge.pipeline.agent import KVAgent
+from kvbridge.pipeline.dist import Link
+from kvbridge.pipeline.log import (
     ABORT,
     ADMIT,
     CONTROL,
@@ -53,7 +53,7 @@ from pipeline.log import (
     PipelineLog,
     Record,
 )
-from pipeline.messages import (
+from kvbridge.pipeline.messages import (
     Abort,
     Add,
     Answer,
@@ -66,8 +66,8 @@ from pipeline.messages import (
     Token,
     Wake,
 )
-from pipeline.metrics import RankRecorder
-from pipeline.roles import ColocatedRole, Role
+from kvbridge.pipeline.metrics import RankRecorder
+from kvbridge.pipeline.roles import ColocatedRole, Role
 
 log = logging.getLogger("kvbridge.node")
 

@@ -25,11 +25,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
 
-from engine.request import Phase, Request
+from kvbridge.engine.request import Phase, Request
 
 if TYPE_CHECKING:
-    from pipeline.messages import Add
-    from pipeline.rank0 import Rank0Loop
+    from kvbridge.pipeline.messages import Add
+    from kvbridge.pipeline.rank0 import Rank0Loop
 
 
 class Role(Protocol):

@@ -10,17 +10,17 @@ from __future__ import annotations
 
 import torch
 
-from engine import faults
-from engine.batch import AttentionMetadata, ForwardBatch
-from engine.kv_pool import KVPool
-from engine.logits import logprob_width, pack_logprobs, prompt_logprobs, prompt_spans, split_logits
-from engine.model import ModelStage
-from engine.request import Request
-from engine.sampler import Sampler
-from pipeline import cores
-from pipeline.agent import KVAgent
-from pipeline.dist import Link
-from pipeline.log import ADMIT, APPEND, ENDS, REUSE, SHUTDOWN, STEP, LogEntry, Message, PipelineLog
+from kvbridge.engine import faults
+from kvbridge.engine.batch import AttentionMetadata, ForwardBatch
+from kvbridge.engine.kv_pool import KVPool
+from kvbridge.engine.logits import logprob_width, pack_logprobs, prompt_logprobs, prompt_spans, split_logits
+from kvbridge.engine.model import ModelStage
+from kvbridge.engine.request import Request
+from kvbridge.engine.sampler import Sampler
+from kvbridge.pipeline import cores
+from kvbridge.pipeline.agent import KVAgent
+from kvbridge.pipeline.dist import Link
+from kvbridge.pipeline.log import ADMIT, APPEND, ENDS, REUSE, SHUTDOWN, STEP, LogEntry, Message, PipelineLog
 
 
 class StageLoop:

@@ -19,19 +19,19 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from common.limits import room_tag
-from common.logs import log_event
-from consensus import LocalStatus, Stream
-from engine import faults
-from engine.batch import ForwardBatch
-from engine.faults import INJECTED
-from engine.kv_pool import KVPool
-from engine.logits import logprob_to_proto
-from kv_transfer import KVPoll, StatusChange, make_sender
-from pipeline.agent import KVAgent
-from pipeline.control import ControlChannel
-from pipeline.log import ABORT, FINISH, REUSE, ROUTE, LogEntry
-from pipeline.metrics import RankRecorder
+from kvbridge.common.limits import room_tag
+from kvbridge.common.logs import log_event
+from kvbridge.consensus import LocalStatus, Stream
+from kvbridge.engine import faults
+from kvbridge.engine.batch import ForwardBatch
+from kvbridge.engine.faults import INJECTED
+from kvbridge.engine.kv_pool import KVPool
+from kvbridge.engine.logits import logprob_to_proto
+from kvbridge.kv_transfer import KVPoll, StatusChange, make_sender
+from kvbridge.pipeline.agent import KVAgent
+from kvbridge.pipeline.control import ControlChannel
+from kvbridge.pipeline.log import ABORT, FINISH, REUSE, ROUTE, LogEntry
+from kvbridge.pipeline.metrics import RankRecorder
 
 log = logging.getLogger("kvbridge.transfer")
 

@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-from engine.llm import resolve_device
-from engine.model import stage_ranges
-from kv_transfer.factory import drivable
-from kv_transfer.layout import RankInfo, node_layout
-from pipeline import dist as pp_dist
-from pipeline.group import RankContext, RankGroup, RankSetup
-from pipeline.rank0 import Rank0Loop
-from pipeline.stage import StageLoop
-from prefill_node.agent import PrefillAgent
-from prefill_node.role import PrefillRole
-from serving.config import NodeConfig
-from serving.front import NodeFront
+from kvbridge.engine.llm import resolve_device
+from kvbridge.engine.model import stage_ranges
+from kvbridge.kv_transfer.factory import drivable
+from kvbridge.kv_transfer.layout import RankInfo, node_layout
+from kvbridge.pipeline import dist as pp_dist
+from kvbridge.pipeline.group import RankContext, RankGroup, RankSetup
+from kvbridge.pipeline.rank0 import Rank0Loop
+from kvbridge.pipeline.stage import StageLoop
+from kvbridge.prefill_node.agent import PrefillAgent
+from kvbridge.prefill_node.role import PrefillRole
+from kvbridge.serving.config import NodeConfig
+from kvbridge.serving.front import NodeFront
 
 
 def prefill_rank(ctx: RankContext) -> RankSetup:

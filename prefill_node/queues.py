@@ -9,11 +9,11 @@ inflight. Both queues hold requests whose pages the scheduler keeps (`hold_finis
 
 from __future__ import annotations
 
-from consensus import Ruling, Verdict
-from consensus import Stream as S
-from engine.request import Phase, Request
-from kv_transfer.handoff import Registration
-from pipeline.roles import PhaseQueue
+from kvbridge.consensus import Ruling, Verdict
+from kvbridge.consensus import Stream as S
+from kvbridge.engine.request import Phase, Request
+from kvbridge.kv_transfer.handoff import Registration
+from kvbridge.pipeline.roles import PhaseQueue
 
 
 class BootstrapQueue(PhaseQueue):

@@ -14,16 +14,16 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
-from consensus import Stream as S
-from consensus import Verdict
-from engine.request import Handoff, Phase, Request
-from kv_transfer.handoff import Registration
-from pipeline.control import ControlChannel
-from pipeline.log import ABORT, FINISH, ROUTE
-from pipeline.messages import Add, Answer, Register
-from pipeline.rank0 import Rank0Loop
-from pipeline.roles import Deadlines, live_rulings
-from prefill_node.queues import BootstrapQueue, InflightQueue, Registrations
+from kvbridge.consensus import Stream as S
+from kvbridge.consensus import Verdict
+from kvbridge.engine.request import Handoff, Phase, Request
+from kvbridge.kv_transfer.handoff import Registration
+from kvbridge.pipeline.control import ControlChannel
+from kvbridge.pipeline.log import ABORT, FINISH, ROUTE
+from kvbridge.pipeline.messages import Add, Answer, Register
+from kvbridge.pipeline.rank0 import Rank0Loop
+from kvbridge.pipeline.roles import Deadlines, live_rulings
+from kvbridge.prefill_node.queues import BootstrapQueue, InflightQueue, Registrations
 
 
 class PrefillRole:

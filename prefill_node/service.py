@@ -5,17 +5,17 @@ from __future__ import annotations
 
 import grpc
 
-from common import rpc, sampling
-from common.rpc import peer_host, shown
-from common.security import message_proof, message_proof_ok
-from kv_transfer import adapters as kv_wire
-from kv_transfer.handoff import Registration
-from kv_transfer.layout import incompatibility
+from kvbridge.common import rpc, sampling
+from kvbridge.common.rpc import peer_host, shown
+from kvbridge.common.security import message_proof, message_proof_ok
+from kvbridge.kv_transfer import adapters as kv_wire
+from kvbridge.kv_transfer.handoff import Registration
+from kvbridge.kv_transfer.layout import incompatibility
+from kvbridge.pipeline.messages import Pairing
+from kvbridge.prefill_node.node import PrefillNode
+from kvbridge.serving.front import Overloaded
+from kvbridge.serving.server import NodeServer
 from kvbridge.v1 import prefill_pb2, prefill_pb2_grpc
-from pipeline.messages import Pairing
-from prefill_node.node import PrefillNode
-from serving.front import Overloaded
-from serving.server import NodeServer
 
 SERVICES = ("kvbridge.v1.Prefill", "kvbridge.v1.Bootstrap", "kvbridge.v1.Admin", "kvbridge.v1.KVEvents")
 NONCE_BYTES = (16, 64)  # a GetLayout nonce's length, [min, max]

@@ -18,12 +18,12 @@ import grpc
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from common.heap import release_freed_heap
+from kvbridge.common.heap import release_freed_heap
+from kvbridge.router.failures import RouteError
+from kvbridge.router.openai_api import error_body
+from kvbridge.router.reply import Reply
+from kvbridge.router.routed import CLIENT_CANCELLED, Routed
 from kvbridge.v1 import generation_pb2
-from router.failures import RouteError
-from router.openai_api import error_body
-from router.reply import Reply
-from router.routed import CLIENT_CANCELLED, Routed
 
 SEND_BYTES = 1 << 20  # a whole answer goes out in writes of about this many bytes
 

@@ -7,10 +7,10 @@ costs no upstream call. Each check raises ValueError naming the field and the ba
 
 from __future__ import annotations
 
-from common import sampling
-from common.blocks import salt_problem
-from common.limits import MAX_CLIENT_RID_CHARS, prompt_size_problem, rid_problem
-from common.text.prompts import CHAT_ROLES
+from kvbridge.common import sampling
+from kvbridge.common.blocks import salt_problem
+from kvbridge.common.limits import MAX_CLIENT_RID_CHARS, prompt_size_problem, rid_problem
+from kvbridge.common.text.prompts import CHAT_ROLES
 from kvbridge.v1 import generation_pb2
 
 
@@ -46,7 +46,7 @@ def check_prompt(req: generation_pb2.GenerateRequest) -> None:
 def check_sampling(req: generation_pb2.GenerateRequest) -> None:
     params = sampling.from_proto(req.sampling)  # the nodes' own rules (common/sampling.py)
     if params.json_schema:  # as the HTTP API checks response_format: no node sees a schema it would refuse
-        from common.text.schema import schema_problem  # (deferred: llguidance loads on the first schema)
+        from kvbridge.common.text.schema import schema_problem  # (deferred: llguidance loads on the first schema)
 
         if problem := schema_problem(params.json_schema):
             raise ValueError(f"sampling.structured.json_schema: {problem}")

@@ -8,9 +8,9 @@ import sys
 import threading
 from dataclasses import fields
 
-from common.logs import LEVELS
-from common.security import add_tls_flags
-from router.config import RouterConfig
+from kvbridge.common.logs import LEVELS
+from kvbridge.common.security import add_tls_flags
+from kvbridge.router.config import RouterConfig
 
 GIL_SWITCH_S = 0.001  # sys.setswitchinterval of a router process (see run_router)
 
@@ -66,9 +66,9 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
 
 def run_router(args: argparse.Namespace) -> int:
     """Serve until SIGINT or SIGTERM. Bad flag values: one line on stderr, exit status 2."""
-    from common import heap, rpc, security
-    from common.logs import setup as setup_logs
-    from router.server import start_router
+    from kvbridge.common import heap, rpc, security
+    from kvbridge.common.logs import setup as setup_logs
+    from kvbridge.router.server import start_router
 
     heap.map_large_blocks()  # (a body of a few MiB goes back to the system when it is freed)
     # the event loop's thread waits at most this long for the GIL while the parser or tokenizer

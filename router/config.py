@@ -6,11 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import combinations
 
-from common.flags import setting
-from common.limits import parse_address
-from common.security import CLIENT_CERT_REQS
-from router.discovery import parse_target
-from router.policy import POLICIES, Policy
+from kvbridge.common.flags import setting
+from kvbridge.common.limits import parse_address
+from kvbridge.common.security import CLIENT_CERT_REQS
+from kvbridge.router.discovery import parse_target
+from kvbridge.router.policy import POLICIES, Policy
 
 
 @dataclass(frozen=True)

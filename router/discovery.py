@@ -17,8 +17,8 @@ import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from common.limits import parse_address
-from common.logs import log_event
+from kvbridge.common.limits import parse_address
+from kvbridge.common.logs import log_event
 
 log = logging.getLogger("kvbridge.router")
 ROLES = ("colocated", "prefill", "decode")

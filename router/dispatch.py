@@ -16,13 +16,13 @@ from collections.abc import Collection, Coroutine
 
 import grpc
 
+from kvbridge.router.config import RouterConfig
+from kvbridge.router.failures import RouteError
+from kvbridge.router.metrics import Recorder
+from kvbridge.router.pool import Node, NodePool
+from kvbridge.router.prompts import Prompts
+from kvbridge.router.routed import DRAINING, Routed
 from kvbridge.v1 import generation_pb2
-from router.config import RouterConfig
-from router.failures import RouteError
-from router.metrics import Recorder
-from router.pool import Node, NodePool
-from router.prompts import Prompts
-from router.routed import DRAINING, Routed
 
 CLOSE_WAIT_S = 5.0  # aclose() waits this long at most for the prefill calls still settling
 

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 if TYPE_CHECKING:
-    from router.pool import Node
+    from kvbridge.router.pool import Node
 
 RETRIED_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED)
 # after a token reached the client: a broken stream (gRPC reports a transport's end as UNKNOWN or INTERNAL) too

@@ -57,20 +57,21 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import STATUS_PHRASES, H11Protocol
 
-from common import __version__, rpc
-from common.heap import release_freed_heap
-from common.limits import prompt_size_problem
-from common.security import check_bearer
+from kvbridge import __version__
+from kvbridge.common import rpc
+from kvbridge.common.heap import release_freed_heap
+from kvbridge.common.limits import prompt_size_problem
+from kvbridge.common.security import check_bearer
+from kvbridge.router.answer import Fanout, HTTPAnswer
+from kvbridge.router.answer import error as _error
+from kvbridge.router.answer import json_response as _json
+from kvbridge.router.config import RouterConfig
+from kvbridge.router.dispatch import Dispatcher
+from kvbridge.router.openai_api import BadRequest, OpenAIRequest, error_body, json_body, parse_request
+from kvbridge.router.reply import Reply
+from kvbridge.router.routed import DRAINING
+from kvbridge.router.tokenize import Refused, detokenize, echo_texts, tokenize, version
 from kvbridge.v1 import generation_pb2
-from router.answer import Fanout, HTTPAnswer
-from router.answer import error as _error
-from router.answer import json_response as _json
-from router.config import RouterConfig
-from router.dispatch import Dispatcher
-from router.openai_api import BadRequest, OpenAIRequest, error_body, json_body, parse_request
-from router.reply import Reply
-from router.routed import DRAINING
-from router.tokenize import Refused, detokenize, echo_texts, tokenize, version
 
 MAX_HEADER_BYTES = 64 << 10  # request line and headers (h11's limit on an incomplete event)
 RETRY_AFTER_S = 1  # what a 503 for the concurrency limit tells the client to wait

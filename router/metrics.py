@@ -34,8 +34,8 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from common.metrics import OUTCOMES, RouterMetrics
-from router.pool import NodePool
+from kvbridge.common.metrics import OUTCOMES, RouterMetrics
+from kvbridge.router.pool import NodePool
 
 RETRY_REASONS = ("unavailable", "resource_exhausted", "deadline_exceeded")  # the retried status codes, lowercased
 TIMEOUTS = ("first_token", "idle_stream")

@@ -30,12 +30,11 @@ from dataclasses import dataclass
 
 import grpc
 
-from common.limits import MAX_CHAT_MESSAGES, prompt_bytes_limit, text_size_problem
-from common.sampling import MAX_CHOICES
-from common.text.prompts import CHAT_ROLES as WIRE_ROLES
-from kvbridge.v1 import common_pb2, generation_pb2
-from router.checks import check_cache_salt, check_prompt
-from router.openai_fields import (
+from kvbridge.common.limits import MAX_CHAT_MESSAGES, prompt_bytes_limit, text_size_problem
+from kvbridge.common.sampling import MAX_CHOICES
+from kvbridge.common.text.prompts import CHAT_ROLES as WIRE_ROLES
+from kvbridge.router.checks import check_cache_salt, check_prompt
+from kvbridge.router.openai_fields import (
     TEMPERATURE,
     BadRequest,
     chat_options,
@@ -45,7 +44,8 @@ from router.openai_fields import (
     sampling_controls,
     show,
 )
-from router.openai_fields import utf8_text as _text
+from kvbridge.router.openai_fields import utf8_text as _text
+from kvbridge.v1 import common_pb2, generation_pb2
 
 __all__ = ["BadRequest", "OpenAIRequest", "error_body", "parse_request"]
 _show = show  # (router/tokenize.py's name for it)

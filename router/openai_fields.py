@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import json
 
-from common import sampling as rules
-from common.sampling import MAX_SCHEMA_CHARS, MAX_TOP_LOGPROBS
-from common.text.prompts import MAX_TEMPLATE_KWARGS_BYTES as MAX_TEMPLATE_KWARGS_CHARS  # (sent as ASCII JSON)
+from kvbridge.common import sampling as rules
+from kvbridge.common.sampling import MAX_SCHEMA_CHARS, MAX_TOP_LOGPROBS
+from kvbridge.common.text.prompts import MAX_TEMPLATE_KWARGS_BYTES as MAX_TEMPLATE_KWARGS_CHARS  # (sent as ASCII JSON)
 from kvbridge.v1 import common_pb2
 
 UINT32_MAX = (1 << 32) - 1
@@ -157,7 +157,7 @@ def response_format(body: dict) -> common_pb2.StructuredOutput | None:
     text = json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
     if len(text) > MAX_SCHEMA_CHARS:
         raise BadRequest(f"response_format's schema is {len(text)} characters; at most {MAX_SCHEMA_CHARS}")
-    from common.text.schema import schema_problem
+    from kvbridge.common.text.schema import schema_problem
 
     if problem := schema_problem(text):
         raise BadRequest(f"response_format.json_schema.schema: {problem}", "response_format")

@@ -40,15 +40,15 @@ from typing import TYPE_CHECKING
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from common import rpc
-from common.limits import normalized_address
-from common.rpc import shown
+from kvbridge.common import rpc
+from kvbridge.common.limits import normalized_address
+from kvbridge.common.rpc import shown
+from kvbridge.router.kv_index import BlockIndex, batch_from_proto
+from kvbridge.router.policy import Policy
 from kvbridge.v1 import generation_pb2, generation_pb2_grpc, kv_events_pb2, kv_events_pb2_grpc
-from router.kv_index import BlockIndex, batch_from_proto
-from router.policy import Policy
 
 if TYPE_CHECKING:
-    from router.prompts import PromptBlocks
+    from kvbridge.router.prompts import PromptBlocks
 
 
 class PoolFull(ValueError):

@@ -25,13 +25,13 @@ from dataclasses import dataclass
 
 import grpc
 
-from common.blocks import block_hashes
-from common.limits import prompt_size_problem
-from common.logs import log_event
-from common.text.prompts import in_worker, tokenized
-from common.text.tokenizer import Tokenizer
+from kvbridge.common.blocks import block_hashes
+from kvbridge.common.limits import prompt_size_problem
+from kvbridge.common.logs import log_event
+from kvbridge.common.text.prompts import in_worker, tokenized
+from kvbridge.common.text.tokenizer import Tokenizer
+from kvbridge.router.pool import Node, NodePool
 from kvbridge.v1 import generation_pb2, kv_events_pb2, kv_events_pb2_grpc
-from router.pool import Node, NodePool
 
 TOKENIZER_DEADLINE_S = 5.0  # one GetTokenizer call
 TOKENIZER_WAIT_S = 3.0  # a request waits this long at most for a fetch (which goes on without it)

@@ -23,11 +23,11 @@ from dataclasses import dataclass
 
 import grpc
 
+from kvbridge.router.config import RouterConfig
+from kvbridge.router.failures import RouteError
+from kvbridge.router.openai_api import OpenAIRequest
+from kvbridge.router.openai_fields import chat_logprobs, completion_logprobs, prompt_logprobs
 from kvbridge.v1 import generation_pb2
-from router.config import RouterConfig
-from router.failures import RouteError
-from router.openai_api import OpenAIRequest
-from router.openai_fields import chat_logprobs, completion_logprobs, prompt_logprobs
 
 JOIN_EVERY = 32  # pieces of a kept answer's list or text joined into one string at a time
 CHAT_LOGPROBS = ("content",)  # the lists of a chat choice's logprobs object

@@ -59,18 +59,18 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from common import rpc
-from common.limits import room_tag
-from common.logs import log_event
-from common.metrics import outcome_of
-from common.security import message_proof
+from kvbridge.common import rpc
+from kvbridge.common.limits import room_tag
+from kvbridge.common.logs import log_event
+from kvbridge.common.metrics import outcome_of
+from kvbridge.common.security import message_proof
+from kvbridge.router.failures import MIGRATED_CODES, RETRIED_CODES, Interrupted, Migrate, Retry, RouteError, TimedOut
+from kvbridge.router.pool import Node, Pick
+from kvbridge.router.prompts import PromptBlocks, PromptIds
 from kvbridge.v1 import common_pb2, generation_pb2, generation_pb2_grpc, prefill_pb2, prefill_pb2_grpc
-from router.failures import MIGRATED_CODES, RETRIED_CODES, Interrupted, Migrate, Retry, RouteError, TimedOut
-from router.pool import Node, Pick
-from router.prompts import PromptBlocks, PromptIds
 
 if TYPE_CHECKING:
-    from router.dispatch import Dispatcher
+    from kvbridge.router.dispatch import Dispatcher
 
 GENERATION_ROLES = ("colocated", "decode")
 PHASES = ("routing", "colocated", "prefill+decode")  # a Routed's phase: no node yet, then how it is served

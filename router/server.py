@@ -13,17 +13,17 @@ import asyncio
 
 from grpc_health.v1 import health_pb2
 
-from common import rpc
-from common.metrics import MetricsServer
-from common.security import Security
+from kvbridge.common import rpc
+from kvbridge.common.metrics import MetricsServer
+from kvbridge.common.security import Security
+from kvbridge.router.config import RouterConfig
+from kvbridge.router.discovery import Discovery, parse_target
+from kvbridge.router.dispatch import Dispatcher
+from kvbridge.router.http import HTTPFront
+from kvbridge.router.pool import NodePool
+from kvbridge.router.routed import ROUTER_STOPPING
+from kvbridge.router.service import SERVICES, AdminService, GenerationService
 from kvbridge.v1 import admin_pb2_grpc, generation_pb2_grpc
-from router.config import RouterConfig
-from router.discovery import Discovery, parse_target
-from router.dispatch import Dispatcher
-from router.http import HTTPFront
-from router.pool import NodePool
-from router.routed import ROUTER_STOPPING
-from router.service import SERVICES, AdminService, GenerationService
 
 STOP_SLACK_S = 1.0  # gRPC calls still open this long after the grace period (and the cancels) are cut
 

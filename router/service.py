@@ -14,16 +14,17 @@ from dataclasses import asdict
 
 import grpc
 
-from common import __version__, rpc, security
-from common.limits import listed_room, room_tag
-from common.logs import log_event
+from kvbridge import __version__
+from kvbridge.common import rpc, security
+from kvbridge.common.limits import listed_room, room_tag
+from kvbridge.common.logs import log_event
+from kvbridge.router.checks import check_generate
+from kvbridge.router.config import RouterConfig
+from kvbridge.router.dispatch import Dispatcher
+from kvbridge.router.failures import RouteError
+from kvbridge.router.pool import Node, PoolFull
+from kvbridge.router.routed import OPERATOR_ABORTED, PHASES, Routed
 from kvbridge.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
-from router.checks import check_generate
-from router.config import RouterConfig
-from router.dispatch import Dispatcher
-from router.failures import RouteError
-from router.pool import Node, PoolFull
-from router.routed import OPERATOR_ABORTED, PHASES, Routed
 
 SERVICES = ("kvbridge.v1.Generation", "kvbridge.v1.Admin")
 DEFAULT_PAGE = 100  # ListRequests page_size 0

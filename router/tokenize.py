@@ -8,7 +8,7 @@
                    -> {"count": n, "max_model_len": the model's context, "tokens": [ids],
                        "token_strs": null, or the ids' vocabulary entries}
     POST /detokenize  {"model"?, "tokens": [ids]} -> {"prompt": text}   (special tokens kept)
-    GET  /version     {"version": the package's version (common.__version__, = kvbridge.__version__)}
+    GET  /version     {"version": the package's version (kvbridge.__version__)}
 
 The ids are those a generation of the same prompt uses: the router tokenizes with the nodes' own
 tokenizer (router/prompts.py fetches it) and their own adapter (common/text/prompts.py prompt_ids), in a
@@ -24,15 +24,15 @@ from dataclasses import dataclass
 
 import grpc
 
-from common import __version__
-from common.limits import prompt_size_problem
-from common.text.prompts import encode, in_worker, prompt_ids
-from common.text.tokenizer import Tokenizer
+from kvbridge import __version__
+from kvbridge.common.limits import prompt_size_problem
+from kvbridge.common.text.prompts import encode, in_worker, prompt_ids
+from kvbridge.common.text.tokenizer import Tokenizer
+from kvbridge.router.openai_api import BadRequest, OpenAIRequest, _messages, _show, _text, error_body
+from kvbridge.router.openai_fields import chat_options
+from kvbridge.router.pool import NodePool
+from kvbridge.router.prompts import Prompts
 from kvbridge.v1 import common_pb2, generation_pb2
-from router.openai_api import BadRequest, OpenAIRequest, _messages, _show, _text, error_body
-from router.openai_fields import chat_options
-from router.pool import NodePool
-from router.prompts import Prompts
 
 # The chat-only fields whose error a ValueError of prompt_ids names, in the order they are looked for.
 _CHAT_FIELDS = ("chat_template_kwargs", "continue_final_message", "add_generation_prompt")

@@ -20,7 +20,7 @@ PEERS=${PEERS:-$HOME/.cache/kvbridge-peers}
 OUT=${OUT:-bench-peers.jsonl}
 CORES=$(nproc)
 KV=.venv/bin/kvbridge
-GGUF=$(.venv/bin/python -c "from engine.weights import smollm2_path; print(smollm2_path())")
+GGUF=$(.venv/bin/python -c "from kvbridge.engine.weights import smollm2_path; print(smollm2_path())")
 mkdir -p "$PEERS" "$PEERS/aiperf-runs"
 
 install() {

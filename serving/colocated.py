@@ -12,12 +12,12 @@ import uuid
 
 import grpc
 
-from common import sampling
+from kvbridge.common import sampling
+from kvbridge.pipeline.group import RankGroup
+from kvbridge.serving.config import NodeConfig
+from kvbridge.serving.front import NodeFront, Overloaded
+from kvbridge.serving.server import NodeServer
 from kvbridge.v1 import generation_pb2, generation_pb2_grpc
-from pipeline.group import RankGroup
-from serving.config import NodeConfig
-from serving.front import NodeFront, Overloaded
-from serving.server import NodeServer
 
 SERVICES = ("kvbridge.v1.Generation", "kvbridge.v1.Admin", "kvbridge.v1.KVEvents")
 

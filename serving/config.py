@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from common.flags import setting
-from engine.config import EngineConfig, PPConfig
+from kvbridge.common.flags import setting
+from kvbridge.engine.config import EngineConfig, PPConfig
 
 
 @dataclass(frozen=True)

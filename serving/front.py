@@ -24,20 +24,20 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
-from common import blocks
-from common.limits import rid_problem
-from common.metrics import outcome_of
-from common.rpc import EventLoop, shown
-from common.sampling import SamplingParams
-from common.text.detok import TextStream
-from common.text.prompts import tokenized
-from engine.logits import Logprob, logprob_to_proto
-from kv_transfer.handoff import Registration
+from kvbridge.common import blocks
+from kvbridge.common.limits import rid_problem
+from kvbridge.common.metrics import outcome_of
+from kvbridge.common.rpc import EventLoop, shown
+from kvbridge.common.sampling import SamplingParams
+from kvbridge.common.text.detok import TextStream
+from kvbridge.common.text.prompts import tokenized
+from kvbridge.engine.logits import Logprob, logprob_to_proto
+from kvbridge.kv_transfer.handoff import Registration
+from kvbridge.pipeline.group import RankGroup
+from kvbridge.pipeline.messages import Answer, Ask, CacheEvents, Finish, Pairing, PromptLogprobs, Register, Token
+from kvbridge.serving.kv_events import KVEventHub
+from kvbridge.serving.metrics import NodeRecorder
 from kvbridge.v1 import common_pb2, generation_pb2
-from pipeline.group import RankGroup
-from pipeline.messages import Answer, Ask, CacheEvents, Finish, Pairing, PromptLogprobs, Register, Token
-from serving.kv_events import KVEventHub
-from serving.metrics import NodeRecorder
 
 MAX_BATCH = 4096  # events handed to the loop in one call, at most
 
@@ -244,7 +244,7 @@ class NodeFront:
         if params.bad_words:
             params = params.with_bad_words_ids(lambda text: self.tokenizer.encode(text, add_special_tokens=False))
         if params.json_schema:
-            from common.text.schema import schema_problem
+            from kvbridge.common.text.schema import schema_problem
 
             if problem := schema_problem(params.json_schema):
                 raise ValueError(f"sampling.structured.json_schema: {problem}")

@@ -21,10 +21,10 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from common.rpc import peer_host
-from engine.prefix_cache import CLEARED, REMOVED, STORED
+from kvbridge.common.rpc import peer_host
+from kvbridge.engine.prefix_cache import CLEARED, REMOVED, STORED
+from kvbridge.pipeline.messages import CacheEvents
 from kvbridge.v1 import kv_events_pb2, kv_events_pb2_grpc
-from pipeline.messages import CacheEvents
 
 MAX_LAG = 256  # batches queued for one watcher before it is resynced with a snapshot instead
 MAX_WATCHERS = 64  # streams open at once; one more is refused (RESOURCE_EXHAUSTED)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry
 
-from common.metrics import NodeMetrics
+from kvbridge.common.metrics import NodeMetrics
 
 
 class NodeRecorder:

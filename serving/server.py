@@ -30,14 +30,15 @@ from dataclasses import asdict
 import grpc
 from grpc_health.v1 import health_pb2
 
-from common import __version__, rpc
-from common.limits import listed_room
-from common.logs import log_event
-from common.metrics import MetricsServer, StatusCollector
-from kv_transfer import remove_segments_of
+from kvbridge import __version__
+from kvbridge.common import rpc
+from kvbridge.common.limits import listed_room
+from kvbridge.common.logs import log_event
+from kvbridge.common.metrics import MetricsServer, StatusCollector
+from kvbridge.kv_transfer import remove_segments_of
+from kvbridge.serving.kv_events import KVEventsService
+from kvbridge.serving.metrics import NodeRecorder
 from kvbridge.v1 import admin_pb2, admin_pb2_grpc, kv_events_pb2_grpc
-from serving.kv_events import KVEventsService
-from serving.metrics import NodeRecorder
 
 WATCH_S = 0.25  # how often rank liveness is checked
 CHECK_IDLE_S = 5.0  # how often an idle node checks its invariants

@@ -14,9 +14,9 @@ import time
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.llm import LLM
-from engine.weights import load_model, tiny_random
+from kvbridge.engine.config import EngineConfig
+from kvbridge.engine.llm import LLM
+from kvbridge.engine.weights import load_model, tiny_random
 
 
 @pytest.fixture(scope="session")
@@ -35,7 +35,7 @@ def hf_default():
     transformers = pytest.importorskip("transformers")
     import torch
 
-    from engine.weights import smollm2_path
+    from kvbridge.engine.weights import smollm2_path
 
     path = smollm2_path()
     return transformers.AutoModelForCausalLM.from_pretrained(
@@ -56,9 +56,9 @@ def make_prompts(n: int, vocab: int, seed: int = 0, min_len: int = 3, max_len: i
 @pytest.fixture(scope="module")
 def colocated_node():
     """A colocated node (pp 1) on tests/pd.py's TINY config, started once per module."""
-    from engine.config import PPConfig
+    from kvbridge.engine.config import PPConfig
     from kvbridge.nodes import start_node
-    from serving.config import NodeConfig
+    from kvbridge.serving.config import NodeConfig
     from tests.pd import TINY
 
     made = start_node("colocated", NodeConfig(TINY, PPConfig()))
@@ -120,7 +120,7 @@ def node_invariants():
     """After every test: each node still running is idle within 15 s and passes its invariant
     checks (serving/server.py NodeServer.check_invariants)."""
     yield
-    from serving.server import LIVE
+    from kvbridge.serving.server import LIVE
 
     for server in list(LIVE):
         if server.dead:

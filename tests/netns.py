@@ -270,7 +270,7 @@ def _generate(target: str, requests: list[dict]) -> list[dict]:
     import grpc
     from google.protobuf import json_format
 
-    from common import rpc
+    from kvbridge.common import rpc
     from kvbridge.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
     stub = generation_pb2_grpc.GenerationStub(rpc.make_channel(target))
@@ -304,7 +304,7 @@ def _generate(target: str, requests: list[dict]) -> list[dict]:
 
 @functools.cache
 def _admin(target: str):
-    from common import rpc
+    from kvbridge.common import rpc
     from kvbridge.v1 import admin_pb2_grpc
 
     return admin_pb2_grpc.AdminStub(rpc.make_channel(target))

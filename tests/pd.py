@@ -11,10 +11,11 @@ from urllib.request import urlopen
 import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from common import rpc
-from common.security import message_proof
-from engine.config import EngineConfig, PPConfig
+from kvbridge.common import rpc
+from kvbridge.common.security import message_proof
+from kvbridge.engine.config import EngineConfig, PPConfig
 from kvbridge.nodes import start_node
+from kvbridge.serving.config import NodeConfig
 from kvbridge.v1 import (
     admin_pb2,
     admin_pb2_grpc,
@@ -24,7 +25,6 @@ from kvbridge.v1 import (
     prefill_pb2,
     prefill_pb2_grpc,
 )
-from serving.config import NodeConfig
 
 TINY = EngineConfig(model="tiny-random", page_size=4, kv_cache_tokens=4096, chunked_prefill_size=16)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.sampling import (
+from kvbridge.common.sampling import (
     MAX_ALLOWED_TOKEN_IDS,
     MAX_BAD_WORD_CHARS,
     MAX_BAD_WORDS,

@@ -38,8 +38,8 @@ from __future__ import annotations
 
 import weakref
 
-from common.sampling import SamplingParams
-from common.text.tokenizer import Tokenizer
+from kvbridge.common.sampling import SamplingParams
+from kvbridge.common.text.tokenizer import Tokenizer
 
 REPLACEMENT = "\ufffd"  # what an incomplete (or invalid) UTF-8 sequence decodes to
 MAX_PENDING = 8  # tokens waiting for a character to complete before the window is cut by force

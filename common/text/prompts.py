@@ -17,10 +17,10 @@ import json
 import os
 from concurrent.futures import ThreadPoolExecutor
 
-from common.heap import release_freed_heap
-from common.limits import prompt_size_problem, rendered_size_problem
-from common.rpc import shown
-from common.text.tokenizer import TEMPLATE_VARIABLES, Tokenizer
+from kvbridge.common.heap import release_freed_heap
+from kvbridge.common.limits import prompt_size_problem, rendered_size_problem
+from kvbridge.common.rpc import shown
+from kvbridge.common.text.tokenizer import TEMPLATE_VARIABLES, Tokenizer
 from kvbridge.v1 import common_pb2
 
 CHAT_ROLES = ("system", "user", "assistant")  # a wire chat message's roles (OpenAI's developer: system)

@@ -20,8 +20,8 @@ import json
 
 import llguidance
 
-from common.sampling import MAX_SCHEMA_CHARS
-from common.text.schema_bounds import bounds_problem
+from kvbridge.common.sampling import MAX_SCHEMA_CHARS
+from kvbridge.common.text.schema_bounds import bounds_problem
 
 MAX_WHITESPACE = 20  # characters of one whitespace run between JSON tokens
 JSON_OPTIONS = {"whitespace_pattern": rf"[\x20\x0A\x0D\x09]{{0,{MAX_WHITESPACE}}}", "lenient": False}

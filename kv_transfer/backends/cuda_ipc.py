@@ -1,6 +1,6 @@
 """cuda_ipc: same host, GPU. The decode rank exports its pool's CUDA allocation as an IPC handle
 (UntypedStorage._share_cuda_, what torch.multiprocessing's reductions use); the handle travels
-as explicit bytes (no pickle) in its RankInfo; the prefill rank opens it
+as explicit bytes (no pickle) as the rank's cuda_ipc endpoint; the prefill rank opens it
 (UntypedStorage._new_shared_cuda) and copies its pages device to device straight into the pool.
 
 A process cannot open its own IPC handle, so the two sides must be different processes. Every
@@ -17,9 +17,10 @@ from collections.abc import Sequence
 
 import torch
 
-from kv_transfer.blocks import copy_pages
-from kv_transfer.layout import NodeLayout, RankInfo, dtype_from_name
-from kv_transfer.sender import Sender, SenderRoom, Target
+from kvbridge.kv_transfer.backends.base import Backend, Receiving
+from kvbridge.kv_transfer.blocks import copy_pages
+from kvbridge.kv_transfer.layout import NodeLayout, RankInfo, dtype_from_name
+from kvbridge.kv_transfer.sender import Sender, SenderRoom, Target
 
 _FIXED = struct.Struct("<iQQQq?")  # device, storage bytes, offset bytes, ref-counter offset, tensor offset, event sync
 
@@ -62,11 +63,28 @@ def import_pool(blob: bytes, shape: tuple[int, ...], dtype: torch.dtype) -> torc
     return torch._utils._rebuild_tensor(typed, tensor_offset, shape, torch.empty(shape, device="meta").stride())
 
 
+def check(data: bytes) -> str:
+    """Why a peer's cuda_ipc endpoint (an export_pool handle) is unusable ("" when fine)."""
+    try:
+        fixed, *_ = _unpack_bytes(data, 4)
+        _FIXED.unpack(fixed)
+    except (ValueError, struct.error) as e:
+        return f"not a CUDA IPC handle: {e}"
+    return ""
+
+
+class CudaIpcReceiving(Receiving):
+    """The pool stays where the engine allocates it, on the GPU; the endpoint is its IPC handle."""
+
+    def start(self, pool, rooms) -> bytes:
+        return export_pool(pool.buffer)
+
+
 class _IpcConn:
     def __init__(self, info: RankInfo, decode: NodeLayout):
         g = decode.geometry
         self.pool = import_pool(
-            info.cuda_ipc_handle, g.pool_shape(decode.num_pages, info.layers), dtype_from_name(g.dtype)
+            info.endpoint("cuda_ipc"), g.pool_shape(decode.num_pages, info.layers), dtype_from_name(g.dtype)
         )
         self.layers = info.layers  # the decode rank's [start, end)
 
@@ -75,12 +93,12 @@ class CudaIpcSender(Sender):
     name = "cuda_ipc"
 
     def _key(self, info: RankInfo) -> str:
-        return info.cuda_ipc_handle.hex()
+        return info.endpoint("cuda_ipc").hex()
 
     def _open(self, info: RankInfo, decode: NodeLayout) -> _IpcConn:
         if not torch.cuda.is_available():
             raise RuntimeError("the cuda_ipc backend needs CUDA")
-        if not info.cuda_ipc_handle:
+        if not info.endpoint("cuda_ipc"):
             raise ValueError(f"decode rank {info.rank} exports no CUDA IPC handle")
         if self.pool.buffer.device.type != "cuda":
             raise ValueError("the cuda_ipc backend moves CUDA pools; use shm for CPU pools")
@@ -96,3 +114,8 @@ class CudaIpcSender(Sender):
 
     def _close(self, conn: _IpcConn) -> None:
         conn.pool = None
+
+
+BACKEND = Backend(
+    "cuda_ipc", frozenset({"cuda"}), CudaIpcSender, CudaIpcReceiving, same_host=True, direct=True, check=check
+)

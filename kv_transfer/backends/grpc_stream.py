@@ -2,7 +2,8 @@
 KVReceiver, in PageChunks of at most SenderConfig.grpc_chunk_bytes; the receiver checks each
 chunk and copies it into its pool (kv_transfer/service.py). The chunks are gathered as they go,
 each well within the receiver's idle limit of the last (--kv-stream-idle-s). The slow,
-universal fallback."""
+universal fallback. Its receiving half is the KVReceiver service every decode rank runs for the
+notices anyway, so it opens nothing and publishes no data."""
 
 from __future__ import annotations
 
@@ -10,10 +11,11 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from kv_transfer.blocks import gather
-from kv_transfer.layers import plan_chunks
-from kv_transfer.layout import NodeLayout, RankInfo
-from kv_transfer.sender import Sender, SenderRoom, Target
+from kvbridge.kv_transfer.backends.base import Backend, Receiving
+from kvbridge.kv_transfer.blocks import gather
+from kvbridge.kv_transfer.layers import plan_chunks
+from kvbridge.kv_transfer.layout import NodeLayout, RankInfo
+from kvbridge.kv_transfer.sender import Sender, SenderRoom, Target
 from kvbridge.v1 import kv_transfer_pb2
 
 
@@ -45,3 +47,6 @@ class GrpcSender(Sender):
                 page_ids=dst[c.page_start : c.page_end],
                 data=tensor_bytes(block),
             )
+
+
+BACKEND = Backend("grpc", frozenset({"cpu", "cuda"}), GrpcSender, Receiving)

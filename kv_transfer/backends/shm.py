@@ -2,7 +2,8 @@
 (/dev/shm, mode 0600: only its owner's processes can map it); the prefill rank maps it by name
 and copies its pages straight into it: one copy, whole blocks where page ids run consecutively.
 
-Decode side: Segment (created, owned, unlinked at close). Prefill side: ShmSender.
+Decode side: ShmReceiving puts the pool in a Segment (created, owned, unlinked at close) and
+publishes its name. Prefill side: ShmSender maps it by that name.
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ from pathlib import Path
 
 import torch
 
-from kv_transfer.blocks import copy_pages
-from kv_transfer.layout import NodeLayout, RankInfo, dtype_from_name
-from kv_transfer.sender import Sender, SenderRoom, Target
+from kvbridge.kv_transfer.backends.base import Backend, Receiving
+from kvbridge.kv_transfer.blocks import copy_pages
+from kvbridge.kv_transfer.layout import NodeLayout, RankInfo, dtype_from_name
+from kvbridge.kv_transfer.sender import Sender, SenderRoom, Target
 
 SHM_DIR = Path("/dev/shm")
 NAME_PREFIX = "kvbridge-"
@@ -106,10 +108,33 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def check(data: bytes) -> str:
+    """Why a peer's shm endpoint (a segment name) is unusable ("" when fine)."""
+    return "" if _NAME.match(data.decode("ascii", "replace")) else f"not a kvbridge segment name: {data[:64]!r}"
+
+
+class ShmReceiving(Receiving):
+    """The decode rank's pool in a segment of its own; the endpoint is the segment's name."""
+
+    segment: Segment | None = None
+
+    def buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        self.segment = Segment(torch.Size(shape).numel() * dtype.itemsize, tag=f"r{self.config.rank}")
+        return self.segment.tensor(shape, dtype)
+
+    def start(self, pool, rooms) -> bytes:
+        return self.segment.name.encode()
+
+    def close(self) -> None:
+        if self.segment is not None:
+            self.segment.close()
+            self.segment = None
+
+
 class _ShmConn:
     def __init__(self, info: RankInfo, decode: NodeLayout):
         g = decode.geometry
-        raw = map_segment(info.shm_name, g.pool_bytes(decode.num_pages, info.layers))
+        raw = map_segment(info.endpoint("shm").decode(), g.pool_bytes(decode.num_pages, info.layers))
         self.pool = raw.view(dtype_from_name(g.dtype)).view(g.pool_shape(decode.num_pages, info.layers))
         self.layers = info.layers  # the decode rank's [start, end)
 
@@ -118,10 +143,10 @@ class ShmSender(Sender):
     name = "shm"
 
     def _key(self, info: RankInfo) -> str:
-        return info.shm_name
+        return info.endpoint("shm").decode()
 
     def _open(self, info: RankInfo, decode: NodeLayout) -> _ShmConn:
-        if not info.shm_name:
+        if not info.endpoint("shm"):
             raise ValueError(f"decode rank {info.rank} shares no pool segment")
         if self.pool.buffer.device.type != "cpu":
             raise ValueError("the shm backend moves CPU pools; use cuda_ipc for GPU pools")
@@ -133,3 +158,6 @@ class ShmSender(Sender):
 
     def _close(self, conn: _ShmConn) -> None:
         conn.pool = None  # unmapped with its last view
+
+
+BACKEND = Backend("shm", frozenset({"cpu"}), ShmSender, ShmReceiving, same_host=True, direct=True, check=check)

@@ -1,8 +1,8 @@
 """torch: across hosts. torch.distributed point-to-point over a pair group per (prefill rank,
 decode rank): the two live in different torch worlds, so no init_process_group. The decode
-rank hosts a TCPStore (its torch_addr) whose keys all sit under a random prefix (its
-torch_key: the store itself takes any writer, so only holders of the decode node's layout can
-pair); each prefill rank that connects takes a pair number n from it and both build a
+rank hosts a TCPStore whose keys all sit under a random prefix (the store itself takes any
+writer, so only holders of the decode node's layout can pair); the rank's torch endpoint is
+"host:port key" (TorchReceiving); each prefill rank that connects takes a pair number n from it and both build a
 ProcessGroupGloo of size 2 (decode = 0, prefill = 1) on PrefixStore("kvpair/{n}/gloo/"). With
 CUDA pools on both sides the page bytes go over a ProcessGroupNCCL on "kvpair/{n}/nccl/"
 instead; headers always go over gloo.
@@ -28,12 +28,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from common.net import gloo_options, listening_store, local_address
-from kv_transfer.blocks import gather, scatter
-from kv_transfer.layers import LayerRange, plan_chunks
-from kv_transfer.layout import NodeLayout, RankInfo
-from kv_transfer.rooms import RoomTable, TransferError
-from kv_transfer.sender import Sender, SenderRoom, Target
+from kvbridge.common.net import gloo_options, listening_store, local_address
+from kvbridge.kv_transfer.backends.base import Backend, Receiving
+from kvbridge.kv_transfer.blocks import gather, scatter
+from kvbridge.kv_transfer.layers import LayerRange, plan_chunks
+from kvbridge.kv_transfer.layout import NodeLayout, RankInfo
+from kvbridge.kv_transfer.rooms import RoomTable, TransferError
+from kvbridge.kv_transfer.sender import Sender, SenderRoom, Target
 
 log = logging.getLogger(__name__)
 
@@ -144,13 +145,14 @@ class TorchSender(Sender):
     name = "torch"
 
     def _key(self, info: RankInfo) -> str:
-        return info.torch_addr
+        return info.endpoint("torch").decode()
 
     def _open(self, info: RankInfo, decode: NodeLayout) -> PairClient:
-        if not info.torch_addr:
+        if not info.endpoint("torch"):
             raise ValueError(f"decode rank {info.rank} hosts no torch store")
+        addr, key = info.endpoint("torch").decode().split(" ")
         device, timeout_s = self.pool.buffer.device, self.config.torch_timeout_s
-        return PairClient(info.torch_addr, info.torch_key, self.rank, device, timeout_s)
+        return PairClient(addr, key, self.rank, device, timeout_s)
 
     def _write(self, pair: PairClient, r: SenderRoom, t: Target, src: Sequence[int], dst: Sequence[int]) -> int:
         total = 0
@@ -174,6 +176,35 @@ class TorchSender(Sender):
 
 
 # ---- decode side ----
+
+
+def check(data: bytes) -> str:
+    """Why a peer's torch endpoint ("host:port key") is unusable ("" when fine)."""
+    parts = data.decode("ascii", "replace").split(" ")
+    host, _, port = parts[0].rpartition(":")
+    if len(parts) != 2 or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        return f"not 'host:port key': {data[:64]!r}"
+    if len(parts[1]) != 32 or any(c not in "0123456789abcdef" for c in parts[1]):
+        return "its store key is not 32 hex digits"
+    return ""
+
+
+class TorchReceiving(Receiving):
+    """A TCPStore and a pair thread per prefill rank that connects (TorchReceiverPort)."""
+
+    port: TorchReceiverPort | None = None
+
+    def start(self, pool, rooms) -> bytes:
+        c = self.config
+        self.port = TorchReceiverPort(
+            c.host, rooms, pool.buffer, c.layers, c.geometry.layer_block_bytes, c.max_chunk_bytes, c.torch_timeout_s
+        )
+        return f"{self.port.addr} {self.port.key}".encode()
+
+    def close(self) -> None:
+        if self.port is not None:
+            self.port.close()
+            self.port = None
 
 
 class TorchReceiverPort:
@@ -298,3 +329,6 @@ class TorchReceiverPort:
         except Exception as e:
             error = f"landing torch pages: {type(e).__name__}: {e}"
         self._table.end_write(ticket, error)
+
+
+BACKEND = Backend("torch", frozenset({"cpu", "cuda"}), TorchSender, TorchReceiving, check=check)

@@ -31,12 +31,12 @@ from urllib.request import urlopen
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from common import rpc
-from common.progress import Progress
-from engine.config import EngineConfig, PPConfig
+from kvbridge.common import rpc
+from kvbridge.common.progress import Progress
+from kvbridge.engine.config import EngineConfig, PPConfig
 from kvbridge.nodes import start_node
+from kvbridge.serving.config import NodeConfig
 from kvbridge.v1 import admin_pb2, admin_pb2_grpc, common_pb2, generation_pb2, generation_pb2_grpc
-from serving.config import NodeConfig
 
 SEED = 1234
 

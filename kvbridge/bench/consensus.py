@@ -22,11 +22,11 @@ import statistics
 import sys
 from dataclasses import replace
 
-from common.progress import Progress
-from consensus.baseline import MicrobatchSimulation
-from consensus.scenario import Workload, make_plans
-from consensus.simulator import RingSimulation, Timing
-from consensus.types import STREAMS
+from kvbridge.common.progress import Progress
+from kvbridge.consensus.baseline import MicrobatchSimulation
+from kvbridge.consensus.scenario import Workload, make_plans
+from kvbridge.consensus.simulator import RingSimulation, Timing
+from kvbridge.consensus.types import STREAMS
 
 # Requests arrive over one second; each waits in one stream (a KV transfer, a preallocation),
 # which settles on each rank 5..100 ms after it arrived, independently of the protocol; a

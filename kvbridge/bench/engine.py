@@ -22,12 +22,12 @@ import time
 
 import torch
 
-from common.progress import Progress
-from common.sampling import SamplingParams
-from engine import kernels
-from engine.config import EngineConfig
-from engine.llm import LLM
-from engine.weights import load_model, smollm2_path
+from kvbridge.common.progress import Progress
+from kvbridge.common.sampling import SamplingParams
+from kvbridge.engine import kernels
+from kvbridge.engine.config import EngineConfig
+from kvbridge.engine.llm import LLM
+from kvbridge.engine.weights import load_model, smollm2_path
 
 PREFILL = [(1, 256), (1, 2048), (16, 128)]  # (batch, prompt tokens per request)
 DECODE_BATCHES, DECODE_PROMPT, DECODE_STEPS = (1, 16, 32), 64, 32

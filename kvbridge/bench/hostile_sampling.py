@@ -32,9 +32,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from common import logs, rpc
-from common.progress import Progress
-from common.sampling import (
+from kvbridge.common import logs, rpc
+from kvbridge.common.progress import Progress
+from kvbridge.common.sampling import (
     MAX_ALLOWED_TOKEN_IDS,
     MAX_BAD_WORD_CHARS,
     MAX_BAD_WORDS,
@@ -44,10 +44,10 @@ from common.sampling import (
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
 )
-from engine.config import EngineConfig, PPConfig
+from kvbridge.engine.config import EngineConfig, PPConfig
 from kvbridge.nodes import start_node
+from kvbridge.serving.config import NodeConfig
 from kvbridge.v1 import common_pb2, generation_pb2, generation_pb2_grpc
-from serving.config import NodeConfig
 
 SEED = 1234
 KINDS = ("quiet", "plain", "hostile")

@@ -17,7 +17,6 @@ One JSON object per line; progress on stderr.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 import sys
@@ -28,8 +27,8 @@ from dataclasses import dataclass
 import torch
 import torch.multiprocessing as mp
 
-from engine.kv_pool import KVPool
-from kv_transfer import (
+from kvbridge.engine.kv_pool import KVPool
+from kvbridge.kv_transfer import (
     BACKENDS,
     KVPoll,
     KVReceiverEndpoint,
@@ -41,8 +40,8 @@ from kv_transfer import (
     local_host_id,
     make_sender,
 )
-from kv_transfer.layout import dtype_from_name
-from kv_transfer.rooms import Source
+from kvbridge.kv_transfer.layout import dtype_from_name
+from kvbridge.kv_transfer.rooms import Source
 
 
 @dataclass(frozen=True)
@@ -123,7 +122,7 @@ def decode_main(engine: str, cfg: BenchConfig, out, stop) -> None:
     with KVReceiverEndpoint(rc) as receiver:
         for room in range(cfg.repeats + 1):
             receiver.expect(room, f"bench-{room}", cfg.page_ids(1), [Source(0, 0, cfg.num_layers)], engine, KEY)
-        out.put(dataclasses.astuple(receiver.endpoint))
+        out.put(receiver.endpoint)  # (a RankInfo, between this bench's own processes)
         stop.wait(600)
 
 
@@ -135,7 +134,7 @@ def run_engine(engine: str, cfg: BenchConfig, memcpy: Memcpy) -> list[tuple[floa
     proc = ctx.Process(target=decode_main, args=(engine, cfg, out, stop), daemon=True)
     proc.start()
     try:
-        endpoint = RankInfo(*out.get(timeout=120))
+        endpoint: RankInfo = out.get(timeout=120)
         layout = NodeLayout(cfg.geometry, cfg.num_layers, cfg.num_pages, (endpoint,), "", (engine,), local_host_id())
         dtype = dtype_from_name(cfg.dtype)
         shape = cfg.geometry.pool_shape(cfg.num_pages, (0, cfg.num_layers))

@@ -18,10 +18,10 @@ import time
 
 import torch
 
-from common.sampling import SamplingParams
-from engine.config import EngineConfig, PPConfig
-from engine.llm import LLM
-from pipeline.group import RankGroup
+from kvbridge.common.sampling import SamplingParams
+from kvbridge.engine.config import EngineConfig, PPConfig
+from kvbridge.engine.llm import LLM
+from kvbridge.pipeline.group import RankGroup
 
 SETUPS = [  # (pp_size, dynamic chunking)
     (1, False),

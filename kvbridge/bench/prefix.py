@@ -62,13 +62,13 @@ from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 
-from engine.config import EngineConfig
-from engine.weights import DEFAULT_MODEL
 from kvbridge.bench import prefix_load
 from kvbridge.bench.prefix_load import ChatWorkload
 from kvbridge.bench.prefix_report import counter_delta, mode_row, summary, text_of
 from kvbridge.bench.serve import BenchUsageError, _Parser, load_tokenizer
 from kvbridge.bench.serve_data import Texts
+from kvbridge.engine.config import EngineConfig
+from kvbridge.engine.weights import DEFAULT_MODEL
 
 MODES = {  # name -> (router --routing, prefix cache on)
     "cache_aware": ("cache_aware", True),
@@ -151,10 +151,10 @@ class PrefixFleet:
     them, restarted to change its routing policy."""
 
     def __init__(self, config: EngineConfig, prefill: int, decode: int, timeout_s: float):
-        from engine.config import PPConfig
         from kvbridge.bench.serve_stacks import _start_all
+        from kvbridge.engine.config import PPConfig
         from kvbridge.nodes import start_node
-        from serving.config import NodeConfig
+        from kvbridge.serving.config import NodeConfig
 
         node = NodeConfig(config, PPConfig(pp_size=1))
         roles = ["prefill"] * prefill + ["decode"] * decode
@@ -171,8 +171,8 @@ class PrefixFleet:
     def route(self, policy: str) -> str:
         """A fresh router with `policy`, once healthy; its gRPC address."""
         from kvbridge.bench.serve_stacks import Stack, wait_healthy
-        from router.config import RouterConfig
-        from router.server import start_router
+        from kvbridge.router.config import RouterConfig
+        from kvbridge.router.server import start_router
 
         self.stop_router()
         addresses = {r: tuple(s.address for s in self.by_role[r]) for r in ROLES}
@@ -185,7 +185,7 @@ class PrefixFleet:
         """Admin.ClearPrefixCache on every node: the pages dropped, None if a node does not serve it."""
         import grpc
 
-        from common import rpc
+        from kvbridge.common import rpc
         from kvbridge.v1 import admin_pb2, admin_pb2_grpc
 
         dropped = 0
@@ -309,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     except BenchUsageError as e:
         print(f"kvbridge bench prefix: error: {e}", file=sys.stderr)
         return 2
-    from common import logs
+    from kvbridge.common import logs
 
     logs.setup(args.log_level)
     warm = warmup_prompts(tokenizer, 2 * (args.prefill_nodes + args.decode_nodes), WARMUP_TOKENS, args.seed)

@@ -163,7 +163,7 @@ async def _progress(label: str, total: int, out: list[TurnRecord]) -> None:
 async def _chats(
     address: str, w: ChatWorkload, timeout_s: float, label: str, period_s: float
 ) -> tuple[list[TurnRecord], float]:
-    from common import rpc
+    from kvbridge.common import rpc
     from kvbridge.v1 import generation_pb2_grpc
 
     out: list[TurnRecord] = []
@@ -187,7 +187,7 @@ def run_chats(
 
 
 async def _warmup(address: str, prompts: list[str], timeout_s: float) -> list[TurnRecord]:
-    from common import rpc
+    from kvbridge.common import rpc
     from kvbridge.v1 import generation_pb2_grpc
 
     async with rpc.make_aio_channel(address) as channel:

@@ -39,7 +39,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from kvbridge.bench.serve_stacks import ROOT, PinnedNode
-from router.config import RouterConfig
+from kvbridge.router.config import RouterConfig
 
 PROBE_EVERY_S = 0.02
 SETTLE_S = 1.0  # after a phase, before after_mb is read
@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def wait_node_idle(address: str, timeout_s: float = 30.0) -> bool:
     """The node holds no request and no KV page (its Admin status) within timeout_s."""
-    from common import rpc
+    from kvbridge.common import rpc
     from kvbridge.v1 import admin_pb2, admin_pb2_grpc
 
     stub = admin_pb2_grpc.AdminStub(rpc.make_channel(address))

@@ -29,11 +29,11 @@ from dataclasses import replace
 
 import torch
 
-from common.progress import Progress
-from common.sampling import SamplingParams
-from engine.config import EngineConfig
-from engine.llm import LLM, Completion
-from engine.weights import load_model
+from kvbridge.common.progress import Progress
+from kvbridge.common.sampling import SamplingParams
+from kvbridge.engine.config import EngineConfig
+from kvbridge.engine.llm import LLM, Completion
+from kvbridge.engine.weights import load_model
 
 PROMPT_TOKENS = 64
 BASELINE = "plain-greedy"

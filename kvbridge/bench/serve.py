@@ -58,10 +58,10 @@ import sys
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
-from engine.config import EngineConfig
 from kvbridge.bench import serve_client, serve_data, serve_metrics
 from kvbridge.bench.serve_client import HttpTarget
 from kvbridge.bench.serve_data import ConversationSpec, RandomSpec, Sample
+from kvbridge.engine.config import EngineConfig
 
 STACKS = ("colocated", "disaggregated")
 RATIO_KEYS = (
@@ -218,7 +218,7 @@ def log(line: str) -> None:
 
 def load_tokenizer(args: argparse.Namespace):
     """(tokenizer, vocab size, context cap) of the model the nodes will serve."""
-    from engine.weights import load_model
+    from kvbridge.engine.weights import load_model
 
     try:
         model = load_model(args.model, progress=False)
@@ -416,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     except BenchUsageError as e:
         print(f"kvbridge bench serve: error: {e}", file=sys.stderr)
         return 2
-    from common import logs
+    from kvbridge.common import logs
 
     logs.setup(args.log_level)
     # the load generator: a process of its own, so the router's and the fronts' threads here do not

@@ -49,8 +49,8 @@ class Stack:
 
 
 def _router(name: str, addresses: dict, request_timeout_s: float):
-    from router.config import RouterConfig
-    from router.server import start_router
+    from kvbridge.router.config import RouterConfig
+    from kvbridge.router.server import start_router
 
     return start_router(RouterConfig(port=0, http_port=0, request_timeout_s=request_timeout_s, **addresses))
 
@@ -69,17 +69,17 @@ def _start_all(starters: list) -> list:
 
 
 def start_in_process(name: str, config, pp: int, prefill_pp: int, decode_pp: int, request_timeout_s: float) -> Stack:
-    from engine.config import PPConfig
+    from kvbridge.engine.config import PPConfig
 
     if name == "colocated":
         from kvbridge.nodes import start_node
-        from serving.config import NodeConfig
+        from kvbridge.serving.config import NodeConfig
 
         [node] = _start_all([lambda: start_node("colocated", NodeConfig(config, PPConfig(pp_size=pp)))])
         nodes, addresses, layout = [node], {"colocated": (node.address,)}, {"pp": pp}
     else:
         from kvbridge.nodes import start_node
-        from serving.config import NodeConfig
+        from kvbridge.serving.config import NodeConfig
 
         p, d = _start_all(
             [

@@ -97,7 +97,7 @@ def flag_problems(args: argparse.Namespace, duration: float) -> list[str]:
         problems.append("--node-timeout-s and --request-timeout-s must be > 0, --settle-s >= 0")
     if args.max_prompt_tokens < 257:
         problems.append(f"--max-prompt-tokens must be >= 257, got {args.max_prompt_tokens}")
-    from engine import faults
+    from kvbridge.engine import faults
 
     for flag, spec in (("--fault-inject", args.fault_inject), ("--prefill-faults", args.prefill_faults),
                        ("--decode-faults", args.decode_faults)):  # fmt: skip
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"bench soak: error: {p}", file=sys.stderr)
         return 2
 
-    from common import logs
+    from kvbridge.common import logs
 
     logs.setup(args.log_level)
     print(

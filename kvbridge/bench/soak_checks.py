@@ -60,7 +60,7 @@ def scrape(port: int) -> dict[str, list[tuple[dict, float]]]:
 
 
 def admin_status(address: str):
-    from common import rpc
+    from kvbridge.common import rpc
     from kvbridge.v1 import admin_pb2, admin_pb2_grpc
 
     channel = rpc.make_channel(address)

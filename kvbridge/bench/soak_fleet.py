@@ -18,11 +18,11 @@ def faults_of(common: str, own: str, seed: int) -> str:
 def start(args: argparse.Namespace):
     from dataclasses import replace
 
-    from engine.config import EngineConfig, PPConfig
+    from kvbridge.engine.config import EngineConfig, PPConfig
     from kvbridge.nodes import start_node
-    from router.config import RouterConfig
-    from router.server import start_router
-    from serving.config import NodeConfig
+    from kvbridge.router.config import RouterConfig
+    from kvbridge.router.server import start_router
+    from kvbridge.serving.config import NodeConfig
 
     t = args.node_timeout_s
     base = EngineConfig(
@@ -62,7 +62,7 @@ def start(args: argparse.Namespace):
 def shm_segments(nodes: dict) -> list[str]:
     names = []
     for server in nodes.values():
-        names += [r.shm_name for r in server.node.layout.ranks if r.shm_name]
+        names += [r.endpoint("shm").decode() for r in server.node.layout.ranks if r.endpoint("shm")]
     return names
 
 

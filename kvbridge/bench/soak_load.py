@@ -95,7 +95,7 @@ class Traffic:
         self.args = args
         self.http_port = http_port
         self.vocab, self.max_context = vocab, max_context
-        from common import rpc
+        from kvbridge.common import rpc
         from kvbridge.v1 import generation_pb2_grpc
 
         self.channel = rpc.make_channel(f"127.0.0.1:{router_port}")

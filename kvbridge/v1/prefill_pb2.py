@@ -25,13 +25,15 @@ _sym_db = _symbol_database.Default()
 from kvbridge.v1 import common_pb2 as kvbridge_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvbridge/v1/prefill.proto\x12\x0bkvbridge.v1\x1a\x18kvbridge/v1/common.proto\"\xa7\x01\n\x0ePrefillRequest\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12\x0c\n\x04room\x18\x02 \x01(\x04\x12#\n\x06prompt\x18\x03 \x01(\x0b\x32\x13.kvbridge.v1.Prompt\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.kvbridge.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x12\n\nresume_ids\x18\x06 \x03(\r\"\xa7\x01\n\x0fPrefillResponse\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x13\n\x0b\x66irst_token\x18\x03 \x01(\r\x12\x10\n\x08kv_bytes\x18\x04 \x01(\x04\x12\x15\n\rcached_tokens\x18\x05 \x01(\r\x12\x32\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32\x19.kvbridge.v1.TokenLogprob\"!\n\x10GetLayoutRequest\x12\r\n\x05nonce\x18\x01 \x01(\x0c\"I\n\x11GetLayoutResponse\x12%\n\x06layout\x18\x01 \x01(\x0b\x32\x15.kvbridge.v1.KVLayout\x12\r\n\x05proof\x18\x02 \x01(\x0c\"\x94\x01\n\x0cRankEndpoint\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x13\n\x0blayer_start\x18\x02 \x01(\r\x12\x11\n\tlayer_end\x18\x03 \x01(\r\x12\x15\n\rreceiver_addr\x18\x04 \x01(\t\x12\x10\n\x08shm_name\x18\x05 \x01(\t\x12\x12\n\ntorch_addr\x18\x06 \x01(\t\x12\x11\n\ttorch_key\x18\x07 \x01(\t\"\xe3\x01\n\x08KVLayout\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x11\n\tpage_size\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\x12\x11\n\tnum_pages\x18\x07 \x01(\r\x12(\n\x05ranks\x18\x08 \x03(\x0b\x32\x19.kvbridge.v1.RankEndpoint\x12\x10\n\x08\x62\x61\x63kends\x18\t \x03(\t\x12\x0f\n\x07host_id\x18\n \x01(\t\"\xc5\x01\n\x0fRegisterRequest\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12\x0c\n\x04room\x18\x02 \x01(\x04\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t\x12,\n\rdecode_layout\x18\x04 \x01(\x0b\x32\x15.kvbridge.v1.KVLayout\x12\x10\n\x08page_ids\x18\x05 \x03(\r\x12\x13\n\x0b\x64\x65\x63ode_addr\x18\x06 \x01(\t\x12\x0e\n\x06secret\x18\x07 \x01(\x0c\x12\x12\n\nheld_pages\x18\x08 \x01(\r\x12\r\n\x05proof\x18\t \x01(\x0c\"\x12\n\x10RegisterResponse2O\n\x07Prefill\x12\x44\n\x07Prefill\x12\x1b.kvbridge.v1.PrefillRequest\x1a\x1c.kvbridge.v1.PrefillResponse2\xa0\x01\n\tBootstrap\x12J\n\tGetLayout\x12\x1d.kvbridge.v1.GetLayoutRequest\x1a\x1e.kvbridge.v1.GetLayoutResponse\x12G\n\x08Register\x12\x1c.kvbridge.v1.RegisterRequest\x1a\x1d.kvbridge.v1.RegisterResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvbridge/v1/prefill.proto\x12\x0bkvbridge.v1\x1a\x18kvbridge/v1/common.proto\"\xa7\x01\n\x0ePrefillRequest\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12\x0c\n\x04room\x18\x02 \x01(\x04\x12#\n\x06prompt\x18\x03 \x01(\x0b\x32\x13.kvbridge.v1.Prompt\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.kvbridge.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x12\n\nresume_ids\x18\x06 \x03(\r\"\xa7\x01\n\x0fPrefillResponse\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x13\n\x0b\x66irst_token\x18\x03 \x01(\r\x12\x10\n\x08kv_bytes\x18\x04 \x01(\x04\x12\x15\n\rcached_tokens\x18\x05 \x01(\r\x12\x32\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32\x19.kvbridge.v1.TokenLogprob\"!\n\x10GetLayoutRequest\x12\r\n\x05nonce\x18\x01 \x01(\x0c\"I\n\x11GetLayoutResponse\x12%\n\x06layout\x18\x01 \x01(\x0b\x32\x15.kvbridge.v1.KVLayout\x12\r\n\x05proof\x18\x02 \x01(\x0c\"\xfd\x01\n\x0cRankEndpoint\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x13\n\x0blayer_start\x18\x02 \x01(\r\x12\x11\n\tlayer_end\x18\x03 \x01(\r\x12\x15\n\rreceiver_addr\x18\x04 \x01(\t\x12;\n\tendpoints\x18\x08 \x03(\x0b\x32(.kvbridge.v1.RankEndpoint.EndpointsEntry\x1a\x30\n\x0e\x45ndpointsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x0c:\x02\x38\x01J\x04\x08\x05\x10\x06J\x04\x08\x06\x10\x07J\x04\x08\x07\x10\x08R\x08shm_nameR\ntorch_addrR\ttorch_key\"\xe3\x01\n\x08KVLayout\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x11\n\tpage_size\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\x12\x11\n\tnum_pages\x18\x07 \x01(\r\x12(\n\x05ranks\x18\x08 \x03(\x0b\x32\x19.kvbridge.v1.RankEndpoint\x12\x10\n\x08\x62\x61\x63kends\x18\t \x03(\t\x12\x0f\n\x07host_id\x18\n \x01(\t\"\xc5\x01\n\x0fRegisterRequest\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12\x0c\n\x04room\x18\x02 \x01(\x04\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t\x12,\n\rdecode_layout\x18\x04 \x01(\x0b\x32\x15.kvbridge.v1.KVLayout\x12\x10\n\x08page_ids\x18\x05 \x03(\r\x12\x13\n\x0b\x64\x65\x63ode_addr\x18\x06 \x01(\t\x12\x0e\n\x06secret\x18\x07 \x01(\x0c\x12\x12\n\nheld_pages\x18\x08 \x01(\r\x12\r\n\x05proof\x18\t \x01(\x0c\"\x12\n\x10RegisterResponse2O\n\x07Prefill\x12\x44\n\x07Prefill\x12\x1b.kvbridge.v1.PrefillRequest\x1a\x1c.kvbridge.v1.PrefillResponse2\xa0\x01\n\tBootstrap\x12J\n\tGetLayout\x12\x1d.kvbridge.v1.GetLayoutRequest\x1a\x1e.kvbridge.v1.GetLayoutResponse\x12G\n\x08Register\x12\x1c.kvbridge.v1.RegisterRequest\x1a\x1d.kvbridge.v1.RegisterResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvbridge.v1.prefill_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_RANKENDPOINT_ENDPOINTSENTRY']._loaded_options = None
+  _globals['_RANKENDPOINT_ENDPOINTSENTRY']._serialized_options = b'8\001'
   _globals['_PREFILLREQUEST']._serialized_start=69
   _globals['_PREFILLREQUEST']._serialized_end=236
   _globals['_PREFILLRESPONSE']._serialized_start=239
@@ -41,15 +43,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETLAYOUTRESPONSE']._serialized_start=443
   _globals['_GETLAYOUTRESPONSE']._serialized_end=516
   _globals['_RANKENDPOINT']._serialized_start=519
-  _globals['_RANKENDPOINT']._serialized_end=667
-  _globals['_KVLAYOUT']._serialized_start=670
-  _globals['_KVLAYOUT']._serialized_end=897
-  _globals['_REGISTERREQUEST']._serialized_start=900
-  _globals['_REGISTERREQUEST']._serialized_end=1097
-  _globals['_REGISTERRESPONSE']._serialized_start=1099
-  _globals['_REGISTERRESPONSE']._serialized_end=1117
-  _globals['_PREFILL']._serialized_start=1119
-  _globals['_PREFILL']._serialized_end=1198
-  _globals['_BOOTSTRAP']._serialized_start=1201
-  _globals['_BOOTSTRAP']._serialized_end=1361
+  _globals['_RANKENDPOINT']._serialized_end=772
+  _globals['_RANKENDPOINT_ENDPOINTSENTRY']._serialized_start=673
+  _globals['_RANKENDPOINT_ENDPOINTSENTRY']._serialized_end=721
+  _globals['_KVLAYOUT']._serialized_start=775
+  _globals['_KVLAYOUT']._serialized_end=1002
+  _globals['_REGISTERREQUEST']._serialized_start=1005
+  _globals['_REGISTERREQUEST']._serialized_end=1202
+  _globals['_REGISTERRESPONSE']._serialized_start=1204
+  _globals['_REGISTERRESPONSE']._serialized_end=1222
+  _globals['_PREFILL']._serialized_start=1224
+  _globals['_PREFILL']._serialized_end=1303
+  _globals['_BOOTSTRAP']._serialized_start=1306
+  _globals['_BOOTSTRAP']._serialized_end=1466
 # @@protoc_insertion_point(module_scope)

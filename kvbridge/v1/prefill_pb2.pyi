@@ -54,22 +54,25 @@ class GetLayoutResponse(_message.Message):
     def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., proof: _Optional[bytes] = ...) -> None: ...
 
 class RankEndpoint(_message.Message):
-    __slots__ = ("rank", "layer_start", "layer_end", "receiver_addr", "shm_name", "torch_addr", "torch_key")
+    __slots__ = ("rank", "layer_start", "layer_end", "receiver_addr", "endpoints")
+    class EndpointsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: bytes
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[bytes] = ...) -> None: ...
     RANK_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
     LAYER_END_FIELD_NUMBER: _ClassVar[int]
     RECEIVER_ADDR_FIELD_NUMBER: _ClassVar[int]
-    SHM_NAME_FIELD_NUMBER: _ClassVar[int]
-    TORCH_ADDR_FIELD_NUMBER: _ClassVar[int]
-    TORCH_KEY_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
     rank: int
     layer_start: int
     layer_end: int
     receiver_addr: str
-    shm_name: str
-    torch_addr: str
-    torch_key: str
-    def __init__(self, rank: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., receiver_addr: _Optional[str] = ..., shm_name: _Optional[str] = ..., torch_addr: _Optional[str] = ..., torch_key: _Optional[str] = ...) -> None: ...
+    endpoints: _containers.ScalarMap[str, bytes]
+    def __init__(self, rank: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., receiver_addr: _Optional[str] = ..., endpoints: _Optional[_Mapping[str, bytes]] = ...) -> None: ...
 
 class KVLayout(_message.Message):
     __slots__ = ("model_fingerprint", "num_layers", "page_size", "dtype", "num_kv_heads", "head_dim", "num_pages", "ranks", "backends", "host_id")

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import pytest
 
-from consensus import roles
-from consensus.explore import Space, explore
-from consensus.types import LocalStatus, Stream
+from kvbridge.consensus import roles
+from kvbridge.consensus.explore import Space, explore
+from kvbridge.consensus.types import LocalStatus, Stream
 
 R, F = LocalStatus.READY, LocalStatus.FAILED
 RIDS = (("a", Stream.DECODE_PREALLOCATED), ("b", Stream.DECODE_TRANSFERRED), ("c", Stream.DECODE_PREALLOCATED))

@@ -13,13 +13,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from consensus import audit
-from consensus.baseline import MicrobatchSimulation
-from consensus.codec import RoundMsg, Tally
-from consensus.roles import Follower
-from consensus.scenario import RequestPlan, StagePlan, Workload, make_plans
-from consensus.simulator import DEFAULT_TIMING, RingSimulation, SimResult, Timing
-from consensus.types import Stream, Verdict
+from kvbridge.consensus import audit
+from kvbridge.consensus.baseline import MicrobatchSimulation
+from kvbridge.consensus.codec import RoundMsg, Tally
+from kvbridge.consensus.roles import Follower
+from kvbridge.consensus.scenario import RequestPlan, StagePlan, Workload, make_plans
+from kvbridge.consensus.simulator import DEFAULT_TIMING, RingSimulation, SimResult, Timing
+from kvbridge.consensus.types import Stream, Verdict
 
 TX = Stream.DECODE_TRANSFERRED
 
@@ -132,7 +132,7 @@ def test_the_audit_catches_a_merge_by_union(monkeypatch):
         return RoundMsg(out.round_id, out.hops, out.first_seq, out.decisions, loose), report
 
     monkeypatch.setattr(Follower, "relay", sloppy)
-    monkeypatch.setattr("consensus.roles.Leader._check_result", lambda self, result: None)
+    monkeypatch.setattr("kvbridge.consensus.roles.Leader._check_result", lambda self, result: None)
     with pytest.raises(AssertionError, match="reports call for"):
         for seed in range(20):
             check_run(simulate(3, seed, Workload(num_requests=8, settle_max_ms=20.0)))

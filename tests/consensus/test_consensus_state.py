@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from consensus import (
+from kvbridge.consensus import (
     InMemoryRing,
     LocalStatus,
     ProtocolError,
@@ -18,7 +18,7 @@ from consensus import (
     make_role,
     run_round,
 )
-from consensus.roles import Follower, Leader
+from kvbridge.consensus.roles import Follower, Leader
 
 R, P, F = LocalStatus.READY, LocalStatus.PENDING, LocalStatus.FAILED
 PRE, TX, BOOT = Stream.DECODE_PREALLOCATED, Stream.DECODE_TRANSFERRED, Stream.PREFILL_BOOTSTRAPPED

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from consensus.codec import EMPTY_TALLY, RoundMsg, Tally
-from consensus.types import Ruling, Stream, Verdict
+from kvbridge.consensus.codec import EMPTY_TALLY, RoundMsg, Tally
+from kvbridge.consensus.types import Ruling, Stream, Verdict
 
 TX = Stream.DECODE_TRANSFERRED
 

@@ -14,10 +14,10 @@ import time
 import pytest
 import torch.multiprocessing as mp
 
-from common.net import free_port
-from consensus import LocalStatus, Stream, Verdict
-from pipeline import dist as pp_dist
-from pipeline.control import ControlChannel, GlooTransport
+from kvbridge.common.net import free_port
+from kvbridge.consensus import LocalStatus, Stream, Verdict
+from kvbridge.pipeline import dist as pp_dist
+from kvbridge.pipeline.control import ControlChannel, GlooTransport
 
 STREAMS = (Stream.DECODE_PREALLOCATED, Stream.DECODE_TRANSFERRED)
 # rank 0's fallback round never comes within the test: rounds follow its own changes and the

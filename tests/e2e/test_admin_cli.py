@@ -10,13 +10,13 @@ import grpc
 import pytest
 
 import kvbridge
-from common import rpc
-from engine.config import EngineConfig, PPConfig
 from kvbridge import admin_cli
 from kvbridge.cli import main
+from kvbridge.common import rpc
+from kvbridge.engine.config import EngineConfig, PPConfig
 from kvbridge.nodes import start_node
+from kvbridge.serving.config import NodeConfig
 from kvbridge.v1 import admin_pb2, admin_pb2_grpc
-from serving.config import NodeConfig
 
 COLOCATED = admin_pb2.Status(
     role="colocated",

@@ -17,18 +17,28 @@ from collections import defaultdict
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 LAYERS: list[tuple[str, ...]] = [
+    ("kvbridge",),  # the package itself: its __init__ (the version) and nothing else
     ("kvbridge.v1",),  # generated stubs of proto/kvbridge/v1
-    ("common",),  # rpc, logs, security, limits, metrics plumbing, net, progress
-    ("engine", "consensus"),  # the model runtime; ring agreement (pure)
-    ("kv_transfer",),  # moving KV pages between the runtime's pools
-    ("pipeline",),  # the PP runtime: rank processes, rank 0's loop, stage loops, control channel
-    ("serving",),  # a node's gRPC server, Admin, its front, wire adapters, the colocated node
-    ("prefill_node", "decode_node"),  # the roles
-    ("router",),  # the front door (speaks to nodes over gRPC only)
+    ("kvbridge.common",),  # rpc, logs, security, limits, metrics plumbing, net, progress, text
+    ("kvbridge.engine", "kvbridge.consensus"),  # the model runtime; ring agreement (pure)
+    ("kvbridge.kv_transfer",),  # moving KV pages between the runtime's pools
+    ("kvbridge.pipeline",),  # the PP runtime: rank processes, rank 0's loop, stage loops, control channel
+    ("kvbridge.serving",),  # a node's gRPC server, Admin, its front, wire adapters, the colocated node
+    ("kvbridge.prefill_node", "kvbridge.decode_node"),  # the roles
+    ("kvbridge.router",),  # the front door (speaks to nodes over gRPC only)
     ("kvbridge.nodes",),  # ROLES and start_node: the one way to build a node
     ("kvbridge.bench",),  # benchmarks (start fleets in-process or as child processes)
-    ("kvbridge",),  # the commands: cli, demo, admin
+    ("kvbridge.demo", "kvbridge.admin_cli"),  # commands: the demo, the admin client
+    ("kvbridge.cli",),  # the `kvbridge` command and its subcommands
+    ("kvbridge.__main__",),  # python -m kvbridge
 ]
+# where each package's files are: the owner's folders sit at the repository's top and are installed
+# inside `kvbridge` (pyproject.toml [tool.setuptools.package-dir])
+FOLDERS = {
+    "kvbridge": "kvbridge",
+    **{f"kvbridge.{top}": top for top in ("common", "engine", "consensus", "kv_transfer", "pipeline",
+                                           "serving", "prefill_node", "decode_node", "router")},
+}  # fmt: skip
 MAX_LINES = 500
 
 
@@ -46,12 +56,13 @@ LEVEL = {pkg: i for i, layer in enumerate(LAYERS) for pkg in layer}
 
 
 def product_files() -> dict[str, pathlib.Path]:
-    """module name -> file, for every module of the installed packages."""
+    """module name -> file, for every module of the installed package."""
     out = {}
-    for top in {pkg.split(".")[0] for layer in LAYERS for pkg in layer}:
-        for path in (ROOT / top).rglob("*.py"):
-            parts = path.relative_to(ROOT).with_suffix("").parts
-            out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    for package, folder in FOLDERS.items():
+        for path in (ROOT / folder).rglob("*.py"):
+            parts = path.relative_to(ROOT / folder).with_suffix("").parts
+            name = ".".join([package, *(parts[:-1] if parts[-1] == "__init__" else parts)])
+            out[name] = path
     return out
 
 
@@ -75,6 +86,26 @@ def all_imports(path: pathlib.Path, module: str) -> set[str]:
             names.add(base)
             names |= {f"{base}.{a.name}" for a in node.names}  # `from pkg import module`
     return names
+
+
+def test_the_package_root_is_only_its_init_and_imports_nothing():
+    """`kvbridge` is the bottom layer because its __init__ imports nothing; a module placed directly in
+    it (not in a listed subpackage) would fall to that layer unseen, so there is none."""
+    files = product_files()
+    assert sorted(m for m in files if package_of(m) == "kvbridge") == ["kvbridge"]
+    assert all_imports(files["kvbridge"], "kvbridge") == set()
+
+
+def test_the_installed_packages_are_the_tree():
+    """pyproject.toml lists every package of the tree (a folder left out would be missing from the
+    wheel), each at the folder the layers above say."""
+    import tomllib
+
+    setup = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    mapped = {**{p: p.replace(".", "/") for p in ["kvbridge"]}, **setup["package-dir"]}
+    assert mapped == {"kvbridge": "kvbridge", **{k: v for k, v in FOLDERS.items() if k != "kvbridge"}}
+    tree = {m for m, path in product_files().items() if path.name == "__init__.py"}
+    assert set(setup["packages"]) == tree
 
 
 def test_the_layers_import_downward_only():
@@ -116,20 +147,25 @@ def test_the_router_runs_no_torch_and_no_node_internals():
     deferred, nothing that imports torch, and nothing of engine/, serving/, pipeline/ or the roles:
     a router process never maps libtorch (tests/router/test_router_process.py checks a live one)."""
     files = product_files()
-    reached = reachable({m for m in files if m.split(".")[0] == "router" or m.startswith("common.text")}, files)
+    roots = {m for m in files if m.startswith(("kvbridge.router", "kvbridge.common.text"))}
+    reached = reachable(roots, files)
     assert len(reached) > 30
     torch = {m: reached[m] for m in reached if any(n.split(".")[0] == "torch" for n in all_imports(files[m], m))}
     assert torch == {}, "module: imported by"
-    packages = {package_of(m) for m in reached if m != "kvbridge"}  # (its __init__ runs for the stubs)
-    assert packages == {"kvbridge.v1", "common", "router"}
+    assert {package_of(m) for m in reached} == {"kvbridge", "kvbridge.v1", "kvbridge.common", "kvbridge.router"}
 
 
 def test_the_layer_check_sees_a_wrong_import(tmp_path):
     """The walk above finds deferred and relative imports (a check that finds nothing proves nothing)."""
     bad = tmp_path / "loop.py"
-    bad.write_text("def f():\n    from serving.front import NodeFront\n    from . import agent\n")
-    found = imports_of(bad, "pipeline.loop")
-    assert found == {"serving.front", "serving.front.NodeFront", "pipeline", "pipeline.agent"}
+    bad.write_text("def f():\n    from kvbridge.serving.front import NodeFront\n    from . import agent\n")
+    found = imports_of(bad, "kvbridge.pipeline.loop")
+    assert found == {
+        "kvbridge.serving.front",
+        "kvbridge.serving.front.NodeFront",
+        "kvbridge.pipeline",
+        "kvbridge.pipeline.agent",
+    }
 
 
 def test_no_product_file_is_over_500_lines():

@@ -10,14 +10,14 @@ import time
 
 import pytest
 
-from common import rpc
-from common.blocks import block_hashes
-from engine.config import PPConfig
+from kvbridge.common import rpc
+from kvbridge.common.blocks import block_hashes
+from kvbridge.engine.config import PPConfig
 from kvbridge.nodes import start_node
+from kvbridge.router.config import RouterConfig
+from kvbridge.router.server import start_router
+from kvbridge.serving.config import NodeConfig
 from kvbridge.v1 import common_pb2, generation_pb2, generation_pb2_grpc
-from router.config import RouterConfig
-from router.server import start_router
-from serving.config import NodeConfig
 from tests.pd import TINY, status, token_prompt
 
 PS = TINY.page_size

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from common.sampling import SamplingParams
+from kvbridge.common.sampling import SamplingParams
 from tests.conftest import make_llm
 
 

@@ -207,13 +207,13 @@ def test_every_flag_exists(where, tpl, container):
     assert not unknown, f"{where}: unknown arguments {unknown}"
     assert ns.command == container["args"][0]
     if ns.command == "router" and _router_has_discover():
-        from router.cli import config_from_args
+        from kvbridge.router.cli import config_from_args
 
         config = config_from_args(ns)  # validates every --discover target
         assert sorted(t.partition("=")[0] for t in config.discover) == ["decode", "prefill"], where
     if ns.command != "router":
-        from common.flags import from_flags
-        from engine.config import PPConfig
+        from kvbridge.common.flags import from_flags
+        from kvbridge.engine.config import PPConfig
 
         pp = from_flags(PPConfig, ns)  # validates --pp-size / --num-hosts / --host-rank / --dist-init-addr
         assert ns.host in ("0.0.0.0", "$(POD_IP)"), where

@@ -8,7 +8,9 @@ import json
 
 import pytest
 
-from common.sampling import (
+from kvbridge import cli
+from kvbridge.bench import hostile_sampling
+from kvbridge.common.sampling import (
     MAX_ALLOWED_TOKEN_IDS,
     MAX_BAD_WORDS,
     MAX_BAD_WORDS_CHARS,
@@ -18,8 +20,6 @@ from common.sampling import (
     MAX_STOP_TOKEN_IDS,
     from_proto,
 )
-from kvbridge import cli
-from kvbridge.bench import hostile_sampling
 
 RUN_KEYS = {"bench", "model", "streams", "tokens", "prompt_tokens", "repeats", "clients", "threads", "run", "runs",
             "stream_tokens", "gaps", "itl_p50_ms", "itl_p99_ms", "itl_max_ms"}  # fmt: skip

@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.sampling import SamplingParams
-from engine.config import EngineConfig, PPConfig
-from engine.llm import LLM
+from kvbridge.common.sampling import SamplingParams
+from kvbridge.engine.config import EngineConfig, PPConfig
+from kvbridge.engine.llm import LLM
 from kvbridge.nodes import start_node
-from router.config import RouterConfig
-from router.server import start_router
-from serving.config import NodeConfig
+from kvbridge.router.config import RouterConfig
+from kvbridge.router.server import start_router
+from kvbridge.serving.config import NodeConfig
 
 pytestmark = pytest.mark.slow
 
@@ -54,7 +54,7 @@ def tokenizer_dir(tmp_path_factory):
     """The default model's tokenizer as a transformers directory (lm-eval's huggingface backend
     loads it by path; it passes no gguf_file, so it is read out of the GGUF file here first)."""
     transformers = pytest.importorskip("transformers")
-    from engine.weights import smollm2_path
+    from kvbridge.engine.weights import smollm2_path
 
     path, out = smollm2_path(), tmp_path_factory.mktemp("tokenizer")
     transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name).save_pretrained(out)

@@ -43,9 +43,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from common import rpc
+from kvbridge.common import rpc
+from kvbridge.router.config import RouterConfig
 from kvbridge.v1 import admin_pb2, admin_pb2_grpc
-from router.config import RouterConfig
 
 KVBRIDGE = str(Path(sys.executable).with_name("kvbridge"))  # the console script users run
 MAX_TOKENS = 4

@@ -20,10 +20,10 @@ import time
 import grpc
 import pytest
 
-from common import rpc
+from kvbridge.common import rpc
+from kvbridge.router.config import RouterConfig
+from kvbridge.router.server import start_router
 from kvbridge.v1 import admin_pb2, common_pb2, generation_pb2, generation_pb2_grpc
-from router.config import RouterConfig
-from router.server import start_router
 from tests.e2e.test_load import process_tree
 from tests.nodes.test_failover import NodeProcess, pages_used, poll, wait_for
 from tests.pd import admin

@@ -15,13 +15,13 @@ import openai
 import pytest
 import torch
 
-from common.sampling import SamplingParams
-from engine.config import EngineConfig, PPConfig
-from engine.llm import LLM
+from kvbridge.common.sampling import SamplingParams
+from kvbridge.engine.config import EngineConfig, PPConfig
+from kvbridge.engine.llm import LLM
 from kvbridge.nodes import start_node
-from router.config import RouterConfig
-from router.server import start_router
-from serving.config import NodeConfig
+from kvbridge.router.config import RouterConfig
+from kvbridge.router.server import start_router
+from kvbridge.serving.config import NodeConfig
 from tests.pd import start_nodes, stop_nodes, wait_idle
 
 CONFIG = EngineConfig(dtype="float32", kv_cache_tokens=4096, chunked_prefill_size=64)  # (against HF fp32)

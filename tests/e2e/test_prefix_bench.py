@@ -9,12 +9,12 @@ import json
 
 import pytest
 
-from engine.weights import tiny_random
 from kvbridge import cli
 from kvbridge.bench import prefix, prefix_report
 from kvbridge.bench.prefix_load import TurnRecord, build_workload, user_range
 from kvbridge.bench.prefix_report import change_pct, mode_row, on_prefix_node, percentile_ms, summary
 from kvbridge.bench.serve import BenchUsageError
+from kvbridge.engine.weights import tiny_random
 
 ROW_KEYS = {
     "bench", "mode", "routing", "prefix_cache", "model", "seed", "conversations", "turns", "page_size", "turn_period_s",

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from common.metrics import MetricsServer, NodeMetrics, RankFiles, RankMetrics, RouterMetrics, StatusCollector
+from kvbridge.common.metrics import MetricsServer, NodeMetrics, RankFiles, RankMetrics, RouterMetrics, StatusCollector
 from tests.prom import PrometheusServer, check_config, check_metrics, check_promql
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,7 +35,7 @@ STATUS = {
 # What a rank process counts, written to the node's multiprocess files as a real rank does.
 RANK_SCRIPT = """
 import sys
-from common.metrics import init_rank_metrics
+from kvbridge.common.metrics import init_rank_metrics
 
 m = init_rank_metrics(sys.argv[1])
 m.transfer_bytes.labels("0").inc(4096)

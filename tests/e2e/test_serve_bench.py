@@ -10,9 +10,9 @@ import statistics
 import numpy as np
 import pytest
 
-from engine.weights import tiny_random
 from kvbridge.bench import serve, serve_client, serve_data, serve_metrics
 from kvbridge.bench.serve_metrics import RequestRecord
+from kvbridge.engine.weights import tiny_random
 
 RUN_KEYS = {
     "bench", "mode", "stack", "model", "layout", "endpoint", "seed", "min_tokens", "dataset", "num_prompts",
@@ -89,8 +89,8 @@ def test_conversation_dataset_through_completions_on_one_stack(capsys, tokenizer
 def test_base_url_drives_a_server_it_did_not_start(capsys, tokenizer):
     """How a peer (vLLM, llama-server) is measured by the same code: here a kvbridge colocated stack
     started beside the bench, named by its URL only."""
-    from engine.config import EngineConfig
     from kvbridge.bench.serve_stacks import start_in_process, wait_healthy
+    from kvbridge.engine.config import EngineConfig
 
     stack = start_in_process("colocated", EngineConfig(model="tiny-random"), 1, 1, 1, 60.0)
     try:

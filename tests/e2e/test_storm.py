@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import grpc
 import pytest
 
-from common import rpc
+from kvbridge.common import rpc
 from kvbridge.v1 import admin_pb2, common_pb2, generation_pb2, generation_pb2_grpc
 from tests.e2e.test_load import (
     IDLE,

@@ -7,10 +7,10 @@ import random
 
 import torch
 
-from engine.batch import AttentionMetadata, ForwardBatch
-from engine.config import ModelConfig
-from engine.kv_pool import KVPool
-from engine.model import paged_attention
+from kvbridge.engine.batch import AttentionMetadata, ForwardBatch
+from kvbridge.engine.config import ModelConfig
+from kvbridge.engine.kv_pool import KVPool
+from kvbridge.engine.model import paged_attention
 
 CONFIG = ModelConfig(
     vocab_size=16,

@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from common.text.prompts import MAX_TEMPLATE_KWARGS_BYTES, chat_text, prompt_ids
-from common.text.tokenizer import Tokenizer
-from engine.weights import smollm2_path
+from kvbridge.common.text.prompts import MAX_TEMPLATE_KWARGS_BYTES, chat_text, prompt_ids
+from kvbridge.common.text.tokenizer import Tokenizer
+from kvbridge.engine.weights import smollm2_path
 from kvbridge.v1 import common_pb2
 
 transformers = pytest.importorskip("transformers")

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import pytest
 
-from common.sampling import SamplingParams
-from engine.config import EngineConfig
-from engine.pages import PageAllocator, PageTable
-from engine.prefix_cache import PrefixCache
-from engine.request import Phase, Request
-from engine.scheduler import Scheduler
+from kvbridge.common.sampling import SamplingParams
+from kvbridge.engine.config import EngineConfig
+from kvbridge.engine.pages import PageAllocator, PageTable
+from kvbridge.engine.prefix_cache import PrefixCache
+from kvbridge.engine.request import Phase, Request
+from kvbridge.engine.scheduler import Scheduler
 
 PS = 4
 PROMPT = list(range(3, 33))  # 30 tokens: 7 full pages before the last token, 2 tokens on the 8th

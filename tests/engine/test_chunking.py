@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.chunking import (
+from kvbridge.engine.chunking import (
     ChunkPlanner,
     QuadraticLatency,
     default_profile_lengths,

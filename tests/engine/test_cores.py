@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from pipeline import cores
+from kvbridge.pipeline import cores
 
 
 class Quiet:

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common.sampling import MAX_STOP_CHARS, MAX_STOP_STRING_CHARS, SamplingParams
-from common.text.detok import (
+from kvbridge.common.sampling import MAX_STOP_CHARS, MAX_STOP_STRING_CHARS, SamplingParams
+from kvbridge.common.text.detok import (
     MAX_WORK_PER_TOKEN,
     IncrementalDetokenizer,
     StopChecker,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.sampling import SamplingParams
+from kvbridge.common.sampling import SamplingParams
 from tests.conftest import make_llm, make_prompts
 
 GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)
@@ -108,8 +108,8 @@ def test_seeded_sampling_is_reproducible_alone_and_batched(tiny_model):
 
 
 def test_top_p_keeps_only_the_nucleus(tiny_model):
-    from engine.request import Request
-    from engine.sampler import sample
+    from kvbridge.engine.request import Request
+    from kvbridge.engine.sampler import sample
 
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     req = Request("r", [1], SamplingParams(temperature=1.0, top_p=0.7, seed=0), None)

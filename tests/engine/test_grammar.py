@@ -11,12 +11,12 @@ import jsonschema
 import pytest
 import torch
 
-import common.text.schema
-from common.sampling import MAX_SCHEMA_CHARS, SamplingParams
-from common.text.schema import MAX_WHITESPACE, schema_problem
-from common.text.schema_bounds import MAX_SCHEMA_COMBINATIONS, MAX_SCHEMA_DEPTH, MAX_SCHEMA_NODES
-from common.text.tokenizer import Tokenizer
-from engine.grammar import GrammarCompiler
+import kvbridge.common.text.schema
+from kvbridge.common.sampling import MAX_SCHEMA_CHARS, SamplingParams
+from kvbridge.common.text.schema import MAX_WHITESPACE, schema_problem
+from kvbridge.common.text.schema_bounds import MAX_SCHEMA_COMBINATIONS, MAX_SCHEMA_DEPTH, MAX_SCHEMA_NODES
+from kvbridge.common.text.tokenizer import Tokenizer
+from kvbridge.engine.grammar import GrammarCompiler
 
 PERSON = {
     "type": "object",
@@ -256,7 +256,7 @@ def test_whitespace_runs_are_bounded_so_a_whitespace_loving_model_still_finishes
             runs = [len(r) for r in re.findall(r"[ \t\r\n]+", text)]
             assert max(runs) == MAX_WHITESPACE  # it takes all it may, no more
     # llguidance's default (any run of whitespace) never finishes here
-    monkeypatch.setattr(common.text.schema, "JSON_OPTIONS", {"lenient": False})
+    monkeypatch.setattr(kvbridge.common.text.schema, "JSON_OPTIONS", {"lenient": False})
     tokenizer, compiler = tiny
     unbounded = GrammarCompiler(tokenizer, 320, (2,))
     bias = bias_on(tokenizer, 320, lambda text: text != "" and text.isspace(), 8.0)
@@ -392,10 +392,10 @@ def options(m: int, key: str) -> dict:
 
 REFUSE_IN_A_CHILD = """
 import json, sys
-from common.sampling import SamplingParams
-from common.text.schema import schema_problem
-from engine.grammar import GrammarCompiler
-from common.text.tokenizer import Tokenizer
+from kvbridge.common.sampling import SamplingParams
+from kvbridge.common.text.schema import schema_problem
+from kvbridge.engine.grammar import GrammarCompiler
+from kvbridge.common.text.tokenizer import Tokenizer
 compiler = GrammarCompiler(Tokenizer.byte_level(320), 320, (2,))
 out = []
 for text in json.load(sys.stdin):

@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.sampling import SamplingParams
-from engine.config import EngineConfig
-from engine.llm import LLM
-from engine.weights import load_model
+from kvbridge.common.sampling import SamplingParams
+from kvbridge.engine.config import EngineConfig
+from kvbridge.engine.llm import LLM
+from kvbridge.engine.weights import load_model
 from tests.conftest import make_prompts
 
 transformers = pytest.importorskip("transformers")

@@ -13,12 +13,12 @@ import math
 import pytest
 import torch
 
-from common.sampling import SamplingParams
-from engine import kernels
-from engine.config import EngineConfig
-from engine.llm import LLM
-from engine.model import apply_rope, rms_norm
-from engine.weights import TINY_CONFIG, tiny_random
+from kvbridge.common.sampling import SamplingParams
+from kvbridge.engine import kernels
+from kvbridge.engine.config import EngineConfig
+from kvbridge.engine.llm import LLM
+from kvbridge.engine.model import apply_rope, rms_norm
+from kvbridge.engine.weights import TINY_CONFIG, tiny_random
 from tests.conftest import make_llm
 
 PAGES, LAYERS, PS, KVH, HD, HEADS = 40, 3, 16, 3, 64, 9

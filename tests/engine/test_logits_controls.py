@@ -10,9 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common.sampling import SamplingParams
-from engine.logits import BadWords, process
-from engine.request import Request
+from kvbridge.common.sampling import SamplingParams
+from kvbridge.engine.logits import BadWords, process
+from kvbridge.engine.request import Request
 
 VOCAB = 12
 EOS = (11,)

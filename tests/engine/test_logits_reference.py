@@ -14,10 +14,10 @@ import math
 import pytest
 import torch
 
-from common.sampling import SamplingParams
-from engine.config import EngineConfig
-from engine.llm import LLM
-from engine.sampler import token_generator
+from kvbridge.common.sampling import SamplingParams
+from kvbridge.engine.config import EngineConfig
+from kvbridge.engine.llm import LLM
+from kvbridge.engine.sampler import token_generator
 
 pytest.importorskip("transformers")  # (the hf_default fixture: tests/conftest.py)
 

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.pages import PageAllocator, PageTable
+from kvbridge.engine.pages import PageAllocator, PageTable
 
 ops = st.lists(st.tuples(st.sampled_from(["alloc", "free"]), st.integers(0, 5), st.integers(0, 9)), max_size=60)
 

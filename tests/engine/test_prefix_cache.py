@@ -8,10 +8,10 @@ import random
 
 import pytest
 
-from common import blocks
-from common.sampling import SamplingParams
-from engine.pages import PageAllocator
-from engine.prefix_cache import CLEARED, REMOVED, STORED, PrefixCache
+from kvbridge.common import blocks
+from kvbridge.common.sampling import SamplingParams
+from kvbridge.engine.pages import PageAllocator
+from kvbridge.engine.prefix_cache import CLEARED, REMOVED, STORED, PrefixCache
 from tests.conftest import make_llm
 
 PS = 4  # page size of make_llm's engines

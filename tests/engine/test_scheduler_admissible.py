@@ -4,11 +4,11 @@ preempted while its token was in flight still goes first (nothing is admitted pa
 
 from __future__ import annotations
 
-from common.sampling import SamplingParams
-from engine.config import EngineConfig
-from engine.pages import PageAllocator, PageTable
-from engine.request import Request
-from engine.scheduler import Scheduler
+from kvbridge.common.sampling import SamplingParams
+from kvbridge.engine.config import EngineConfig
+from kvbridge.engine.pages import PageAllocator, PageTable
+from kvbridge.engine.request import Request
+from kvbridge.engine.scheduler import Scheduler
 
 PS = 4
 

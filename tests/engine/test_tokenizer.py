@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.weights import smollm2_path
+from kvbridge.engine.weights import smollm2_path
 
 transformers = pytest.importorskip("transformers")
 

@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 import torch
 
-import engine.weights
-from common.sampling import SamplingParams
-from engine.config import EngineConfig
-from engine.llm import LLM
-from engine.weights import _unpermute, load_model
+import kvbridge.engine.weights
+from kvbridge.common.sampling import SamplingParams
+from kvbridge.engine.config import EngineConfig
+from kvbridge.engine.llm import LLM
+from kvbridge.engine.weights import _unpermute, load_model
 from tests.conftest import make_prompts
 
 transformers = pytest.importorskip("transformers")
@@ -274,8 +274,8 @@ def test_a_checked_file_is_hashed_again_only_after_a_write(built, caplog, monkey
     path, cache, fresh = built
     weights, _ = cached_files(cache)
     hashed = []
-    real = engine.weights._sha256
-    monkeypatch.setattr(engine.weights, "_sha256", lambda fh, *a: hashed.append(1) or real(fh, *a))
+    real = kvbridge.engine.weights._sha256
+    monkeypatch.setattr(kvbridge.engine.weights, "_sha256", lambda fh, *a: hashed.append(1) or real(fh, *a))
     load_logged(path, caplog)
     assert hashed == [1] and weights.with_suffix(".verified").exists()  # (the first load after the build)
     load_logged(path, caplog)
@@ -296,7 +296,7 @@ def test_a_build_that_dies_mid_write_leaves_nothing_that_looks_valid(tmp_path, m
             f.write(b"half a file")
         raise OSError("disk full")
 
-    monkeypatch.setattr(engine.weights, "save_file", dies)
+    monkeypatch.setattr(kvbridge.engine.weights, "save_file", dies)
     with pytest.raises(OSError, match="disk full"):
         load_model(str(path), progress=False)
     assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == []
@@ -312,7 +312,9 @@ def test_two_processes_building_at_once_leave_one_good_cache(tmp_path, monkeypat
     monkeypatch.setenv("KVBRIDGE_CACHE", str(cache))
     path = tmp_path / "m.gguf"
     write_gguf(path, hf_llama, "Q8_0")
-    script = f"from engine.weights import load_model; print(load_model({str(path)!r}, progress=False).fingerprint)"
+    script = (
+        f"from kvbridge.engine.weights import load_model; print(load_model({str(path)!r}, progress=False).fingerprint)"
+    )
     env = {**os.environ, "KVBRIDGE_CACHE": str(cache)}
     children = [subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE) for _ in range(2)]
     prints = {child.communicate(timeout=600)[0].strip() for child in children}

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from common.sampling import SamplingParams
-from engine.config import EngineConfig
-from engine.llm import LLM
+from kvbridge.common.sampling import SamplingParams
+from kvbridge.engine.config import EngineConfig
+from kvbridge.engine.llm import LLM
 from tests.engine.test_hf_parity import CHAT_PROMPTS
 from tests.gpu.conftest import on_cuda
 

@@ -11,13 +11,13 @@ import dataclasses
 import grpc
 import pytest
 
-from common import rpc
-from engine import kernels
-from engine.config import EngineConfig, PPConfig
-from engine.weights import load_model
+from kvbridge.common import rpc
+from kvbridge.engine import kernels
+from kvbridge.engine.config import EngineConfig, PPConfig
+from kvbridge.engine.weights import load_model
 from kvbridge.nodes import start_node
+from kvbridge.serving.config import NodeConfig
 from kvbridge.v1 import common_pb2, generation_pb2, generation_pb2_grpc, prefill_pb2, prefill_pb2_grpc
-from serving.config import NodeConfig
 from tests.conftest import make_prompts
 from tests.engine.test_hf_parity import CHAT_PROMPTS
 from tests.pd import TINY, pd_generate, start_nodes, stop_nodes, token_prompt, wait_idle

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kv_transfer.backends.cuda_ipc import _FIXED, _pack_bytes, _unpack_bytes, import_pool
+from kvbridge.kv_transfer.backends.cuda_ipc import _FIXED, _pack_bytes, _unpack_bytes, import_pool
 
 
 def make_blob(storage_bytes: int, tensor_offset: int = 0) -> bytes:

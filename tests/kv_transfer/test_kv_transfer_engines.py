@@ -23,9 +23,9 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from common.rpc import make_channel
-from engine.kv_pool import KVPool
-from kv_transfer import (
+from kvbridge.common.rpc import make_channel
+from kvbridge.engine.kv_pool import KVPool
+from kvbridge.kv_transfer import (
     BACKENDS,
     KVReceiverEndpoint,
     NodeLayout,
@@ -36,8 +36,8 @@ from kv_transfer import (
     make_sender,
     overlap,
 )
-from kv_transfer.adapters import sources_of
-from kv_transfer.backends.torch_p2p import DATA, Header, PairClient
+from kvbridge.kv_transfer.adapters import sources_of
+from kvbridge.kv_transfer.backends.torch_p2p import DATA, Header, PairClient
 from kvbridge.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 
 KEY = bytes(range(16))  # the rooms' write key (the decode node mints one per room)
@@ -187,7 +187,7 @@ def decode_main(engine: str, device: str, settle: dict, out, go) -> None:
     for room, dst in rooms:
         for r in receivers:
             r.expect(room, f"rid-{room:x}", dst, sources_of(prefill), engine, KEY)
-    out.put(("endpoints", [dataclasses.astuple(r.endpoint) for r in receivers]))
+    out.put(("endpoints", [r.endpoint for r in receivers]))  # (RankInfo records, between our own processes)
     go.wait(TIMEOUT_S)
     wait_until(lambda: all(receivers[j].poll(room).is_terminal for room, ranks in settle.items() for j in ranks))
     report = {
@@ -201,9 +201,9 @@ def decode_main(engine: str, device: str, settle: dict, out, go) -> None:
             if not torch.equal(r.pool.buffer[q].cpu(), want[q])
         ],
         "segments": [
-            (r.endpoint.shm_name, stat.S_IMODE(os.stat(f"/dev/shm/{r.endpoint.shm_name}").st_mode))
+            (name, stat.S_IMODE(os.stat(f"/dev/shm/{name}").st_mode))
             for r in receivers
-            if r.endpoint.shm_name
+            if (name := (r.endpoint.endpoint("shm") or b"").decode())
         ],
     }
     for r in receivers:
@@ -217,7 +217,7 @@ def decode_main(engine: str, device: str, settle: dict, out, go) -> None:
 
 def prefill_main(engine: str, device: str, endpoints: list, out) -> None:
     faulthandler.dump_traceback_later(TIMEOUT_S, exit=True)
-    ranks = tuple(RankInfo(*e) for e in endpoints)
+    ranks = tuple(endpoints)
     layout = NodeLayout(GEOMETRY, NUM_LAYERS, NUM_PAGES, ranks, "fp", BACKENDS, local_host_id())
     pools = [
         KVPool(NUM_PAGES, r, PS, 2, 8, torch.float32, device, buffer=prefill_buffer(i).to(device))
@@ -263,7 +263,8 @@ def bad_grpc(layout, senders, stub) -> dict:
 
 
 def bad_torch(layout, senders, stub) -> dict:
-    pair = PairClient(layout.ranks[1].torch_addr, layout.ranks[1].torch_key, 0, torch.device("cpu"), 30)
+    addr, key = layout.ranks[1].endpoint("torch").decode().split(" ")
+    pair = PairClient(addr, key, 0, torch.device("cpu"), 30)
     one = torch.ones(1, 1, 2, PS, 2, 8)
     for room, lo, hi, page in ((B1, 2, 3, 32), (B2, 2, 3, 9), (B3, 3, 4, 6), (B5, 2, 3, 6)):
         pair.send(room, KEY, 0, lo, hi, [page], one)

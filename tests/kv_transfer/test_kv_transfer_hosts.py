@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from common.net import local_address
-from kv_transfer import choose_backend, local_host_id
+from kvbridge.common.net import local_address
+from kvbridge.kv_transfer import choose_backend, local_host_id
 from tests.kv_transfer.test_kv_transfer_factory import make_layout
 from tests.netns import Network
 
@@ -36,7 +36,7 @@ def run(*argvs: list[str], code: str) -> list:
 @pytest.fixture(scope="module")
 def host_ids(net) -> dict[str, str]:
     """local_host_id() of two processes in host a, one in host b, and this process's (the root namespace)."""
-    code = "import json; from kv_transfer.layout import local_host_id; print(json.dumps(local_host_id()))"
+    code = "import json; from kvbridge.kv_transfer.layout import local_host_id; print(json.dumps(local_host_id()))"
     a1, a2, b = run(net["a"].argv(), net["a"].argv(), net["b"].argv(), code=code)
     return {"a1": a1, "a2": a2, "b": b, "here": local_host_id()}
 
@@ -64,7 +64,7 @@ def test_the_local_address_is_the_one_the_kernel_routes_to_the_peer(net):
     peers = [b.address, a.address, "127.0.0.1", "192.0.2.7"]  # the other host, itself, loopback, no route
     code = f"""if True:
         import json
-        from common.net import local_address
+        from kvbridge.common.net import local_address
         out = []
         for peer in {peers!r}:
             try:

@@ -7,10 +7,10 @@ import random
 import pytest
 import torch
 
-from engine.model import stage_ranges
-from kv_transfer import blocks
-from kv_transfer.blocks import copy_pages, gather, scatter
-from kv_transfer.layers import Chunk, check_ranges, local_slice, overlap, overlaps, page_runs, plan_chunks
+from kvbridge.engine.model import stage_ranges
+from kvbridge.kv_transfer import blocks
+from kvbridge.kv_transfer.blocks import copy_pages, gather, scatter
+from kvbridge.kv_transfer.layers import Chunk, check_ranges, local_slice, overlap, overlaps, page_runs, plan_chunks
 
 
 def test_overlaps_p2_by_d3_over_six_layers():

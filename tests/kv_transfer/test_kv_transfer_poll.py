@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from kv_transfer.poll import IllegalTransition, KVPoll, PollState, StatusBoard, StatusChange
+from kvbridge.kv_transfer.poll import IllegalTransition, KVPoll, PollState, StatusBoard, StatusChange
 
 B, W, T, S, F = (
     KVPoll.BOOTSTRAPPING,

@@ -14,12 +14,13 @@ import grpc
 import pytest
 import torch.multiprocessing as mp
 
-from common.rpc import make_channel, peer_host
-from kv_transfer import KVPoll, KVReceiverEndpoint, ReceiverConfig, Source
-from kv_transfer.backends.shm import remove_segments_of
-from kv_transfer.poll import StatusChange
-from kv_transfer.rooms import Notice
-from kv_transfer.service import MAX_UNKEYED_STREAMS_PER_PEER, WaitingStreams
+from kvbridge.common.rpc import make_channel, peer_host
+from kvbridge.kv_transfer import KVPoll, KVReceiverEndpoint, ReceiverConfig, Source
+from kvbridge.kv_transfer.backends.shm import remove_segments_of
+from kvbridge.kv_transfer.layout import Endpoint
+from kvbridge.kv_transfer.poll import StatusChange
+from kvbridge.kv_transfer.rooms import Notice
+from kvbridge.kv_transfer.service import MAX_UNKEYED_STREAMS_PER_PEER, WaitingStreams
 from kvbridge.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 from tests.relay import Relay
 
@@ -27,6 +28,7 @@ KEY = bytes(range(16))  # the rooms' write key (the decode node mints one per ro
 
 SOURCES = [Source(0, 0, 3), Source(1, 3, 6)]
 SHM = Path("/dev/shm")
+SHM_ONLY = ("shm",)  # (and grpc, which every rank's KVReceiver serves)
 
 
 def make_config(rank=1, layers=(2, 4), **kw) -> ReceiverConfig:
@@ -39,7 +41,7 @@ def our_segments() -> set[str]:
 
 @pytest.fixture
 def receiver():
-    with KVReceiverEndpoint(make_config(torch_store=False)) as r:
+    with KVReceiverEndpoint(make_config(backends=SHM_ONLY)) as r:
         yield r
 
 
@@ -108,8 +110,8 @@ def test_bad_chunk_is_invalid_argument_and_fails_only_its_room(receiver, stub, b
 
 def test_segment_is_owner_only_while_open_and_gone_after_close():
     before = our_segments()
-    r = KVReceiverEndpoint(make_config(torch_store=False))
-    path = SHM / r.endpoint.shm_name
+    r = KVReceiverEndpoint(make_config(backends=SHM_ONLY))
+    path = SHM / r.endpoint.endpoint("shm").decode()
     assert path.exists() and stat.S_IMODE(path.stat().st_mode) == 0o600
     assert path.stat().st_size == 8 * 2 * 2 * 4 * 2 * 8 * 4
     r.close()
@@ -126,15 +128,15 @@ def test_segment_is_gone_when_the_constructor_fails_after_creating_it():
 
 def test_segment_is_gone_when_the_with_block_raises():
     before = our_segments()
-    with pytest.raises(RuntimeError, match="daemon crashed"), KVReceiverEndpoint(make_config(torch_store=False)) as r:
-        assert (SHM / r.endpoint.shm_name).exists()
+    with pytest.raises(RuntimeError, match="daemon crashed"), KVReceiverEndpoint(make_config(backends=SHM_ONLY)) as r:
+        assert (SHM / r.endpoint.endpoint("shm").decode()).exists()
         raise RuntimeError("daemon crashed")
     assert our_segments() == before
 
 
 def test_callback_sees_every_change_of_rank_zero_room():
     seen: list[StatusChange] = []
-    with KVReceiverEndpoint(make_config(0, (0, 2), torch_store=False, awaits_first_token=True), seen.append) as r:
+    with KVReceiverEndpoint(make_config(0, (0, 2), backends=SHM_ONLY, awaits_first_token=True), seen.append) as r:
         r.expect(9, "rid9", [0], SOURCES, "shm", KEY)
         r.rooms.done(Notice(0, 0, 2, 4, 2 * 512), 9, KEY)
         assert r.poll(9) == KVPoll.WAITING_FOR_INPUT  # the first token is still missing
@@ -148,14 +150,35 @@ def test_callback_sees_every_change_of_rank_zero_room():
 
 
 def test_plain_memory_pool_has_no_segment():
-    with KVReceiverEndpoint(make_config(shared_memory=False, torch_store=False)) as r:
-        assert r.endpoint.shm_name == "" and r.endpoint.torch_addr == ""
+    before = our_segments()
+    with KVReceiverEndpoint(make_config(backends=("grpc",))) as r:
+        assert r.endpoint.endpoints == (Endpoint("grpc", b""),) and our_segments() == before
         assert r.pool.buffer.shape == (8, 2, 2, 4, 2, 8)
 
 
+def test_a_rank_opens_every_backend_that_moves_its_pool_and_publishes_each_endpoint():
+    with KVReceiverEndpoint(make_config()) as r:
+        assert [e.backend for e in r.endpoint.endpoints] == ["shm", "torch", "grpc"]  # cuda_ipc: pools on a GPU
+        assert (SHM / r.endpoint.endpoint("shm").decode()).exists()
+        addr, key = r.endpoint.endpoint("torch").decode().split(" ")
+        assert addr.startswith("127.0.0.1:") and len(key) == 32
+    with pytest.raises(ValueError, match="the cuda_ipc backend does not move pools on cpu"):
+        KVReceiverEndpoint(make_config(backends=("cuda_ipc",)))
+
+
+def test_a_room_for_a_backend_the_rank_did_not_open_is_refused():
+    with KVReceiverEndpoint(make_config(backends=("grpc",))) as r:
+        with pytest.raises(ValueError, match=r"room 5: backend 'shm' is not open on this rank \(open: grpc\)"):
+            r.expect(5, "r5", [1], SOURCES, "shm", KEY)
+        with pytest.raises(ValueError, match="backend 'nixl' is not open"):
+            r.expect(5, "r5", [1], SOURCES, "nixl", KEY)
+        r.expect(5, "r5", [1], SOURCES, "grpc", KEY)
+        assert r.poll(5) == KVPoll.WAITING_FOR_INPUT
+
+
 def die_holding_a_receiver(out) -> None:
-    r = KVReceiverEndpoint(make_config(torch_store=False))
-    out.put(r.endpoint.shm_name)
+    r = KVReceiverEndpoint(make_config(backends=SHM_ONLY))
+    out.put(r.endpoint.endpoint("shm").decode())
     out.close()
     out.join_thread()  # the name is sent before the process dies
     os._exit(3)  # no close(), no cleanup
@@ -178,10 +201,10 @@ def test_a_torch_pair_opens_only_with_the_stores_key():
     without it finds no acceptor (its hello is never answered) and a peer with it gets a pair."""
     import torch.distributed
 
-    from kv_transfer.backends.torch_p2p import PairClient
+    from kvbridge.kv_transfer.backends.torch_p2p import PairClient
 
-    with KVReceiverEndpoint(make_config(torch_store=True)) as r:
-        addr, key = r.endpoint.torch_addr, r.endpoint.torch_key
+    with KVReceiverEndpoint(make_config(backends=("torch",))) as r:
+        addr, key = r.endpoint.endpoint("torch").decode().split(" ")
         assert len(key) == 32 and key != "0" * 32
         with pytest.raises(torch.distributed.DistStoreError, match="wait timeout after 2000ms"):
             PairClient(addr, "0" * 32, 0, torch.device("cpu"), timeout_s=2)
@@ -242,7 +265,7 @@ def hand_off(receiver, stub, room: int) -> int:
 @pytest.fixture
 def patient():
     """A receiver whose streams may idle for a minute (floods stay open while a test runs)."""
-    with KVReceiverEndpoint(make_config(torch_store=False, stream_idle_s=60)) as r:
+    with KVReceiverEndpoint(make_config(backends=SHM_ONLY, stream_idle_s=60)) as r:
         yield r
 
 
@@ -294,7 +317,7 @@ def test_a_flood_from_one_peer_host_does_not_push_out_another_hosts_stream(patie
 
 
 def test_streams_that_wait_past_the_idle_limit_end_deadline_exceeded():
-    with KVReceiverEndpoint(make_config(torch_store=False, stream_idle_s=1)) as r:
+    with KVReceiverEndpoint(make_config(backends=SHM_ONLY, stream_idle_s=1)) as r:
         channel = make_channel(r.endpoint.receiver_addr)
         stub = kv_transfer_pb2_grpc.KVReceiverStub(channel)
         r.expect(5, "r5", [1, 2], SOURCES, "grpc", KEY)

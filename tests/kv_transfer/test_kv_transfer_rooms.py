@@ -8,10 +8,11 @@ import time
 
 import pytest
 
-from kv_transfer.poll import KVPoll, StatusBoard
-from kv_transfer.rooms import BadTransfer, Notice, RoomClosed, RoomNotFound, RoomTable, Source
+from kvbridge.kv_transfer.poll import KVPoll, StatusBoard
+from kvbridge.kv_transfer.rooms import BadTransfer, Notice, RoomClosed, RoomNotFound, RoomTable, Source
 
 KEY = bytes(range(16))  # the rooms' write key (the decode node mints one per room)
+DIRECT, THROUGH = True, False  # the backend writes into the pool itself (shm), or the bytes come through (grpc)
 
 BLOCK = 64  # bytes of one layer of one page
 PAGE_SIZE = 4
@@ -35,7 +36,7 @@ def notice(src, num_tokens, nbytes, layers=None, error=""):
 
 def test_data_path_room_succeeds_once_notices_and_bytes_agree():
     t = make_table()
-    t.expect(5, "r", [7, 8, 9], P_SOURCES, "grpc", KEY)
+    t.expect(5, "r", [7, 8, 9], P_SOURCES, THROUGH, KEY)
     assert t.board.poll(5) == KVPoll.WAITING_FOR_INPUT
     write(t, 5, 0, 2, 3, [7, 8])
     write(t, 5, 0, 2, 3, [8, 9])  # the partial page 8 again
@@ -49,7 +50,7 @@ def test_data_path_room_succeeds_once_notices_and_bytes_agree():
 
 def test_bytes_landing_after_the_notice_complete_the_room():
     t = make_table()
-    t.expect(5, "r", [7, 8], P_SOURCES, "torch", KEY)
+    t.expect(5, "r", [7, 8], P_SOURCES, THROUGH, KEY)
     t.done(notice(0, 8, 2 * BLOCK), 5, KEY)
     t.done(notice(1, 8, 2 * BLOCK), 5, KEY)
     assert t.board.poll(5) == KVPoll.WAITING_FOR_INPUT
@@ -60,11 +61,11 @@ def test_bytes_landing_after_the_notice_complete_the_room():
 
 def test_direct_room_counts_notice_bytes_against_the_prompt_pages():
     t = make_table()
-    t.expect(5, "r", [7, 8, 9], P_SOURCES, "shm", KEY)
+    t.expect(5, "r", [7, 8, 9], P_SOURCES, DIRECT, KEY)
     t.done(notice(0, 9, 3 * BLOCK), 5, KEY)
     t.done(notice(1, 9, 3 * BLOCK), 5, KEY)
     assert t.board.poll(5) == KVPoll.SUCCESS
-    t.expect(6, "r", [1, 2, 3], P_SOURCES, "shm", KEY)
+    t.expect(6, "r", [1, 2, 3], P_SOURCES, DIRECT, KEY)
     t.done(notice(0, 9, 2 * BLOCK), 6, KEY)  # 9 tokens need 3 pages
     with pytest.raises(BadTransfer, match="prefill rank 0 reports"):  # the sender learns why
         t.done(notice(1, 9, 3 * BLOCK), 6, KEY)
@@ -85,8 +86,8 @@ def test_direct_room_counts_notice_bytes_against_the_prompt_pages():
 )
 def test_bad_write_fails_its_room_and_names_the_value(src, lo, hi, pages, nbytes, reason):
     t = make_table()
-    t.expect(5, "r", [7, 8], P_SOURCES, "grpc", KEY)
-    t.expect(6, "other", [1, 2], P_SOURCES, "grpc", KEY)
+    t.expect(5, "r", [7, 8], P_SOURCES, THROUGH, KEY)
+    t.expect(6, "other", [1, 2], P_SOURCES, THROUGH, KEY)
     with pytest.raises(BadTransfer, match=f"^{re.escape(reason)}$"):
         t.begin_write(5, KEY, src, lo, hi, pages, len(pages) * (hi - lo) * BLOCK if nbytes is None else nbytes)
     assert t.board.poll(5) == KVPoll.FAILED
@@ -103,7 +104,7 @@ def test_unknown_room_is_not_found_and_terminal_room_is_closed():
     assert e.value.code == "NOT_FOUND"
     with pytest.raises(RoomNotFound):
         t.done(notice(0, 4, BLOCK), 99, KEY)
-    t.expect(5, "r", [7], P_SOURCES, "grpc", KEY)
+    t.expect(5, "r", [7], P_SOURCES, THROUGH, KEY)
     t.fail(5, "decode timeout")
     with pytest.raises(RoomClosed, match="room 5 is already FAILED: decode timeout") as e:
         t.begin_write(5, KEY, 0, 2, 3, [7], BLOCK)
@@ -124,7 +125,7 @@ def test_unknown_room_is_not_found_and_terminal_room_is_closed():
 )
 def test_bad_notice_fails_the_room(n, reason):
     t = make_table()
-    t.expect(5, "r", [7, 8], P_SOURCES, "shm", KEY)
+    t.expect(5, "r", [7, 8], P_SOURCES, DIRECT, KEY)
     with pytest.raises(BadTransfer):
         t.done(n, 5, KEY)
     assert t.board.reason(5) == reason
@@ -132,14 +133,14 @@ def test_bad_notice_fails_the_room(n, reason):
 
 def test_notice_with_error_fails_the_room_without_raising():
     t = make_table()
-    t.expect(5, "r", [7, 8], P_SOURCES, "torch", KEY)
+    t.expect(5, "r", [7, 8], P_SOURCES, THROUGH, KEY)
     t.done(notice(1, 4, 0, error="prefill aborted"), 5, KEY)
     assert (t.board.poll(5), t.board.reason(5)) == (KVPoll.FAILED, "prefill rank 1: prefill aborted")
 
 
 def test_more_bytes_than_the_notice_says_fails():
     t = make_table()
-    t.expect(5, "r", [7, 8], P_SOURCES, "grpc", KEY)
+    t.expect(5, "r", [7, 8], P_SOURCES, THROUGH, KEY)
     write(t, 5, 0, 2, 3, [7, 8])
     write(t, 5, 1, 3, 4, [7, 8])
     t.done(notice(1, 8, 2 * BLOCK), 5, KEY)
@@ -150,7 +151,7 @@ def test_more_bytes_than_the_notice_says_fails():
 
 def test_pages_never_written_fail_even_when_bytes_add_up():
     t = make_table()
-    t.expect(5, "r", [7, 8], P_SOURCES, "grpc", KEY)
+    t.expect(5, "r", [7, 8], P_SOURCES, THROUGH, KEY)
     write(t, 5, 0, 2, 3, [7])
     write(t, 5, 0, 2, 3, [7])  # page 8 never written
     write(t, 5, 1, 3, 4, [7, 8])
@@ -162,7 +163,7 @@ def test_pages_never_written_fail_even_when_bytes_add_up():
 
 def test_sources_must_agree_on_num_tokens():
     t = make_table()
-    t.expect(5, "r", [7, 8], P_SOURCES, "shm", KEY)
+    t.expect(5, "r", [7, 8], P_SOURCES, DIRECT, KEY)
     t.done(notice(0, 8, 2 * BLOCK), 5, KEY)
     with pytest.raises(BadTransfer):
         t.done(notice(1, 7, 2 * BLOCK), 5, KEY)
@@ -171,7 +172,7 @@ def test_sources_must_agree_on_num_tokens():
 
 def test_rank_zero_waits_for_the_first_token():
     t = make_table(rank=0, layers=(0, 2), first_token=True)
-    t.expect(5, "r", [7], P_SOURCES, "shm", KEY)  # only prefill rank 0 overlaps [0, 2)
+    t.expect(5, "r", [7], P_SOURCES, DIRECT, KEY)  # only prefill rank 0 overlaps [0, 2)
     t.done(Notice(0, 0, 2, 3, 2 * BLOCK), 5, KEY)
     assert t.board.poll(5) == KVPoll.WAITING_FOR_INPUT
     t.set_first_token(5, KEY, 42, 3)
@@ -181,7 +182,7 @@ def test_rank_zero_waits_for_the_first_token():
 
 def test_first_token_disagreeing_with_notices_fails():
     t = make_table(rank=0, layers=(0, 2), first_token=True)
-    t.expect(5, "r", [7], P_SOURCES, "shm", KEY)
+    t.expect(5, "r", [7], P_SOURCES, DIRECT, KEY)
     t.set_first_token(5, KEY, 42, 4)
     with pytest.raises(BadTransfer):
         t.done(Notice(0, 0, 2, 3, 2 * BLOCK), 5, KEY)
@@ -190,14 +191,14 @@ def test_first_token_disagreeing_with_notices_fails():
 
 def test_first_token_on_another_rank_is_a_failed_precondition():
     t = make_table()
-    t.expect(5, "r", [7], P_SOURCES, "shm", KEY)
+    t.expect(5, "r", [7], P_SOURCES, DIRECT, KEY)
     with pytest.raises(RoomClosed, match="decode rank 1 takes no first tokens"):
         t.set_first_token(5, KEY, 1, 1)
 
 
 def test_a_first_token_riding_the_notice_completes_rank_zero_in_one_message():
     t = make_table(rank=0, layers=(0, 2), first_token=True)
-    t.expect(5, "r", [7], P_SOURCES, "shm", KEY)
+    t.expect(5, "r", [7], P_SOURCES, DIRECT, KEY)
     t.done(Notice(0, 0, 2, 3, 2 * BLOCK, first_token=42), 5, KEY)
     assert t.board.poll(5) == KVPoll.SUCCESS
     assert t.first_token(5) == (42, 3)  # its prompt length is the notice's num_tokens
@@ -205,7 +206,7 @@ def test_a_first_token_riding_the_notice_completes_rank_zero_in_one_message():
 
 def test_a_notice_whose_first_token_differs_from_the_first_token_call_fails_the_room():
     t = make_table(rank=0, layers=(0, 2), first_token=True)
-    t.expect(5, "r", [7], P_SOURCES, "shm", KEY)
+    t.expect(5, "r", [7], P_SOURCES, DIRECT, KEY)
     t.set_first_token(5, KEY, 42, 3)
     with pytest.raises(BadTransfer):
         t.done(Notice(0, 0, 2, 3, 2 * BLOCK, first_token=43), 5, KEY)
@@ -215,7 +216,7 @@ def test_a_notice_whose_first_token_differs_from_the_first_token_call_fails_the_
 
 def test_a_first_token_in_a_notice_to_another_rank_is_refused():
     t = make_table()
-    t.expect(5, "r", [7], P_SOURCES, "shm", KEY)
+    t.expect(5, "r", [7], P_SOURCES, DIRECT, KEY)
     with pytest.raises(RoomClosed, match="decode rank 1 takes no first tokens"):
         t.done(Notice(0, 2, 3, 3, BLOCK, first_token=1), 5, KEY)
     assert t.board.poll(5) == KVPoll.WAITING_FOR_INPUT  # nothing recorded: the sender fails the room itself
@@ -224,18 +225,16 @@ def test_a_first_token_in_a_notice_to_another_rank_is_refused():
 def test_expect_rejects_bad_registrations():
     t = make_table()
     with pytest.raises(ValueError, match="page id 16 out of range"):
-        t.expect(5, "r", [16], P_SOURCES, "grpc", KEY)
+        t.expect(5, "r", [16], P_SOURCES, THROUGH, KEY)
     with pytest.raises(ValueError, match="repeated page ids"):
-        t.expect(5, "r", [1, 1], P_SOURCES, "grpc", KEY)
+        t.expect(5, "r", [1, 1], P_SOURCES, THROUGH, KEY)
     with pytest.raises(ValueError, match="no source overlaps"):
-        t.expect(5, "r", [1], [Source(0, 4, 6)], "grpc", KEY)
-    with pytest.raises(ValueError, match="unknown backend 'nixl'"):
-        t.expect(5, "r", [1], P_SOURCES, "nixl", KEY)
+        t.expect(5, "r", [1], [Source(0, 4, 6)], THROUGH, KEY)
 
 
 def test_forget_waits_for_copies_in_flight():
     t = make_table()
-    t.expect(5, "r", [7], P_SOURCES, "grpc", KEY)
+    t.expect(5, "r", [7], P_SOURCES, THROUGH, KEY)
     ticket = t.begin_write(5, KEY, 0, 2, 3, [7], BLOCK)
     done = threading.Event()
     th = threading.Thread(target=lambda: (t.forget(5), done.set()))
@@ -252,20 +251,20 @@ def test_forget_waits_for_copies_in_flight():
 def test_a_room_with_held_pages_expects_only_the_pages_after_them():
     """The decode node holds the prompt's first 2 pages (its prefix cache): 10 tokens need page 3 only."""
     t = make_table()
-    t.expect(5, "r", [9], P_SOURCES, "grpc", KEY, held_pages=2)
+    t.expect(5, "r", [9], P_SOURCES, THROUGH, KEY, held_pages=2)
     write(t, 5, 0, 2, 3, [9])
     t.done(notice(0, 10, BLOCK), 5, KEY)
     write(t, 5, 1, 3, 4, [9])
     t.done(notice(1, 10, BLOCK), 5, KEY)
     assert t.board.poll(5) == KVPoll.SUCCESS
     # a prompt held whole: nothing to write, the notices alone complete it (8 tokens = 2 pages)
-    t.expect(6, "r", [], P_SOURCES, "shm", KEY, held_pages=2)
+    t.expect(6, "r", [], P_SOURCES, DIRECT, KEY, held_pages=2)
     t.done(notice(0, 8, 0), 6, KEY)
     t.done(notice(1, 8, 0), 6, KEY)
     assert t.board.poll(6) == KVPoll.SUCCESS
     # a notice claiming fewer tokens than the held pages plus one written page fails the room
-    t.expect(7, "r", [10], P_SOURCES, "shm", KEY, held_pages=2)
+    t.expect(7, "r", [10], P_SOURCES, DIRECT, KEY, held_pages=2)
     with pytest.raises(BadTransfer, match=re.escape("num_tokens 8 outside [9, 12] (the room's pages)")):
         t.done(notice(0, 8, BLOCK), 7, KEY)
     with pytest.raises(ValueError, match="room 8: no pages"):
-        t.expect(8, "r", [], P_SOURCES, "shm", KEY)
+        t.expect(8, "r", [], P_SOURCES, DIRECT, KEY)

@@ -10,9 +10,9 @@ import time
 import pytest
 import torch
 
-from engine.kv_pool import KVPool
-from engine.model import stage_ranges
-from kv_transfer import (
+from kvbridge.engine.kv_pool import KVPool
+from kvbridge.engine.model import stage_ranges
+from kvbridge.kv_transfer import (
     KVPoll,
     KVReceiverEndpoint,
     NodeLayout,
@@ -22,9 +22,9 @@ from kv_transfer import (
     SenderConfig,
     make_sender,
 )
-from kv_transfer.adapters import sources_of
-from kv_transfer.poll import StatusChange
-from kv_transfer.rooms import Source
+from kvbridge.kv_transfer.adapters import sources_of
+from kvbridge.kv_transfer.poll import StatusChange
+from kvbridge.kv_transfer.rooms import Source
 
 KEY = bytes(range(16))  # the rooms' write key (the decode node mints one per room)
 
@@ -35,7 +35,7 @@ WHOLE_MODEL = [Source(0, 0, NUM_LAYERS)]  # a prefill node of one rank
 
 def make_decode(ranges, **kw) -> list[KVReceiverEndpoint]:
     return [
-        KVReceiverEndpoint(ReceiverConfig(j, lo, hi, NUM_PAGES, 4, 2, 8, torch_store=False, **kw))
+        KVReceiverEndpoint(ReceiverConfig(j, lo, hi, NUM_PAGES, 4, 2, 8, backends=("shm",), **kw))
         for j, (lo, hi) in enumerate(ranges)
     ]
 
@@ -206,7 +206,7 @@ def test_idle_torch_pair_outlives_its_timeout_through_pings():
 def test_the_first_token_rides_the_notice_to_decode_rank_zero_when_the_last_rank_feeds_it(monkeypatch, p_size):
     """P pp 1 -> D pp 1: one TransferDone carries the token. P pp 2 -> D pp 1: the last rank feeds
     rank 0 too (its layers [3, 6)), so again no FirstToken call."""
-    from kv_transfer.service import KVReceiverServicer
+    from kvbridge.kv_transfer.service import KVReceiverServicer
 
     calls = []
     first_token = KVReceiverServicer.FirstToken

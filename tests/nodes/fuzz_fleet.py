@@ -34,10 +34,13 @@ import pytest
 from hypothesis import HealthCheck, Phase
 from hypothesis import strategies as st
 
-from common import rpc
-from engine.config import PPConfig
-from kv_transfer import adapters as kv_wire
+from kvbridge.common import rpc
+from kvbridge.engine.config import PPConfig
+from kvbridge.kv_transfer import adapters as kv_wire
 from kvbridge.nodes import start_node
+from kvbridge.router.config import RouterConfig
+from kvbridge.router.server import start_router
+from kvbridge.serving.config import NodeConfig
 from kvbridge.v1 import (
     admin_pb2,
     admin_pb2_grpc,
@@ -47,9 +50,6 @@ from kvbridge.v1 import (
     prefill_pb2,
     prefill_pb2_grpc,
 )
-from router.config import RouterConfig
-from router.server import start_router
-from serving.config import NodeConfig
 from tests.conftest import hard_deadline
 from tests.pd import TINY, fleet_signed, signed_route, token_prompt
 

@@ -15,13 +15,13 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from common import rpc
-from engine.config import PPConfig
+from kvbridge.common import rpc
+from kvbridge.engine.config import PPConfig
 from kvbridge.nodes import start_node
+from kvbridge.router.config import RouterConfig
+from kvbridge.router.server import start_router
+from kvbridge.serving.config import NodeConfig
 from kvbridge.v1 import admin_pb2, common_pb2, generation_pb2, generation_pb2_grpc
-from router.config import RouterConfig
-from router.server import start_router
-from serving.config import NodeConfig
 from tests.pd import TINY, admin, start_nodes, stop_nodes, token_prompt, wait_idle
 
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING

@@ -8,17 +8,17 @@ import asyncio
 
 import pytest
 
-from common import rpc
-from common.limits import normalized_address
-from decode_node import service as decode_service
-from decode_node.service import PrefillPeers
-from kv_transfer import make_sender
-from kv_transfer import sender as sender_module
-from kv_transfer.adapters import layout_to_proto
-from kv_transfer.layout import RankInfo
+from kvbridge.common import rpc
+from kvbridge.common.limits import normalized_address
+from kvbridge.decode_node import service as decode_service
+from kvbridge.decode_node.service import PrefillPeers
+from kvbridge.kv_transfer import make_sender
+from kvbridge.kv_transfer import sender as sender_module
+from kvbridge.kv_transfer.adapters import layout_to_proto
+from kvbridge.kv_transfer.layout import RankInfo
+from kvbridge.router import pool as pool_module
+from kvbridge.router.pool import NodePool, PoolFull
 from kvbridge.v1 import prefill_pb2, prefill_pb2_grpc
-from router import pool as pool_module
-from router.pool import NodePool, PoolFull
 from tests.kv_transfer.test_kv_transfer_sender import layout_of, make_prefill_pool
 from tests.pd import fleet_signed
 

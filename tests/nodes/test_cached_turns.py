@@ -13,15 +13,15 @@ from types import SimpleNamespace
 import grpc
 import pytest
 
-from common import blocks, rpc
-from common.sampling import SamplingParams
-from engine.batch import ForwardBatch
-from engine.config import PPConfig
+from kvbridge.common import blocks, rpc
+from kvbridge.common.sampling import SamplingParams
+from kvbridge.engine.batch import ForwardBatch
+from kvbridge.engine.config import PPConfig
 from kvbridge.nodes import start_node
+from kvbridge.pipeline.log import ADMIT, REUSE, Admitted, LogEntry, Pages
+from kvbridge.pipeline.stage import StageLoop
+from kvbridge.serving.config import NodeConfig
 from kvbridge.v1 import common_pb2, generation_pb2, generation_pb2_grpc, kv_events_pb2, kv_events_pb2_grpc
-from pipeline.log import ADMIT, REUSE, Admitted, LogEntry, Pages
-from pipeline.stage import StageLoop
-from serving.config import NodeConfig
 from tests.conftest import make_llm
 from tests.pd import TINY, clear_cache, metric_total, pd_generate, status, token_prompt, wait_idle
 

@@ -12,12 +12,12 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from common import rpc
-from common.metrics import OUTCOMES
+from kvbridge.common import rpc
+from kvbridge.common.metrics import OUTCOMES
+from kvbridge.router.config import RouterConfig
+from kvbridge.router.metrics import RETRY_REASONS
+from kvbridge.router.server import start_router
 from kvbridge.v1 import common_pb2, generation_pb2, generation_pb2_grpc
-from router.config import RouterConfig
-from router.metrics import RETRY_REASONS
-from router.server import start_router
 from tests.pd import start_nodes, stop_nodes, token_prompt, wait_idle
 
 REQUESTS = 500

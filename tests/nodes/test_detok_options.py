@@ -11,8 +11,8 @@ from dataclasses import replace
 
 import pytest
 
-from common import rpc
-from common.sampling import SamplingParams, to_proto
+from kvbridge.common import rpc
+from kvbridge.common.sampling import SamplingParams, to_proto
 from kvbridge.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from tests.conftest import make_llm, make_prompts
 from tests.pd import TINY

@@ -23,10 +23,10 @@ from collections import Counter
 import grpc
 import pytest
 
-from common import rpc
+from kvbridge.common import rpc
+from kvbridge.router.config import RouterConfig
+from kvbridge.router.server import start_router
 from kvbridge.v1 import admin_pb2, common_pb2, generation_pb2, generation_pb2_grpc
-from router.config import RouterConfig
-from router.server import start_router
 from tests.pd import admin, token_prompt
 
 LIVENESS_BOUND_S = 1.0  # router/dispatch.py: a killed node's requests are retried or failed within this

@@ -18,14 +18,14 @@ import grpc
 import pytest
 import torch
 
-from common import rpc, security
-from common.security import Security, message_proof
-from decode_node.role import destination_problem
-from engine.pages import PageAllocator
-from engine.prefix_cache import PrefixCache
-from kv_transfer import adapters as kv_wire
-from kv_transfer.backends.shm import map_segment
 from kvbridge.cli import build_parser
+from kvbridge.common import rpc, security
+from kvbridge.common.security import Security, message_proof
+from kvbridge.decode_node.role import destination_problem
+from kvbridge.engine.pages import PageAllocator
+from kvbridge.engine.prefix_cache import PrefixCache
+from kvbridge.kv_transfer import adapters as kv_wire
+from kvbridge.kv_transfer.backends.shm import map_segment
 from kvbridge.v1 import common_pb2, generation_pb2, generation_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from tests.pd import TINY, fleet_signed, pd_generate, signed_route, start_nodes, stop_nodes, token_prompt, wait_idle
 
@@ -89,7 +89,7 @@ def decode_pool(d) -> torch.Tensor:
     """Decode rank 0's whole pool, mapped from /dev/shm as its owner's processes can."""
     layout = d.node.layout
     rank = layout.ranks[0]
-    return map_segment(rank.shm_name, layout.geometry.pool_bytes(layout.num_pages, rank.layers))
+    return map_segment(rank.endpoint("shm").decode(), layout.geometry.pool_bytes(layout.num_pages, rank.layers))
 
 
 def test_a_route_not_signed_by_the_fleet_is_permission_denied_before_any_prefill_node_is_called(fleet, impostor):
@@ -215,7 +215,7 @@ def test_cached_or_shared_pages_are_never_a_handoff_destination():
 
 def key_of(cache: Path) -> subprocess.Popen:
     """A fresh process that prints its default fleet key (KVBRIDGE_CACHE=cache)."""
-    code = "from common.security import default_fleet_key; print(default_fleet_key().decode())"
+    code = "from kvbridge.common.security import default_fleet_key; print(default_fleet_key().decode())"
     env = {**os.environ, "KVBRIDGE_CACHE": str(cache), "PYTHONPATH": str(ROOT)}
     return subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
 

@@ -10,10 +10,12 @@ from dataclasses import replace
 import grpc
 import pytest
 
-from common import rpc
-from common.sampling import SamplingParams
-from engine.config import PPConfig
+from kvbridge.common import rpc
+from kvbridge.common.sampling import SamplingParams
+from kvbridge.engine.config import PPConfig
 from kvbridge.nodes import start_node
+from kvbridge.serving.config import NodeConfig
+from kvbridge.serving.kv_events import MAX_WATCHERS_PER_CALLER
 from kvbridge.v1 import (
     common_pb2,
     generation_pb2,
@@ -26,8 +28,6 @@ from kvbridge.v1 import (
     prefill_pb2_grpc,
 )
 from kvbridge.v1.admin_pb2 import ListRequestsRequest
-from serving.config import NodeConfig
-from serving.kv_events import MAX_WATCHERS_PER_CALLER
 from tests.conftest import make_llm
 from tests.kv_transfer.test_kv_transfer_receiver import Held, wait_until
 from tests.pd import TINY, admin, clear_cache, metric_total, pd_generate, signed_route, status, token_prompt, wait_idle

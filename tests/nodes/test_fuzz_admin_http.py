@@ -17,8 +17,8 @@ import grpc
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from kvbridge.router.config import parse_address
 from kvbridge.v1 import admin_pb2, admin_pb2_grpc
-from router.config import parse_address
 from tests.nodes.fuzz_fleet import (
     SCALES,
     SETTINGS,

@@ -14,8 +14,8 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from common import rpc
-from common.limits import normalized_address
+from kvbridge.common import rpc
+from kvbridge.common.limits import normalized_address
 from kvbridge.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from tests.nodes.fuzz_fleet import (
     CALL_S,

@@ -11,14 +11,13 @@ after each test the fleet is healthy and idle (`report`).
 from __future__ import annotations
 
 import secrets
-import string
 from dataclasses import dataclass
 
 import grpc
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kv_transfer import adapters as kv_wire
+from kvbridge.kv_transfer import adapters as kv_wire
 from kvbridge.v1 import (
     generation_pb2_grpc,
     kv_transfer_pb2,
@@ -74,6 +73,18 @@ def mutate_layout(draw, layout: prefill_pb2.KVLayout) -> prefill_pb2.KVLayout:
     return out
 
 
+ENDPOINTS = {  # (backend, endpoint data) -> whether that backend accepts it from a peer
+    ("shm", b"kvbridge-1-0-ab"): True,
+    ("shm", b"/etc/passwd"): False,
+    ("shm", b""): False,
+    ("torch", b"127.0.0.1:1 " + b"0f" * 16): True,
+    ("torch", b"127.0.0.1:1"): False,
+    ("cuda_ipc", b"\x00\xff"): False,
+    ("grpc", b""): True,
+    ("nixl", b"zz"): True,  # unknown to the node: dropped, not refused
+}
+
+
 def layout_expect(m: prefill_pb2.KVLayout, prefill: prefill_pb2.KVLayout) -> Expect:
     """The layout contract (proto/kvbridge/v1/prefill.proto): ranks listed from 0 whose layer ranges
     tile [0, num_layers), positive sizes, a known dtype (INVALID_ARGUMENT otherwise); then the same
@@ -82,8 +93,7 @@ def layout_expect(m: prefill_pb2.KVLayout, prefill: prefill_pb2.KVLayout) -> Exp
     for i, r in enumerate(m.ranks):
         tiled = tiled and r.rank == i and r.layer_start == start and r.layer_end > r.layer_start
         start = r.layer_end
-    handles = [r.shm_name.removeprefix("cuda-ipc:") for r in m.ranks if r.shm_name.startswith("cuda-ipc:")]
-    hex_ok = all(len(h) % 2 == 0 and all(ch in string.hexdigits for ch in h) for h in handles)
+    hex_ok = all(ENDPOINTS.get((n, d), True) for r in m.ranks for n, d in r.endpoints.items())
     sizes = m.page_size and m.num_pages and m.num_kv_heads and m.head_dim
     if not (tiled and start == m.num_layers and sizes and m.dtype in ("float32", "float16", "bfloat16") and hex_ok):
         return Expect([(C.INVALID_ARGUMENT, "decode_layout")])
@@ -146,7 +156,8 @@ def _endpoints(draw, m):
     if m.ranks:
         r = m.ranks[draw(st.integers(0, len(m.ranks) - 1))]
         r.receiver_addr = draw(st.sampled_from(["", "127.0.0.1:1", "nowhere"]))
-        r.shm_name = draw(st.sampled_from(["", "cuda-ipc:zz", "cuda-ipc:0", "cuda-ipc:00ff", "/etc/passwd"]))
+        name, data = draw(st.sampled_from(sorted(ENDPOINTS)))
+        r.endpoints[name] = data
 
 
 MUTATIONS = {

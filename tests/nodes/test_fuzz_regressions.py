@@ -17,9 +17,10 @@ from dataclasses import replace
 import grpc
 import pytest
 
-from common.sampling import MAX_BAD_WORD_CHARS, MAX_BAD_WORDS, MAX_STOP_STRING_CHARS, MAX_STOP_TOKEN_IDS
-from engine.config import PPConfig
+from kvbridge.common.sampling import MAX_BAD_WORD_CHARS, MAX_BAD_WORDS, MAX_STOP_STRING_CHARS, MAX_STOP_TOKEN_IDS
+from kvbridge.engine.config import PPConfig
 from kvbridge.nodes import start_node
+from kvbridge.serving.config import NodeConfig
 from kvbridge.v1 import (
     admin_pb2,
     admin_pb2_grpc,
@@ -30,7 +31,6 @@ from kvbridge.v1 import (
     prefill_pb2,
     prefill_pb2_grpc,
 )
-from serving.config import NodeConfig
 from tests.nodes.fuzz_fleet import (
     CALL_S,
     C,

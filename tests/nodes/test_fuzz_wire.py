@@ -16,22 +16,23 @@ from __future__ import annotations
 import collections
 import itertools
 import json
+import re
 
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from common.sampling import MIN_TEMPERATURE, SamplingParams
-from consensus.codec import RoundMsg, Tally
-from consensus.types import Ruling, Stream, Verdict
-from engine.batch import ForwardBatch
-from kv_transfer import adapters as kv_wire
-from kv_transfer.handoff import Destination, Registration
-from kv_transfer.layout import DTYPES, NodeLayout, PageGeometry, RankInfo, incompatibility
-from kv_transfer.rooms import Source
-from kvbridge.v1 import prefill_pb2
-from pipeline import codec
-from pipeline.log import (
+from kvbridge.common.sampling import MIN_TEMPERATURE, SamplingParams
+from kvbridge.consensus.codec import RoundMsg, Tally
+from kvbridge.consensus.types import Ruling, Stream, Verdict
+from kvbridge.engine.batch import ForwardBatch
+from kvbridge.kv_transfer import adapters as kv_wire
+from kvbridge.kv_transfer.backends import cuda_ipc
+from kvbridge.kv_transfer.handoff import Destination, Registration
+from kvbridge.kv_transfer.layout import DTYPES, Endpoint, NodeLayout, PageGeometry, RankInfo, incompatibility
+from kvbridge.kv_transfer.rooms import Source
+from kvbridge.pipeline import codec
+from kvbridge.pipeline.log import (
     ADMIT,
     APPEND,
     CONTROL,
@@ -48,6 +49,7 @@ from pipeline.log import (
     Message,
     Pages,
 )
+from kvbridge.v1 import prefill_pb2
 from tests.nodes.fuzz_fleet import SCALES, say, summary
 
 # default examples per test (x SLOW_SCALE under -m slow)
@@ -120,13 +122,46 @@ IDS = st.lists(st.integers(0, 2**31), max_size=4).map(tuple)
 U31 = st.integers(0, 2**31)
 
 
+IPC_HANDLE = cuda_ipc._pack_bytes(cuda_ipc._FIXED.pack(0, 1 << 20, 0, 0, 0, False), b"h" * 64, b"r", b"e")
+ENDPOINT_DATA = {  # well-formed values of each backend's endpoint, and near misses
+    "shm": st.sampled_from([b"kvbridge-1-0-ab", b"", b"kvbridge-", b"/etc/passwd", b"kvbridge-a/b"]),
+    "torch": st.sampled_from(
+        [b"127.0.0.1:2 " + b"ab" * 16, b"127.0.0.1:2", b"h:0 " + b"0" * 32, b"h:1 AB" + b"0" * 30]
+    ),
+    "cuda_ipc": st.sampled_from([IPC_HANDLE, IPC_HANDLE[:-1], b"\x00\xff", b""]),
+    "grpc": st.sampled_from([b""]),
+    "nixl": st.sampled_from([b"", b"agent-1"]),  # a backend this node does not know: dropped
+}
+SHM_NAME = re.compile(r"^kvbridge-[A-Za-z0-9_.-]{1,200}$")
+TORCH_ENDPOINT = re.compile(r"^[^ ]+:([0-9]+) [0-9a-f]{32}$")
+
+
+def endpoint_ok(name: str, data: bytes) -> bool:
+    """The endpoint contract, written out here (proto/kvbridge/v1/prefill.proto RankEndpoint)."""
+    text = data.decode("ascii", "replace")
+    if name == "shm":
+        return bool(SHM_NAME.match(text))
+    if name == "torch":
+        m = TORCH_ENDPOINT.match(text)
+        return bool(m) and 0 < int(m.group(1)) < 65536
+    if name == "cuda_ipc":
+        return data == IPC_HANDLE
+    return True
+
+
+@st.composite
+def rank_endpoints(draw) -> dict[str, bytes]:
+    names = draw(st.lists(st.sampled_from(sorted(ENDPOINT_DATA)) | TEXT, max_size=4, unique=True))
+    return {n: draw(ENDPOINT_DATA.get(n, st.binary(max_size=8))) for n in names}
+
+
 @st.composite
 def node_layouts(draw) -> NodeLayout:
     """A layout as the Bootstrap service admits one (ranks tiling the layers)."""
     cuts = sorted(set(draw(st.lists(st.integers(1, 63), max_size=3))))
     bounds = [0, *cuts, 64]
     ranks = tuple(
-        RankInfo(i, lo, hi, draw(TEXT), draw(TEXT), draw(TEXT), draw(st.binary(max_size=8)), draw(TEXT))
+        RankInfo(i, lo, hi, draw(TEXT), tuple(Endpoint(n, d) for n, d in draw(rank_endpoints()).items()))
         for i, (lo, hi) in enumerate(itertools.pairwise(bounds))
     )
     geometry = PageGeometry(draw(U31), draw(U31), draw(U31), draw(st.sampled_from(sorted(DTYPES))))
@@ -333,13 +368,6 @@ def test_a_mutated_consensus_round_is_refused_or_canonical(scale):
 # ---------------------------------------------------------------------- KV layouts
 
 U32 = st.integers(0, 2**32 - 1)
-SHM_NAMES = st.one_of(
-    st.sampled_from(
-        ["", "kvbridge-1-0-ab", "cuda-ipc:", "cuda-ipc:00ff", "cuda-ipc:AB cd", "cuda-ipc:0", "cuda-ipc:zz"]
-    ),
-    TEXT,
-    st.binary(max_size=8).map(lambda b: kv_wire.CUDA_IPC_PREFIX + b.hex()),
-)
 
 
 @st.composite
@@ -352,8 +380,7 @@ def endpoints(draw, i: int, start: int, tiled: bool) -> prefill_pb2.RankEndpoint
         layer_start=start,
         layer_end=end,
         receiver_addr=draw(st.sampled_from(["", "127.0.0.1:1"]) | TEXT),
-        shm_name=draw(SHM_NAMES),
-        torch_addr=draw(st.sampled_from(["", "127.0.0.1:2"]) | TEXT),
+        endpoints=draw(rank_endpoints()),
     )
 
 
@@ -387,22 +414,14 @@ def kv_layouts(draw) -> prefill_pb2.KVLayout:
     )
 
 
-def handle_hex(shm_name: str) -> str | None:
-    """The canonical hex of a "cuda-ipc:" handle, or None when it is not hex."""
-    try:
-        return bytes.fromhex(shm_name.removeprefix(kv_wire.CUDA_IPC_PREFIX)).hex()
-    except ValueError:
-        return None
-
-
 def is_valid(m: prefill_pb2.KVLayout) -> bool:
     """The layout contract (proto/kvbridge/v1/prefill.proto, kv_transfer/adapters.py)."""
     start, tiled = 0, bool(m.ranks)
     for i, r in enumerate(m.ranks):
         tiled = tiled and r.rank == i and r.layer_start == start and r.layer_end > r.layer_start
         start = r.layer_end
-    ipc = [r.shm_name for r in m.ranks if r.shm_name.startswith(kv_wire.CUDA_IPC_PREFIX)]
-    handles = all(handle_hex(name) is not None for name in ipc)
+    known = {"shm", "torch", "cuda_ipc", "grpc"}  # (registered here; others are dropped unread)
+    handles = all(endpoint_ok(n, d) for r in m.ranks for n, d in r.endpoints.items() if n in known)
     sizes = m.page_size and m.num_pages and m.num_kv_heads and m.head_dim
     return bool(tiled and start == m.num_layers and sizes and m.dtype in DTYPES and handles)
 
@@ -422,10 +441,9 @@ def test_a_kv_layout_is_decoded_or_refused(scale):
         assert valid, f"accepted a layout that breaks the contract: {m}"
         expected = prefill_pb2.KVLayout()
         expected.CopyFrom(m)
-        for r in expected.ranks:  # a handle comes back in lower-case hex, an empty one as no name
-            if r.shm_name.startswith(kv_wire.CUDA_IPC_PREFIX):
-                h = handle_hex(r.shm_name)
-                r.shm_name = kv_wire.CUDA_IPC_PREFIX + h if h else ""
+        for r in expected.ranks:  # a backend this node does not know is dropped
+            for name in [n for n in r.endpoints if n not in {"shm", "torch", "cuda_ipc", "grpc"}]:
+                del r.endpoints[name]
         assert kv_wire.layout_to_proto(layout) == expected
         assert layout.layer_ranges[0][0] == 0 and layout.layer_ranges[-1][1] == layout.num_layers
         assert layout.geometry.layer_block_bytes > 0 and incompatibility(layout, layout) == ""

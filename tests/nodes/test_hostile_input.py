@@ -12,9 +12,11 @@ from dataclasses import replace
 import grpc
 import pytest
 
-from common import rpc
-from common.sampling import SamplingParams
-from kv_transfer import adapters as kv_wire
+from kvbridge.common import rpc
+from kvbridge.common.sampling import SamplingParams
+from kvbridge.kv_transfer import adapters as kv_wire
+from kvbridge.router.config import RouterConfig
+from kvbridge.router.server import start_router
 from kvbridge.v1 import (
     admin_pb2,
     admin_pb2_grpc,
@@ -26,8 +28,6 @@ from kvbridge.v1 import (
     prefill_pb2,
     prefill_pb2_grpc,
 )
-from router.config import RouterConfig
-from router.server import start_router
 from tests.conftest import make_llm
 from tests.pd import (
     TINY,
@@ -106,9 +106,9 @@ def test_a_bad_rid_straight_to_a_generation_node_is_invalid_argument(fleet, colo
 
 @pytest.fixture(scope="module")
 def colocated():
-    from engine.config import PPConfig
+    from kvbridge.engine.config import PPConfig
     from kvbridge.nodes import start_node
-    from serving.config import NodeConfig
+    from kvbridge.serving.config import NodeConfig
 
     node = start_node("colocated", NodeConfig(TINY, PPConfig(pp_size=2)))
     yield node

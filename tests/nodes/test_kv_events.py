@@ -7,11 +7,11 @@ import asyncio
 
 import pytest
 
-from engine.prefix_cache import CLEARED, REMOVED, STORED
+from kvbridge.engine.prefix_cache import CLEARED, REMOVED, STORED
+from kvbridge.pipeline.messages import CacheEvents
+from kvbridge.serving import kv_events
+from kvbridge.serving.kv_events import KVEventHub
 from kvbridge.v1 import kv_events_pb2
-from pipeline.messages import CacheEvents
-from serving import kv_events
-from serving.kv_events import KVEventHub
 
 K = kv_events_pb2.KVEvent
 

@@ -12,8 +12,8 @@ import time
 import grpc
 import pytest
 
-from common import rpc
-from engine.config import PPConfig
+from kvbridge.common import rpc
+from kvbridge.engine.config import PPConfig
 from kvbridge.v1 import (
     admin_pb2,
     admin_pb2_grpc,
@@ -43,7 +43,7 @@ def start_prefill_process(*flags: str) -> tuple[subprocess.Popen, str]:
 
 def test_decode_fails_requests_waiting_for_a_dead_prefill_node_and_frees_their_pages():
     from kvbridge.nodes import start_node
-    from serving.config import NodeConfig
+    from kvbridge.serving.config import NodeConfig
 
     decode = start_node("decode", NodeConfig(TINY, PPConfig(pp_size=2), transfer_backend="shm"))
     victim, p_addr = start_prefill_process("--fault-inject", "step_delay_ms=1000")  # prefills for seconds

@@ -9,18 +9,21 @@ import json
 
 import pytest
 
-from common.sampling import SamplingParams
-from kv_transfer.handoff import Destination, Registration
-from kv_transfer.layout import NodeLayout, PageGeometry, RankInfo
-from kv_transfer.rooms import Source
-from pipeline import codec
-from pipeline.log import ADMIT, APPEND, FINISH, RETRACT, ROUTE, Admitted, Appended, LogEntry, Message, Pages
+from kvbridge.common.sampling import SamplingParams
+from kvbridge.kv_transfer.handoff import Destination, Registration
+from kvbridge.kv_transfer.layout import Endpoint, NodeLayout, PageGeometry, RankInfo
+from kvbridge.kv_transfer.rooms import Source
+from kvbridge.pipeline import codec
+from kvbridge.pipeline.log import ADMIT, APPEND, FINISH, RETRACT, ROUTE, Admitted, Appended, LogEntry, Message, Pages
 
 LAYOUT = NodeLayout(
     PageGeometry(16, 3, 64, "bfloat16"),
     num_layers=30,
     num_pages=512,
-    ranks=(RankInfo(0, 0, 15, "127.0.0.1:7001", "kvb-1"), RankInfo(1, 15, 30, cuda_ipc_handle=b"\x00\xff")),
+    ranks=(
+        RankInfo(0, 0, 15, "127.0.0.1:7001", (Endpoint("shm", b"kvbridge-1"), Endpoint("grpc"))),
+        RankInfo(1, 15, 30, endpoints=(Endpoint("cuda_ipc", b"\x00\xff"),)),
+    ),
     model_fingerprint="f00",
     backends=("shm", "grpc"),
 )
@@ -44,7 +47,9 @@ def test_every_record_crosses_the_wire_as_it_was():
     msg = Message("control", ENTRIES)
     assert Message.decode(msg.encode()) == msg
     raw = json.loads(msg.encode())["decisions"][1][4]
-    assert raw["secret"] == bytes(range(16)).hex() and raw["decode"]["ranks"][1]["cuda_ipc_handle"] == "00ff"
+    assert raw["secret"] == bytes(range(16)).hex() and raw["decode"]["ranks"][1]["endpoints"] == [
+        {"backend": "cuda_ipc", "data": "00ff"}
+    ]
 
 
 @pytest.mark.parametrize(

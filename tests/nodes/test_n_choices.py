@@ -16,11 +16,11 @@ from urllib.request import urlopen
 import grpc
 import pytest
 
-from common import rpc
-from engine.config import PPConfig
+from kvbridge.common import rpc
+from kvbridge.engine.config import PPConfig
 from kvbridge.nodes import start_node
+from kvbridge.serving.config import NodeConfig
 from kvbridge.v1 import common_pb2, generation_pb2, generation_pb2_grpc, prefill_pb2, prefill_pb2_grpc
-from serving.config import NodeConfig
 from tests.pd import TINY, clear_cache, metric_total, pd_generate, signed_route, token_prompt, wait_idle
 
 PS = TINY.page_size

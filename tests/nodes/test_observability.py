@@ -10,8 +10,8 @@ from urllib.request import urlopen
 
 import pytest
 
-from engine.config import EngineConfig
 from kvbridge.demo import QUESTIONS, run_traffic, start_fleet
+from kvbridge.engine.config import EngineConfig
 from tests.prom import PrometheusServer, check_metrics, prometheus_path, promtool_path
 
 

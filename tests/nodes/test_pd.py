@@ -6,7 +6,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from common.sampling import SamplingParams
+from kvbridge.common.sampling import SamplingParams
 from tests.conftest import make_llm, make_prompts
 from tests.pd import TINY, clear_cache, in_parallel, pd_generate, start_nodes, stop_nodes, token_prompt, wait_idle
 

@@ -6,12 +6,12 @@ import random
 
 import pytest
 
-from common.sampling import SamplingParams
-from engine.batch import ForwardBatch
-from engine.config import EngineConfig, PPConfig
-from pipeline.group import RankGroup
-from pipeline.log import ABORT, ADMIT, STEP, Admitted, LogEntry, Message
-from pipeline.messages import Finish
+from kvbridge.common.sampling import SamplingParams
+from kvbridge.engine.batch import ForwardBatch
+from kvbridge.engine.config import EngineConfig, PPConfig
+from kvbridge.pipeline.group import RankGroup
+from kvbridge.pipeline.log import ABORT, ADMIT, STEP, Admitted, LogEntry, Message
+from kvbridge.pipeline.messages import Finish
 from tests.conftest import make_llm, make_prompts
 
 TINY = {"model": "tiny-random", "page_size": 4, "kv_cache_tokens": 8192}
@@ -106,7 +106,7 @@ def test_two_hosts_share_one_pipeline(tiny_model, hard_timeout_per_test):
     """--num_hosts 2: each "host" (here: a RankGroup on the same machine) starts its own ranks."""
     import threading
 
-    from common.net import free_port
+    from kvbridge.common.net import free_port
 
     addr = f"127.0.0.1:{free_port()}"
     config = EngineConfig(**TINY, chunked_prefill_size=16)

@@ -12,8 +12,8 @@ import time
 import grpc
 import pytest
 
-from common import rpc
-from kv_transfer.backends.shm import NAME_PREFIX, SHM_DIR, remove_stale_segments
+from kvbridge.common import rpc
+from kvbridge.kv_transfer.backends.shm import NAME_PREFIX, SHM_DIR, remove_stale_segments
 from kvbridge.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from tests.e2e.test_load import Process, process_tree
 from tests.pd import pd_generate, token_prompt

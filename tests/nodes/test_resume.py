@@ -11,12 +11,12 @@ import secrets
 import grpc
 import pytest
 
-from common import rpc
-from common.text.detok import TextStream
-from engine.config import PPConfig
+from kvbridge.common import rpc
+from kvbridge.common.text.detok import TextStream
+from kvbridge.engine.config import PPConfig
 from kvbridge.nodes import start_node
+from kvbridge.serving.config import NodeConfig
 from kvbridge.v1 import common_pb2, generation_pb2, generation_pb2_grpc, prefill_pb2, prefill_pb2_grpc
-from serving.config import NodeConfig
 from tests.pd import TINY, signed_route, start_nodes, stop_nodes, token_prompt, wait_idle
 
 PROMPT = [(7 * j) % 250 + 3 for j in range(10)]

@@ -12,7 +12,7 @@ from urllib.request import urlopen
 import grpc
 import pytest
 
-from common.sampling import SamplingParams
+from kvbridge.common.sampling import SamplingParams
 from tests.conftest import make_llm, make_prompts
 from tests.pd import TINY, in_parallel, pd_generate, start_nodes, stop_nodes, token_prompt, wait_idle
 
@@ -22,9 +22,9 @@ D_POOL_TOKENS = 96  # 24 pages of 4; eight requests grow to about 14 pages each
 
 @pytest.fixture(scope="module")
 def fleet(hard_timeout):
-    from engine.config import PPConfig
+    from kvbridge.engine.config import PPConfig
     from kvbridge.nodes import start_node
-    from serving.config import NodeConfig
+    from kvbridge.serving.config import NodeConfig
 
     nodes = start_nodes({"p": ("prefill", 1)})
     nodes["d"] = start_node(

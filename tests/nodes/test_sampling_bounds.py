@@ -11,8 +11,8 @@ import secrets
 import grpc
 import pytest
 
-from common import rpc
-from common.sampling import (
+from kvbridge.common import rpc
+from kvbridge.common.sampling import (
     MAX_BAD_WORD_TOKENS,
     MAX_BAD_WORDS,
     MAX_BAD_WORDS_TOKENS,

@@ -10,12 +10,12 @@ import re
 import grpc
 import pytest
 
-from common import rpc
-from common.sampling import SamplingParams, to_proto
-from engine.config import PPConfig
+from kvbridge.common import rpc
+from kvbridge.common.sampling import SamplingParams, to_proto
+from kvbridge.engine.config import PPConfig
 from kvbridge.nodes import start_node
+from kvbridge.serving.config import NodeConfig
 from kvbridge.v1 import generation_pb2, generation_pb2_grpc
-from serving.config import NodeConfig
 from tests.conftest import make_llm, make_prompts
 from tests.pd import TINY, in_parallel, pd_generate, start_nodes, stop_nodes, token_prompt, wait_idle
 
@@ -165,10 +165,10 @@ def test_token_ids_outside_the_vocabulary_are_refused(fleet):
 
 
 def test_the_new_wire_fields_round_trip_and_malformed_ones_are_refused():
-    from engine.batch import ForwardBatch
-    from engine.logits import Logprob, logprob_from_proto, logprob_to_proto
+    from kvbridge.engine.batch import ForwardBatch
+    from kvbridge.engine.logits import Logprob, logprob_from_proto, logprob_to_proto
+    from kvbridge.pipeline.log import ADMIT, APPEND, STEP, Admitted, Appended, LogEntry, Message
     from kvbridge.v1 import common_pb2
-    from pipeline.log import ADMIT, APPEND, STEP, Admitted, Appended, LogEntry, Message
 
     params = SamplingParams(logit_bias=((5, 1.5),), bad_words=("ab",), bad_words_ids=((97, 98),), logprobs=3,
                             prompt_logprobs=0, allowed_token_ids=(1, 2), json_object=True)  # fmt: skip

@@ -16,13 +16,13 @@ from dataclasses import replace
 import grpc
 import pytest
 
-from common import rpc
-from common.sampling import SamplingParams, to_proto
-from engine.config import EngineConfig, PPConfig
+from kvbridge.common import rpc
+from kvbridge.common.sampling import SamplingParams, to_proto
+from kvbridge.engine.config import EngineConfig, PPConfig
+from kvbridge.pipeline.group import RankGroup
+from kvbridge.router.config import RouterConfig
+from kvbridge.router.server import start_router
 from kvbridge.v1 import generation_pb2, generation_pb2_grpc, prefill_pb2, prefill_pb2_grpc
-from pipeline.group import RankGroup
-from router.config import RouterConfig
-from router.server import start_router
 from tests.conftest import make_llm, make_prompts
 from tests.pd import TINY, in_parallel, signed_route, start_nodes, stop_nodes, token_prompt, wait_idle
 
@@ -239,8 +239,8 @@ def test_streamed_chat_through_the_router_with_p_and_d(llm, fleet):
 def test_stop_token_ids_outside_the_vocabulary_are_not_masked():
     import torch
 
-    from engine.request import Request
-    from engine.sampler import sample
+    from kvbridge.engine.request import Request
+    from kvbridge.engine.sampler import sample
 
     logits = torch.tensor([[0.0, 3.0, 1.0, 2.0]])
     req = Request("r", [1], SamplingParams(min_tokens=2, stop_token_ids=(1, 10**9)), None)

@@ -14,12 +14,12 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from common import rpc
-from common.sampling import SamplingParams
-from engine.config import EngineConfig, PPConfig
+from kvbridge.common import rpc
+from kvbridge.common.sampling import SamplingParams
+from kvbridge.engine.config import EngineConfig, PPConfig
 from kvbridge.nodes import start_node
+from kvbridge.serving.config import NodeConfig
 from kvbridge.v1 import admin_pb2, admin_pb2_grpc, common_pb2, generation_pb2, generation_pb2_grpc
-from serving.config import NodeConfig
 from tests.conftest import make_llm, make_prompts
 
 TINY = EngineConfig(model="tiny-random", page_size=4, kv_cache_tokens=8192, chunked_prefill_size=16)
@@ -161,7 +161,7 @@ def test_serve_command_is_not_serving_while_loading_then_serves_and_stops_on_sig
 
 def test_sigterm_drains_finishes_requests_in_flight_frees_shared_memory_and_exits_0(tmp_path):
     from kvbridge.nodes import start_node
-    from serving.config import NodeConfig
+    from kvbridge.serving.config import NodeConfig
     from tests.pd import TINY as PD_TINY
     from tests.pd import pd_generate, token_prompt
 

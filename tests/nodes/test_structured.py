@@ -12,14 +12,14 @@ import grpc
 import jsonschema
 import pytest
 
-from common import rpc
-from common.sampling import SamplingParams, to_proto
-from engine.config import PPConfig
+from kvbridge.common import rpc
+from kvbridge.common.sampling import SamplingParams, to_proto
+from kvbridge.engine.config import PPConfig
 from kvbridge.nodes import start_node
+from kvbridge.router.config import RouterConfig
+from kvbridge.router.server import start_router
+from kvbridge.serving.config import NodeConfig
 from kvbridge.v1 import generation_pb2, generation_pb2_grpc, prefill_pb2, prefill_pb2_grpc
-from router.config import RouterConfig
-from router.server import start_router
-from serving.config import NodeConfig
 from tests.pd import TINY, in_parallel, pd_generate, signed_route, start_nodes, stop_nodes, token_prompt, wait_idle
 
 PERSON = {

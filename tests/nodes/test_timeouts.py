@@ -12,8 +12,8 @@ from urllib.request import urlopen
 import grpc
 import pytest
 
-from common import rpc
-from engine.config import PPConfig
+from kvbridge.common import rpc
+from kvbridge.engine.config import PPConfig
 from kvbridge.v1 import (
     admin_pb2,
     admin_pb2_grpc,
@@ -42,7 +42,7 @@ def prefill_call(addr: str, ids: list[int], room: int, max_new_tokens: int = 4):
 
 def test_a_prefill_request_without_registration_times_out_and_frees_its_pages():
     from kvbridge.nodes import start_node
-    from serving.config import NodeConfig
+    from kvbridge.serving.config import NodeConfig
 
     p = start_node("prefill", NodeConfig(replace(TINY, bootstrap_timeout_s=1.0), PPConfig(pp_size=2), metrics_port=0))
     try:
@@ -62,7 +62,7 @@ def test_a_prefill_request_without_registration_times_out_and_frees_its_pages():
 
 def test_decode_prealloc_and_transfer_timeouts_fail_the_request_and_free_both_sides():
     from kvbridge.nodes import start_node
-    from serving.config import NodeConfig
+    from kvbridge.serving.config import NodeConfig
 
     # P prefills slowly (0.8 s a step); D holds one request's pages at a time and gives up quickly
     p = start_node("prefill", NodeConfig(replace(TINY, fault_inject="step_delay_ms=800"), PPConfig(), metrics_port=0))
@@ -109,7 +109,7 @@ def test_decode_prealloc_and_transfer_timeouts_fail_the_request_and_free_both_si
 
 def test_a_node_at_its_request_limit_answers_resource_exhausted_at_once():
     from kvbridge.nodes import start_node
-    from serving.config import NodeConfig
+    from kvbridge.serving.config import NodeConfig
 
     node = start_node(
         "colocated", NodeConfig(replace(TINY, max_pending_requests=2, fault_inject="step_delay_ms=100"), PPConfig())
@@ -136,7 +136,7 @@ def test_a_node_at_its_request_limit_answers_resource_exhausted_at_once():
 
 def test_a_lost_transfer_notice_ends_in_the_prefill_transfer_timeout_and_the_decode_side_follows():
     from kvbridge.nodes import start_node
-    from serving.config import NodeConfig
+    from kvbridge.serving.config import NodeConfig
 
     p = start_node(
         "prefill",

@@ -20,9 +20,9 @@ import openai
 import pytest
 import trustme
 
-from common import rpc
-from common.sampling import SamplingParams
-from common.security import Security, auth_metadata
+from kvbridge.common import rpc
+from kvbridge.common.sampling import SamplingParams
+from kvbridge.common.security import Security, auth_metadata
 from kvbridge.v1 import admin_pb2, admin_pb2_grpc, common_pb2, generation_pb2, generation_pb2_grpc
 from tests.conftest import make_llm
 from tests.e2e.test_load import KVBRIDGE, Process, process_tree, stop_all

@@ -11,10 +11,10 @@ from dataclasses import replace
 import grpc
 import pytest
 
-from common.sampling import SamplingParams
-from engine.config import PPConfig
+from kvbridge.common.sampling import SamplingParams
+from kvbridge.engine.config import PPConfig
 from kvbridge.nodes import start_node
-from serving.config import NodeConfig
+from kvbridge.serving.config import NodeConfig
 from tests.conftest import make_llm, make_prompts
 from tests.pd import TINY, pd_generate, token_prompt, wait_idle
 

@@ -9,12 +9,12 @@ import time
 import grpc
 import pytest
 
-from common.rpc import make_channel
-from engine.config import PPConfig
-from kv_transfer import KVReceiverEndpoint
+from kvbridge.common.rpc import make_channel
+from kvbridge.engine.config import PPConfig
+from kvbridge.kv_transfer import KVReceiverEndpoint
 from kvbridge.nodes import start_node
+from kvbridge.serving.config import NodeConfig
 from kvbridge.v1 import admin_pb2
-from serving.config import NodeConfig
 from tests.kv_transfer.test_kv_transfer_receiver import make_config
 from tests.pd import TINY, admin
 

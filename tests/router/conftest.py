@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from router.config import RouterConfig
-from router.server import start_router
+from kvbridge.router.config import RouterConfig
+from kvbridge.router.server import start_router
 from tests.router.fakes import FakeNode, Rooms
 
 

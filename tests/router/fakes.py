@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2
 
-from common import rpc
-from common.text.tokenizer import Tokenizer
+from kvbridge.common import rpc
+from kvbridge.common.text.tokenizer import Tokenizer
 from kvbridge.v1 import (
     admin_pb2,
     admin_pb2_grpc,

@@ -11,14 +11,14 @@ import grpc
 import pytest
 from safetensors.torch import save_file
 
-from common import rpc
-from common.sampling import SamplingParams
-from engine.config import EngineConfig
-from engine.llm import LLM
-from engine.weights import TINY_CONFIG, tiny_random
+from kvbridge.common import rpc
+from kvbridge.common.sampling import SamplingParams
+from kvbridge.engine.config import EngineConfig
+from kvbridge.engine.llm import LLM
+from kvbridge.engine.weights import TINY_CONFIG, tiny_random
+from kvbridge.router.config import RouterConfig
+from kvbridge.router.server import start_router
 from kvbridge.v1 import common_pb2, generation_pb2, generation_pb2_grpc
-from router.config import RouterConfig
-from router.server import start_router
 from tests.conftest import make_llm, make_prompts
 from tests.pd import TINY, in_parallel, pd_generate, start_nodes, status, stop_nodes, token_prompt, wait_idle
 

@@ -14,13 +14,14 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from common import __version__, rpc
-from engine.config import PPConfig
+from kvbridge import __version__
+from kvbridge.common import rpc
+from kvbridge.engine.config import PPConfig
 from kvbridge.nodes import start_node
+from kvbridge.router.config import RouterConfig
+from kvbridge.router.server import Router, start_router
+from kvbridge.serving.config import NodeConfig
 from kvbridge.v1 import admin_pb2, admin_pb2_grpc, common_pb2, generation_pb2, generation_pb2_grpc
-from router.config import RouterConfig
-from router.server import Router, start_router
-from serving.config import NodeConfig
 from tests.pd import TINY, status, wait_idle
 from tests.router.fakes import wait_until
 

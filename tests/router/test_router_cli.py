@@ -10,8 +10,8 @@ import urllib.request
 import grpc
 import pytest
 
-from common import rpc
-from common.logs import parse_line
+from kvbridge.common import rpc
+from kvbridge.common.logs import parse_line
 from kvbridge.v1 import common_pb2, generation_pb2_grpc
 from tests.router.fakes import FakeNode, Rooms, make_request
 

@@ -8,12 +8,12 @@ import socket
 
 import pytest
 
-from common import rpc
+from kvbridge.common import rpc
+from kvbridge.router.config import RouterConfig
+from kvbridge.router.discovery import Discovery, DnsTarget, parse_target, resolve
+from kvbridge.router.pool import NodePool
+from kvbridge.router.server import start_router
 from kvbridge.v1 import generation_pb2_grpc
-from router.config import RouterConfig
-from router.discovery import Discovery, DnsTarget, parse_target, resolve
-from router.pool import NodePool
-from router.server import start_router
 from tests.router.fakes import make_request, wait_until
 
 

@@ -13,8 +13,8 @@ import urllib.request
 import grpc
 import pytest
 
-from common import rpc
-from common.security import message_proof_ok
+from kvbridge.common import rpc
+from kvbridge.common.security import message_proof_ok
 from kvbridge.v1 import admin_pb2, admin_pb2_grpc
 from tests.router.fakes import generate, make_request, router_stub, wait_until
 

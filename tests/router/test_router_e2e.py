@@ -17,14 +17,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from common import rpc
-from common.blocks import block_hashes
-from engine.config import EngineConfig, PPConfig
+from kvbridge.common import rpc
+from kvbridge.common.blocks import block_hashes
+from kvbridge.engine.config import EngineConfig, PPConfig
 from kvbridge.nodes import start_node
+from kvbridge.router.config import RouterConfig
+from kvbridge.router.server import start_router
+from kvbridge.serving.config import NodeConfig
 from kvbridge.v1 import common_pb2, generation_pb2, generation_pb2_grpc
-from router.config import RouterConfig
-from router.server import start_router
-from serving.config import NodeConfig
 from tests.conftest import make_prompts
 from tests.pd import status
 from tests.router.fakes import make_request, wait_until

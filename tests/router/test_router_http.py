@@ -15,10 +15,10 @@ import time
 import grpc
 import pytest
 
-from common import rpc
+from kvbridge.common import rpc
+from kvbridge.router.config import RouterConfig
+from kvbridge.router.server import start_router
 from kvbridge.v1 import generation_pb2, generation_pb2_grpc
-from router.config import RouterConfig
-from router.server import start_router
 from tests.router.fakes import make_request, wait_until
 
 BODY = json.dumps({"prompt": [1, 2, 3]}).encode()

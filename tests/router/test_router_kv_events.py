@@ -11,8 +11,8 @@ import urllib.request
 import grpc
 import pytest
 
-from common import rpc
-from common.blocks import block_hashes
+from kvbridge.common import rpc
+from kvbridge.common.blocks import block_hashes
 from kvbridge.v1 import admin_pb2, admin_pb2_grpc, common_pb2, generation_pb2
 from tests.router.fakes import TOKENIZER, make_request, router_stub, wait_until
 

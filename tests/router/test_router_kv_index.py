@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from kvbridge.router.kv_index import CLEARED, REMOVED, STORED, Batch, BlockIndex, Event, batch_from_proto
 from kvbridge.v1 import kv_events_pb2
-from router.kv_index import CLEARED, REMOVED, STORED, Batch, BlockIndex, Event, batch_from_proto
 
 
 def snapshot(seq: int, hashes, page_size: int = 4) -> Batch:

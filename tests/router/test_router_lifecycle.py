@@ -10,7 +10,7 @@ import socket
 
 import pytest
 
-from router.answer import Fanout
+from kvbridge.router.answer import Fanout
 from tests.router.fakes import make_request, wait_until
 from tests.router.test_router_http import first_event
 

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from router.config import RouterConfig
+from kvbridge.router.config import RouterConfig
 from tests.router.fakes import FakeNode, Rooms, wait_until
 
 HARD_TIMEOUT_S = 300

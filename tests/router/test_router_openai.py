@@ -10,10 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvbridge.router.failures import RouteError
+from kvbridge.router.openai_api import BadRequest, error_body, parse_request
+from kvbridge.router.reply import Reply
 from kvbridge.v1 import common_pb2, generation_pb2
-from router.failures import RouteError
-from router.openai_api import BadRequest, error_body, parse_request
-from router.reply import Reply
 
 
 def parse(chat: bool = False, **body):

@@ -8,12 +8,12 @@ from dataclasses import dataclass
 
 import pytest
 
-from common.blocks import block_hashes
-from router.config import RouterConfig
-from router.kv_index import STORED, Batch, Event
-from router.policy import Policy
-from router.pool import NodePool
-from router.prompts import PromptBlocks
+from kvbridge.common.blocks import block_hashes
+from kvbridge.router.config import RouterConfig
+from kvbridge.router.kv_index import STORED, Batch, Event
+from kvbridge.router.policy import Policy
+from kvbridge.router.pool import NodePool
+from kvbridge.router.prompts import PromptBlocks
 
 
 @dataclass

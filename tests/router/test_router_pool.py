@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from common.rpc import EventLoop
-from router.config import RouterConfig, parse_address
-from router.pool import NodePool
+from kvbridge.common.rpc import EventLoop
+from kvbridge.router.config import RouterConfig, parse_address
+from kvbridge.router.pool import NodePool
 
 
 def make_pool(*roles: str, healthy: bool = True) -> NodePool:

@@ -13,8 +13,8 @@ from itertools import pairwise
 import grpc
 import pytest
 
-from router.cli import config_from_args
-from router.config import RouterConfig
+from kvbridge.router.cli import config_from_args
+from kvbridge.router.config import RouterConfig
 from tests.router.fakes import generate, make_request, router_stub, wait_until
 
 UNAVAILABLE, EXHAUSTED = grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED

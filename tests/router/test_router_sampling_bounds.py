@@ -11,7 +11,7 @@ import json
 import grpc
 import pytest
 
-from common import rpc
+from kvbridge.common import rpc
 from kvbridge.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from tests.sampling_bounds import OVER_LIMITS, OverLimit, at_the_limits, sampling_of
 

@@ -12,11 +12,11 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from common import rpc
-from common.limits import room_tag
+from kvbridge.common import rpc
+from kvbridge.common.limits import room_tag
+from kvbridge.router.config import RouterConfig
+from kvbridge.router.server import start_router
 from kvbridge.v1 import admin_pb2, admin_pb2_grpc, generation_pb2_grpc
-from router.config import RouterConfig
-from router.server import start_router
 from tests.pd import wait_idle
 from tests.router.fakes import generate, make_request, wait_until
 
