@@ -125,6 +125,29 @@ def test_the_layers_import_downward_only():
     assert wrong == []
 
 
+def drawing() -> str:
+    """The package-level import graph, top layer first: each package and the packages it imports
+    (all below it). docs/architecture.md shows this drawing; the test below keeps the two equal."""
+    files = product_files()
+    edges: dict[str, set[str]] = defaultdict(set)
+    for module, path in files.items():
+        src = package_of(module)
+        edges[src] |= {package_of(t) for t in imports_of(path, module)} - {src}
+    short = lambda pkg: pkg.removeprefix("kvbridge.") if pkg != "kvbridge" else "kvbridge (__init__)"  # noqa: E731
+    lines = []
+    for layer in reversed(LAYERS):
+        for pkg in layer:
+            below = sorted(edges[pkg], key=lambda d: (-LEVEL[d], d))
+            lines.append(f"{short(pkg):<14} -> {', '.join(map(short, below))}".rstrip(" ->"))
+    return "\n".join(lines)
+
+
+def test_the_drawing_in_the_docs_is_the_import_graph():
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    start = doc.index("```imports\n") + len("```imports\n")
+    assert doc[start : doc.index("\n```", start)] == drawing()
+
+
 def reachable(roots: set[str], files: dict[str, pathlib.Path]) -> dict[str, str]:
     """Every product module an import of `roots` runs (a module's packages' __init__ included),
     each with the module that first imported it."""
