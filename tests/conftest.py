@@ -116,6 +116,14 @@ def hard_timeout_per_test(request):
 
 
 @pytest.fixture(autouse=True)
+def kvbridge_logs_reach_caplog():
+    """common/logs.py setup (which a router or CLI started in this process runs) stops the `kvbridge`
+    loggers, every module's included, from propagating to the root logger, where caplog listens:
+    each test starts with them propagating again."""
+    logging.getLogger("kvbridge").propagate = True
+
+
+@pytest.fixture(autouse=True)
 def node_invariants():
     """After every test: each node still running is idle within 15 s and passes its invariant
     checks (serving/server.py NodeServer.check_invariants)."""

@@ -62,6 +62,7 @@ def test_bad_input_is_one_line_naming_the_value_and_exit_2(args, message):
     assert "Traceback" not in r.stderr
 
 
+@pytest.mark.long
 def test_chat_on_the_default_model_answers_in_english():
     r = kvbridge("generate", "--chat", "What is the capital of France?", "--max-new-tokens", "24", "--json")
     assert r.returncode == 0, r.stderr
@@ -70,7 +71,10 @@ def test_chat_on_the_default_model_answers_in_english():
     assert "dequantizing" in r.stderr or r.stderr == ""  # progress shows only when the cache is cold
 
 
-@pytest.mark.parametrize("pp_flags", [["--pp-size", "2"], ["--pp-size", "3", "--enable-dynamic-chunking"]])
+@pytest.mark.parametrize(
+    "pp_flags",
+    [["--pp-size", "2"], pytest.param(["--pp-size", "3", "--enable-dynamic-chunking"], marks=pytest.mark.long)],
+)
 def test_generate_on_pipeline_ranks_equals_one_process(pp_flags):
     args = ["generate", "--chat", "Name a fruit.", "--chat", "What is 2+2?", "--max-new-tokens", "16", "--json"]
     args += ["--chunked-prefill-size", "16", "--quiet"]

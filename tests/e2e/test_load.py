@@ -611,6 +611,7 @@ async def trickle_while(port: int, slow_port: int, body: dict) -> tuple[Answer, 
             writer.close()
 
 
+@pytest.mark.long
 def test_five_hundred_trickling_clients_do_not_stop_a_stream(fleet):
     [body] = make_chats(1, seed=4)
     answer, held, closed = asyncio.run(trickle_while(fleet.router.http_port, fleet.slow_router.http_port, body))

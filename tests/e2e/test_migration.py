@@ -164,7 +164,14 @@ def drain(node: NodeProcess) -> None:
     assert node.proc.wait(timeout=60) == 0
 
 
-@pytest.mark.parametrize("how", [kill_node, kill_rank, drain], ids=["kill-9", "rank-killed", "drained"])
+@pytest.mark.parametrize(
+    "how",
+    [
+        pytest.param(kill_node, id="kill-9"),
+        pytest.param(kill_rank, id="rank-killed", marks=pytest.mark.long),
+        pytest.param(drain, id="drained", marks=pytest.mark.long),
+    ],
+)
 def test_every_stream_of_a_lost_decode_node_completes_equal_to_the_undisturbed_run(fleet, router_phases, how):
     check_failover(*fleet, router_phases, how)
 

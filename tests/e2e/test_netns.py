@@ -202,6 +202,7 @@ def cut_fleet(net):
     return procs
 
 
+@pytest.mark.long
 def test_a_cable_pulled_mid_transfer_fails_the_request_in_bounded_time_and_leaks_nothing(net, cut_fleet, reference):
     p, d, r = (cut_fleet[name].address for name in ("slow-prefill", "cut-decode", "router-cut"))
     client, rid = net["router"], "cut-1"

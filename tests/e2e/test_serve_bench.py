@@ -41,6 +41,7 @@ def run_bench(capsys, argv: list[str]) -> list[dict]:
 # ---------------------------------------------------------------------------- end to end
 
 
+@pytest.mark.long
 def test_sweep_serves_every_prompt_at_its_exact_output_length_on_both_stacks(capsys, tokenizer):
     argv = ["--num-prompts", "8", "--request-rates", "4,inf", "--random-input-len", "48", "--random-output-len",
             "12", "--random-range-ratio", "0.5", "--goodput", "ttft:60000", "e2el:60000", "--warmups", "1",
@@ -124,6 +125,7 @@ def test_interference_mode_pins_the_nodes_and_reports_both_windows(capsys):
     }
 
 
+@pytest.mark.long
 def test_handoff_mode_pairs_each_prompt_across_both_stacks_of_child_processes(capsys):
     argv = ["--mode", "handoff", "--num-prompts", "6", "--random-input-len", "24", "--random-output-len", "3"]
     rows = run_bench(capsys, argv)

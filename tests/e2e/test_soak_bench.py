@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from kvbridge.bench import soak
 from kvbridge.cli import build_parser
 
 
+@pytest.mark.long
 def test_short_soak_with_many_transfer_failures_leaks_nothing(capsys):
     code = soak.main(
         [

@@ -7,9 +7,12 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from kvbridge.bench import startup
 
 
+@pytest.mark.long
 def test_a_first_start_and_a_restart_are_timed_to_serving():
     out = subprocess.run(
         [sys.executable, "-m", "kvbridge", "bench", "startup", "--model", "tiny-random", "--restarts", "1", "--json"],

@@ -280,7 +280,9 @@ def clients(fleet):
     made.close()
 
 
-@pytest.mark.parametrize("count", [100, pytest.param(1000, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "count", [pytest.param(100, marks=pytest.mark.long), pytest.param(1000, marks=pytest.mark.slow)]
+)
 def test_a_storm_of_cancelled_streams_leaves_nothing_in_flight_and_every_process_as_it_started(
     fleet, clients, count, tmp_path
 ):

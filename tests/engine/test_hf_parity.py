@@ -41,6 +41,7 @@ def hf_logits(model, ids: list[int]) -> torch.Tensor:
         return model(torch.tensor([ids])).logits[0].float()
 
 
+@pytest.mark.long
 def test_default_model_greedy_equals_transformers_on_8_chat_prompts(default_model, hf_default):
     llm = LLM(EngineConfig(dtype="float32"), model=default_model, progress=False)
     tok = llm.tokenizer

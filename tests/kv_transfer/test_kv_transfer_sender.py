@@ -184,6 +184,7 @@ def test_worker_survives_an_unreachable_decode_rank():
             receiver.close()
 
 
+@pytest.mark.long
 def test_idle_torch_pair_outlives_its_timeout_through_pings():
     [receiver] = [KVReceiverEndpoint(ReceiverConfig(0, 0, 6, NUM_PAGES, 4, 2, 8, torch_timeout_s=1.5))]
     config = SenderConfig(torch_timeout_s=1.5, tick_s=0.05)

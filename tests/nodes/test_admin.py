@@ -111,6 +111,7 @@ def assert_idle(*addrs: str) -> None:
         assert st.requests_in_flight == 0 and st.transfers_in_flight == 0, (addr, st)
 
 
+@pytest.mark.long
 def test_abort_in_every_phase_ends_the_request_and_frees_both_nodes(fleet):
     p, d, router = fleet
     # decoding (D) while another waits for D's pages: prealloc on D and bootstrap on P at once

@@ -212,6 +212,7 @@ def test_a_node_without_the_cache_finds_nothing(tiny_model):
         node.stop()
 
 
+@pytest.mark.long
 def test_an_eviction_storm_through_a_pair_leaks_nothing_and_changes_no_output(tiny_model, hard_timeout):
     """300 requests over 20 shared prefixes, 24 at a time, through P (pp 2) and D (pp 2) whose
     pools hold a fraction of the prefixes: both evict all the time (D retracts too); outputs

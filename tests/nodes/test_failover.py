@@ -253,6 +253,7 @@ def test_a_killed_prefill_node_has_its_requests_retried_and_the_decode_node_free
 NODE_TIMEOUT_S = 3.0  # the prefill nodes' --bootstrap-timeout-s and --transfer-timeout-s
 
 
+@pytest.mark.long
 def test_a_killed_decode_node_has_its_streams_migrated_or_retried_and_the_prefill_nodes_free_its_rooms(router_phases):
     # P: 0.2 s a step, so that prompts finish prefilling one after another; D: 0.1 s a step
     p_flags = ("--fault-inject", "step_delay_ms=200", "--bootstrap-timeout-s", str(NODE_TIMEOUT_S),

@@ -36,9 +36,9 @@ from tests.relay import Relay
 PROMPT = list(range(5, 69))  # 64 tokens: 16 pages of 4
 MAX_NEW = 8
 SHARE = 48 / 1024  # of the prefill node's 1024 pages: one caller's unregistered requests hold at most 48 (3 prompts)
-HOLD_S = 15.0  # the prefill node's --unregistered-timeout-s
-BOOT_S = 25.0  # its --bootstrap-timeout-s (from the Prefill call)
-IDLE_S = 20.0  # the decode node's --kv-stream-idle-s (a hand-off on a loaded machine takes far less)
+HOLD_S = 8.0  # the prefill node's --unregistered-timeout-s
+BOOT_S = 12.0  # its --bootstrap-timeout-s (from the Prefill call)
+IDLE_S = 8.0  # the decode node's --kv-stream-idle-s (a hand-off on a loaded machine takes far less)
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +89,7 @@ def test_silent_kv_streams_from_a_local_client_do_not_fail_a_grpc_hand_off(fleet
     assert timed_out == {
         (
             grpc.StatusCode.DEADLINE_EXCEEDED,
-            "no PageChunk within 20 s of the stream's start (the KV stream idle limit, --kv-stream-idle-s)",
+            f"no PageChunk within {IDLE_S:g} s of the stream's start (the KV stream idle limit, --kv-stream-idle-s)",
         )
     }
     channel.close()
@@ -138,7 +138,8 @@ def test_unregistered_prefills_of_one_caller_hold_their_share_for_a_while_and_an
     for u in calls:
         if u.rid in held:
             why[u] = (
-                f"the decode node did not register room {u.room} within 15 s of its prefill (--unregistered-timeout-s)"
+                f"the decode node did not register room {u.room} within {HOLD_S:g} s of its prefill "
+                "(--unregistered-timeout-s)"
             )
         else:
             why[u] = f"the decode node did not register room {u.room} within {BOOT_S:g} s"

@@ -41,6 +41,7 @@ def start_prefill_process(*flags: str) -> tuple[subprocess.Popen, str]:
     return proc, line.split("listening on ")[1].strip()
 
 
+@pytest.mark.long
 def test_decode_fails_requests_waiting_for_a_dead_prefill_node_and_frees_their_pages():
     from kvbridge.nodes import start_node
     from kvbridge.serving.config import NodeConfig

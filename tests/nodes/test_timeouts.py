@@ -60,6 +60,7 @@ def test_a_prefill_request_without_registration_times_out_and_frees_its_pages():
         p.stop()
 
 
+@pytest.mark.long
 def test_decode_prealloc_and_transfer_timeouts_fail_the_request_and_free_both_sides():
     from kvbridge.nodes import start_node
     from kvbridge.serving.config import NodeConfig
@@ -134,6 +135,7 @@ def test_a_node_at_its_request_limit_answers_resource_exhausted_at_once():
         node.stop()
 
 
+@pytest.mark.long
 def test_a_lost_transfer_notice_ends_in_the_prefill_transfer_timeout_and_the_decode_side_follows():
     from kvbridge.nodes import start_node
     from kvbridge.serving.config import NodeConfig

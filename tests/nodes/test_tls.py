@@ -6,6 +6,7 @@ guards Admin on every process; neither key shows in logs or GetConfig."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import secrets
 import socket
@@ -234,14 +235,19 @@ def test_every_port_refuses_plaintext_certificate_less_and_foreign_clients(fleet
     sockets = listening_sockets(pids)
     right, none, foreign = certs.client(), certs.client(cert=""), certs.client(certs.foreign_cert, certs.foreign_key)
     tls_ports, inter_rank = {}, []
-    for label, host, port in sockets:
-        assert host in LOOPBACK, (label, host, port)
+
+    def talks(port: int) -> bool:
         try:
             handshake(port, right, H2_PREFACE, connect_s=2)
-            talks = True
+            return True
         except (ssl.SSLError, ConnectionError, TimeoutError):  # (a TCPStore never answers a ClientHello)
-            talks = False
-        if talks:
+            return False
+
+    assert all(host in LOOPBACK for _, host, _ in sockets), sockets
+    with concurrent.futures.ThreadPoolExecutor(len(sockets)) as pool:  # (the silent ones time out together)
+        answers = list(pool.map(talks, [port for _, _, port in sockets]))
+    for (label, _, port), tls in zip(sockets, answers):
+        if tls:
             tls_ports[port] = label
         else:
             inter_rank.append((label, port))

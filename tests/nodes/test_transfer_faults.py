@@ -31,7 +31,9 @@ def reference(tiny_model, hard_timeout):
     return prompts, outputs
 
 
-@pytest.mark.parametrize("rate", [0.01, 0.1, 0.5])
+@pytest.mark.parametrize(
+    "rate", [pytest.param(0.01, marks=pytest.mark.long), 0.1, pytest.param(0.5, marks=pytest.mark.long)]
+)
 def test_transfer_failures_on_one_rank(reference, rate):
     prompts, expected = reference
     p_config = replace(TINY, fault_inject=f"rank1:transfer_fail={rate},seed=3")

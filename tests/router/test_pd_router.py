@@ -129,6 +129,7 @@ def test_mismatched_layouts_fail_with_failed_precondition_and_both_keep_serving(
         stop_nodes(odd)
 
 
+@pytest.mark.long
 def test_default_model_pp2_x_pp2_equals_colocated_on_8_chat_prompts(default_model, hard_timeout):
     config = EngineConfig(kv_cache_tokens=4096, chunked_prefill_size=64)
     nodes = start_nodes(
