@@ -117,10 +117,13 @@ def hard_timeout_per_test(request):
 
 @pytest.fixture(autouse=True)
 def kvbridge_logs_reach_caplog():
-    """common/logs.py setup (which a router or CLI started in this process runs) stops the `kvbridge`
-    loggers, every module's included, from propagating to the root logger, where caplog listens:
-    each test starts with them propagating again."""
-    logging.getLogger("kvbridge").propagate = True
+    """common/logs.py setup (which a bench, demo or CLI run in this process calls) sets the `kvbridge`
+    loggers' level, every module's included (a bench: error), and stops them propagating to the
+    root logger, where caplog listens: each test starts with both as Python's defaults (a test that
+    needs a level sets it)."""
+    root = logging.getLogger("kvbridge")
+    root.propagate = True
+    root.setLevel(logging.NOTSET)
 
 
 @pytest.fixture(autouse=True)

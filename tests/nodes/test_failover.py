@@ -184,6 +184,7 @@ def router_peers(router) -> list[admin_pb2.RequestInfo]:
 # ---------------------------------------------------------------------- a prefill node dies
 
 
+@pytest.mark.long
 def test_a_killed_prefill_node_has_its_requests_retried_and_the_decode_node_frees_their_pages(router_phases):
     # P: 0.3 s a step (a prompt prefills in two: a wide window to catch some prefilling), and each
     # request held 1.5 s in `transferring`;
