@@ -247,12 +247,27 @@ class RankFiles:
 # ---------------------------------------------------------------------- read at scrape time
 
 
+# A request counts as waiting, for the gateway gauges below, in the queues where it waits to be
+# computed on this node: the scheduler's waiting queue, choices waiting for their prompt, and a
+# decode node's prealloc, transfer and retracted queues. (A prefill node's bootstrap and inflight
+# queues hold requests whose prompt is computed: their pages count in the KV usage, not here.)
+WAITING_QUEUES = ("waiting", "forked", "prealloc", "transfer", "retracted")
+
+
 class StatusCollector(Collector):
     """Gauges read from a node's status when scraped: queues, KV pages per rank, rank liveness,
-    transfers in flight, draining. `status()` returns the dict of node_status (or raises)."""
+    transfers in flight, draining. `status()` returns the dict of node_status (or raises).
 
-    def __init__(self, status: Callable[[], dict]):
+    With `model` (the served model's name) and `page_size`, also the gauges the Kubernetes inference
+    gateway's model-server protocol reads, under vLLM's names (its endpoint picker's default,
+    pod label llm-d.ai/engine-type: vllm) and with vLLM's meaning: vllm:num_requests_running (the
+    scheduler's running batch), vllm:num_requests_waiting (WAITING_QUEUES), vllm:kv_cache_usage_perc
+    (pages held by requests over the pool, 0 to 1; idle prefix-cache pages count as free, as
+    vLLM's evictable blocks do) and vllm:cache_config_info{block_size,num_gpu_blocks}."""
+
+    def __init__(self, status: Callable[[], dict], model: str = "", page_size: int = 0):
         self.status = status
+        self.model, self.page_size = model, page_size
 
     def collect(self) -> Iterable[GaugeMetricFamily]:
         try:
@@ -284,7 +299,35 @@ class StatusCollector(Collector):
             pages.add_metric(["in_use"], cache["cached_pages"] - cache["idle_pages"])
             pages.add_metric(["idle"], cache["idle_pages"])
             families.append(pages)
+        if self.model:
+            families += self._gateway(st)
         return families
+
+    def _gateway(self, st: dict) -> list[GaugeMetricFamily]:
+        label, queues = [self.model], st["queues"]
+        running = GaugeMetricFamily(
+            "vllm:num_requests_running", "Requests in the running batch (vLLM's meaning)", labels=["model_name"]
+        )
+        running.add_metric(label, queues.get("running", 0))
+        waiting = GaugeMetricFamily(
+            "vllm:num_requests_waiting",
+            "Requests waiting to be computed on this node (vLLM's meaning; kvbridge_queue_requests has each queue)",
+            labels=["model_name"],
+        )
+        waiting.add_metric(label, sum(queues.get(q, 0) for q in WAITING_QUEUES))
+        usage = GaugeMetricFamily(
+            "vllm:kv_cache_usage_perc",
+            "KV cache pages held by requests, 0 to 1 (vLLM's meaning)",
+            labels=["model_name"],
+        )
+        usage.add_metric(label, st["pages_used"] / st["pages_total"] if st["pages_total"] else 0.0)
+        info = GaugeMetricFamily(
+            "vllm:cache_config_info",
+            "The KV cache's page size (block_size, tokens) and pages (num_gpu_blocks); value 1",
+            labels=["model_name", "block_size", "num_gpu_blocks"],
+        )
+        info.add_metric([self.model, str(self.page_size), str(st["pages_total"])], 1)
+        return [running, waiting, usage, info]
 
 
 # ---------------------------------------------------------------------- /metrics

@@ -70,6 +70,13 @@ def build_parser() -> argparse.ArgumentParser:
             help="on SIGTERM: admit nothing, let requests in flight finish this long, fail the rest (default: 30)",
         )  # fmt: skip
         node.add_argument("--quiet", action="store_true", help="no progress output")
+        if role == "colocated":
+            node.add_argument(
+                "--http-port", type=int, default=-1,
+                help="also serve the OpenAI-compatible HTTP API (and GET /health) from this process on this port "
+                "(0: a free one, printed when ready; default -1: off)",
+            )  # fmt: skip
+            node.add_argument("--api-key-file", default="", help="with --http-port: clients must send this bearer key")
         add_tls_flags(node)
 
     from kvbridge.admin_cli import add_admin_parser
@@ -176,8 +183,11 @@ def cmd_node(args: argparse.Namespace) -> int:
     The server is bound first (health NOT_SERVING, Admin answering) and serves once the ranks are up."""
     from kvbridge.common import logs, rpc, security
 
+    http_port = getattr(args, "http_port", -1)  # (kvbridge serve only)
+    if not -1 <= http_port < 65536:
+        raise UsageError(f"--http-port must be in [0, 65535] (or -1: off), got {http_port}")
     try:  # before any server or channel exists; the ranks get it from the node
-        rpc.configure(security.from_flags(args))
+        rpc.configure(security.from_flags(args, api_key_file=getattr(args, "api_key_file", "")))
     except ValueError as e:
         raise UsageError(str(e)) from None
     if not args.shutdown_grace_s >= 0:
@@ -202,9 +212,21 @@ def cmd_node(args: argparse.Namespace) -> int:
         load_node(server, role, config, progress)
     except (ValueError, FileNotFoundError) as e:
         raise UsageError(str(e)) from None
+    http = None
+    if http_port >= 0:
+        from kvbridge.router.cli import start_http_api
+
+        try:
+            http = start_http_api(server.address, args.host, http_port)
+        except ValueError as e:  # the port is taken
+            server.stop(grace_s=0)
+            raise UsageError(str(e)) from None
+        metrics = f", http on {args.host}:{http.http_port}{metrics}"
     print(f"kvbridge {args.command}: listening on {server.address}{metrics}", file=sys.stderr, flush=True)
     server.on_death = stop.set
     stop.wait()
+    if http is not None:  # (first: it stops taking requests, and those in flight finish on the node)
+        http.stop(grace_s=args.shutdown_grace_s)
     if server.dead:  # its streams are failed already; a supervisor restarts a node that exits non-zero
         print(f"kvbridge {args.command}: error: pipeline rank {server.dead[0]} died", file=sys.stderr, flush=True)
         server.stop(grace_s=0)

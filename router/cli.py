@@ -64,6 +64,18 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         raise ValueError(message) from None
 
 
+def start_http_api(node_address: str, host: str, http_port: int):
+    """The OpenAI-compatible HTTP API of one colocated node, served from the node's own process
+    (`kvbridge serve --http-port`): the router's HTTP front over that node alone, no gRPC port of
+    its own (the node's has Admin and health). The caller configured rpc security (its API key)."""
+    from kvbridge.common import heap
+    from kvbridge.router.server import start_router
+
+    heap.map_large_blocks()
+    sys.setswitchinterval(GIL_SWITCH_S)
+    return start_router(RouterConfig(host=host, port=-1, http_port=http_port, colocated=(node_address,)))
+
+
 def run_router(args: argparse.Namespace) -> int:
     """Serve until SIGINT or SIGTERM. Bad flag values: one line on stderr, exit status 2."""
     from kvbridge.common import heap, rpc, security

@@ -18,7 +18,8 @@ class RouterConfig:
     host: str = setting("127.0.0.1", "address every server binds (gRPC, HTTP, metrics)")
     port: int = setting(
         50050,
-        "gRPC port: Generation, Admin (unless --admin-port), health, reflection (0: a free one, printed when ready)",
+        "gRPC port: Generation, Admin (unless --admin-port), health, reflection (0: a free one, printed when ready; "
+        "-1: none, the HTTP API only)",
     )
     http_port: int = setting(8000, "OpenAI-compatible HTTP port (0: a free one, printed when ready)")
     colocated: tuple[str, ...] = setting(
@@ -121,10 +122,10 @@ class RouterConfig:
     )
 
     def __post_init__(self) -> None:
-        for name in ("port", "http_port"):
-            value = getattr(self, name)
-            if not 0 <= value < 65536:
-                raise ValueError(f"{name} must be in [0, 65535], got {value}")
+        if not -1 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535] (or -1: no gRPC), got {self.port}")
+        if not 0 <= self.http_port < 65536:
+            raise ValueError(f"http_port must be in [0, 65535], got {self.http_port}")
         if not -1 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port must be -1 (off) or in [0, 65535], got {self.metrics_port}")
         if not -1 <= self.admin_port < 65536:

@@ -58,9 +58,12 @@ class Dispatcher:
         """A new request would be routed now: not draining, and some node could serve it."""
         return not self.draining and self.can_route()
 
-    def route(self, request: generation_pb2.GenerateRequest, timeout_s: float | None = None) -> Routed:
+    def route(
+        self, request: generation_pb2.GenerateRequest, timeout_s: float | None = None, prefill: tuple = ()
+    ) -> Routed:
         """Start routing a (checked) request; iterate the result (`async for`) for its responses.
-        The deadline of every upstream call is now + min(timeout_s, request_timeout_s)."""
+        The deadline of every upstream call is now + min(timeout_s, request_timeout_s). `prefill`:
+        the pool's prefill nodes a gateway chose (pool.prefill_nodes_at), tried before any other."""
         req = generation_pb2.GenerateRequest()
         req.CopyFrom(request)
         req.rid = req.rid or uuid.uuid4().hex
@@ -70,7 +73,7 @@ class Dispatcher:
             s.seed = secrets.randbits(63)
         limit = self.config.request_timeout_s
         budget = limit if timeout_s is None else min(timeout_s, limit)
-        return Routed(self, req, time.monotonic() + budget)
+        return Routed(self, req, time.monotonic() + budget, prefill)
 
     async def aclose(self) -> None:
         """Cancel the Prefill calls still settling after their requests ended."""

@@ -67,6 +67,7 @@ from kvbridge.router.answer import error as _error
 from kvbridge.router.answer import json_response as _json
 from kvbridge.router.config import RouterConfig
 from kvbridge.router.dispatch import Dispatcher
+from kvbridge.router.gateway import gateway_prefill
 from kvbridge.router.openai_api import BadRequest, OpenAIRequest, error_body, json_body, parse_request
 from kvbridge.router.reply import Reply
 from kvbridge.router.routed import DRAINING
@@ -252,10 +253,11 @@ class HTTPFront:
         if req.model and served and req.model not in served:
             return _error(grpc.StatusCode.NOT_FOUND, f"model {req.model!r} is not served here", "model")
         try:
+            prefill = gateway_prefill(request.headers, self.dispatcher.pool)  # (a gateway's choice)
             echo = await echo_texts(req, self.dispatcher.pool, self.dispatcher.prompts)  # (completions' echo)
         except Refused as e:
             return _error(e.code, str(e), e.param)
-        routed = Fanout([self.dispatcher.route(r) for r in req.requests()])
+        routed = Fanout([self.dispatcher.route(r, prefill=prefill) for r in req.requests()])
         model = req.model or (served[0] if served else "")
         reply = Reply(req, routed.rid, model, echo=echo, max_bytes=self.config.max_answer_bytes)
         return HTTPAnswer(routed, reply, req.stream)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 POLICIES = ("cache_aware", "least_loaded", "round_robin")
-REASONS = ("least_loaded", "round_robin", "imbalance", "no_index", "prefix_hit", "no_hit")
+REASONS = ("least_loaded", "round_robin", "imbalance", "no_index", "prefix_hit", "no_hit", "gateway")
 
 
 class Candidate(Protocol):

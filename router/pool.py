@@ -43,6 +43,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvbridge.common import rpc
 from kvbridge.common.limits import normalized_address
 from kvbridge.common.rpc import shown
+from kvbridge.common.security import auth_metadata
 from kvbridge.router.kv_index import BlockIndex, batch_from_proto
 from kvbridge.router.policy import Policy
 from kvbridge.v1 import generation_pb2, generation_pb2_grpc, kv_events_pb2, kv_events_pb2_grpc
@@ -115,6 +116,9 @@ class NodePool:
         if connect and loop is None:
             raise ValueError("a pool that connects to its nodes needs the event loop its channels live on")
         self.health_retry_s = health_retry_s
+        # the router's API key, presented on every Generation call to a node: a node that guards its
+        # own Generation with the same key (kvbridge serve --http-port --api-key-file) takes them
+        self.call_metadata = auth_metadata(rpc.security().api_key)
         self.connect = connect
         self.policy = policy or Policy()
         self.on_resync: Callable[[str], None] = lambda reason: None  # a KV index was cleared to resync, and why
@@ -185,14 +189,21 @@ class NodePool:
     # ------------------------------------------------------------------ selection and accounting
 
     def pick(
-        self, roles: Collection[str], exclude: Collection[Node] = (), prompt: PromptBlocks | None = None
+        self,
+        roles: Collection[str],
+        exclude: Collection[Node] = (),
+        prompt: PromptBlocks | None = None,
+        among: Collection[Node] = (),
     ) -> Pick | None:
         """The eligible node of one of `roles` the policy picks for a prompt with these blocks
         (None: unknown), counted as outstanding (and its share of the prompt as pending) from now
-        on; None when none is eligible."""
+        on; None when none is eligible. `among`: only these nodes (a gateway's choice; reason
+        "gateway"), or any when none of them is eligible."""
         cached = self._cached(roles, exclude, prompt)  # (outside the lock: indexes have their own)
         with self._lock:
             live = [n for n in self.nodes if n.role in roles and n.healthy and n not in exclude]
+            chosen = [n for n in live if n in among]
+            live = chosen or live
             if not live:
                 return None
             turn = tuple(sorted(roles))
@@ -205,7 +216,17 @@ class NodePool:
             node.outstanding += 1
             node.routed += 1
             node.pending_tokens += choice.tokens
-            return Pick(node, choice.reason, choice.tokens)
+            return Pick(node, "gateway" if chosen else choice.reason, choice.tokens)
+
+    def prefill_nodes_at(self, addresses: Collection[str]) -> list[Node]:
+        """The pool's prefill nodes at these addresses (a gateway's prefill choice). ValueError naming
+        the first address that is not one: a request may not steer the router to any other host."""
+        with self._lock:
+            known = {n.address: n for n in self.nodes if n.role == "prefill"}
+        for a in addresses:
+            if a not in known:
+                raise ValueError(f"{a!r} is not a prefill node of this router")
+        return [known[a] for a in addresses]
 
     def acquire(self, roles: Collection[str], exclude: Collection[Node] = ()) -> Node | None:
         """pick() without a prompt: the least loaded (ties round-robin) under least_loaded and
@@ -407,7 +428,8 @@ class NodePool:
     async def _model_info(self, node: Node) -> generation_pb2.ModelInfo | None:
         try:
             stub = generation_pb2_grpc.GenerationStub(node.channel)
-            return await stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=MODEL_INFO_DEADLINE_S)
+            request = generation_pb2.GetModelInfoRequest()
+            return await stub.GetModelInfo(request, timeout=MODEL_INFO_DEADLINE_S, metadata=self.call_metadata)
         except grpc.aio.AioRpcError:
             return None
 

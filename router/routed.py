@@ -89,10 +89,13 @@ class Routed:
     cancel() runs on the router's loop. Its phase, room, peer and token counts are read by
     Admin.ListRequests while it runs."""
 
-    def __init__(self, dispatcher: Dispatcher, request: generation_pb2.GenerateRequest, deadline: float):
+    def __init__(
+        self, dispatcher: Dispatcher, request: generation_pb2.GenerateRequest, deadline: float, prefill: tuple = ()
+    ):
         self.dispatcher, self.pool, self.config = dispatcher, dispatcher.pool, dispatcher.config
         self.request = request  # rid set; prefill unset
         self.deadline = deadline  # time.monotonic() by which every upstream call ends
+        self.gateway_prefill = prefill  # prefill nodes a gateway chose (x-gateway-prefill-endpoints): tried first
         self.rid = request.rid
         self.received = time.monotonic()  # when the router got it
         self.phase = "routing"  # one of PHASES
@@ -216,7 +219,7 @@ class Routed:
             self._log("routed", colocated=node.address)
             served = self._colocated(picked, request, timeout)
         else:
-            prefill = self._pick(("prefill",), excluded)
+            prefill = self._pick(("prefill",), excluded, among=self.gateway_prefill)
             if prefill is None:  # the last prefill node turned unhealthy just now
                 self.pool.release(node, picked.tokens)
                 raise self._none_left()
@@ -235,8 +238,8 @@ class Routed:
         if self.ids is not None and node.model is not None and node.model.fingerprint == self.ids.fingerprint:
             request.prompt.CopyFrom(common_pb2.Prompt(token_ids=common_pb2.TokenIds(ids=self.ids.ids)))
 
-    def _pick(self, roles: tuple[str, ...], excluded: list[Node]) -> Pick | None:
-        picked = self.pool.pick(roles, excluded, self.blocks)
+    def _pick(self, roles: tuple[str, ...], excluded: list[Node], among: tuple = ()) -> Pick | None:
+        picked = self.pool.pick(roles, excluded, self.blocks, among)
         if picked is not None:
             self.dispatcher.metrics.routed(picked.node.role, self.pool.policy.name, picked.reason)
         return picked
@@ -300,7 +303,8 @@ class Routed:
         """The node's stream, passed through. The caller acquired the node; it is released here."""
         node = picked.node
         try:
-            stream = self._open(generation_pb2_grpc.GenerationStub(node.channel).Generate(request, timeout=timeout))
+            call = generation_pb2_grpc.GenerationStub(node.channel).Generate
+            stream = self._open(call(request, timeout=timeout, metadata=self.pool.call_metadata))
             done = False
             try:
                 while (resp := await self._next(stream)) is not None:
@@ -341,7 +345,8 @@ class Routed:
         settling = False  # P's task holds P (and releases it when its call ends)
         done = False
         try:
-            stream = self._open(generation_pb2_grpc.GenerationStub(d.channel).Generate(dreq, timeout=timeout))
+            call = generation_pb2_grpc.GenerationStub(d.channel).Generate
+            stream = self._open(call(dreq, timeout=timeout, metadata=self.pool.call_metadata))
             calls.append(stream)
             p_call = self._open(prefill_pb2_grpc.PrefillStub(p.channel).Prefill(preq, timeout=timeout))
             calls.append(p_call)

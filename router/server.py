@@ -60,7 +60,10 @@ class Router:
             own_admin_port = config.admin_port >= 0
             front = [generation] if own_admin_port else [generation, admin]
             policy = config.client_cert_reqs
-            self.server = self._serve(config.port, front, SERVICES[: len(front)], serving=False, client_certs=policy)
+            if config.port >= 0:  # (-1: the HTTP API only, as a colocated node serves it itself)
+                self.server = self._serve(
+                    config.port, front, SERVICES[: len(front)], serving=False, client_certs=policy
+                )
             if own_admin_port:  # (mutual TLS: the default policy)
                 self.admin_server = self._serve(config.admin_port, [admin], SERVICES[1:])
             if config.metrics_port >= 0:
@@ -68,9 +71,9 @@ class Router:
         except BaseException:
             self._abandon()
             raise
-        self.port = self.server.port
+        self.port = self.server.port if self.server is not None else -1
         self.admin_port = self.admin_server.port if self.admin_server is not None else -1
-        self.health = self.server.health
+        self.health = self.server.health if self.server is not None else None
         self.http_port = self.http.port
         self.metrics_port = self.metrics_server.port if self.metrics_server is not None else -1
         self._update_health()
@@ -97,7 +100,8 @@ class Router:
         if self._stopped:
             return
         self._stopped = True
-        self.health.enter_graceful_shutdown()
+        if self.health is not None:
+            self.health.enter_graceful_shutdown()
         self.loop.run(self._stop(grace_s), timeout=grace_s + 60)
         self._halt_loop()
         if self.metrics_server is not None:
@@ -140,6 +144,8 @@ class Router:
         """The router is SERVING (overall and Generation) while it is not draining and some request
         could be routed. Decided on the loop, where health watches and Admin calls change it, so the
         changes apply in the order they happened."""
+        if self.health is None:
+            return
         if not self.loop.on_loop:
             self.loop.call(self._update_health)
             return

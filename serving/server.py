@@ -98,7 +98,7 @@ class NodeServer:
         node.front.recorder = self.recorder
         node.front.kv_events.role = self.role
         node.front.attach(self.loop)
-        self.registry.register(StatusCollector(self.status))
+        self.registry.register(StatusCollector(self.status, node.ranks.config.model, node.ranks.config.page_size))
         node.ranks.rank_files.collector(self.registry)
         self.node = node
         self.violations = 0  # invariant violations found so far

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -70,11 +71,17 @@ def _promtool(*args: str, stdin: str | None = None) -> subprocess.CompletedProce
     return subprocess.run([promtool_path(), *args], input=stdin, capture_output=True, text=True, timeout=60)
 
 
+# The one lint finding allowed: the gateway gauges keep vLLM's names (colon included: the Kubernetes
+# inference gateway reads them by those names), which promtool's lint reserves for recording rules.
+VLLM_NAME = re.compile(r"^vllm:\w+ metric names should not contain ':'$")
+
+
 def check_metrics(text: str) -> None:
-    """Fail the test with promtool's findings if the exposition text is malformed or breaks its lint
-    rules (counter suffixes, base units, ...)."""
+    """Fail the test with promtool's findings if the exposition text is malformed (exit 1) or breaks
+    its lint rules (exit 3: counter suffixes, base units, ...), but for VLLM_NAME."""
     r = _promtool("check", "metrics", stdin=text)
-    if r.returncode != 0:
+    findings = [line for line in (r.stdout + r.stderr).splitlines() if line.strip() and not VLLM_NAME.match(line)]
+    if r.returncode not in (0, 3) or findings:
         pytest.fail(f"promtool check metrics (exit {r.returncode}):\n{r.stdout}{r.stderr}")
 
 

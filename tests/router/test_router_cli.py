@@ -55,7 +55,7 @@ def test_router_prints_its_ports_serves_logs_each_phase_and_stops_on_sigterm():
     ("flags", "message"),
     [
         (["--colocated", "127.0.0.1:1", "--port", "x"], "--port must be an integer, got 'x'"),
-        (["--colocated", "127.0.0.1:1", "--port", "-5"], "--port must be in [0, 65535], got -5"),
+        (["--colocated", "127.0.0.1:1", "--port", "-5"], "--port must be in [0, 65535] (or -1: no gRPC), got -5"),
         (["--colocated", "nohost"], "--colocated: expected HOST:PORT with a port in [1, 65535], got 'nohost'"),
         (["--metrics-port", "-2"], "--metrics-port must be -1 (off) or in [0, 65535], got -2"),
         (["--colocated", "127.0.0.1:1", "--request-timeout-s", "0"], "--request-timeout-s must be > 0, got 0.0"),

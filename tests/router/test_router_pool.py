@@ -91,7 +91,7 @@ def test_good_addresses_parse():
     ("kwargs", "message"),
     [
         ({"colocated": ("h:1", "h:1")}, "listed twice: 'h:1'"),
-        ({"colocated": ("h:1",), "port": 70000}, "port must be in [0, 65535], got 70000"),
+        ({"colocated": ("h:1",), "port": 70000}, "port must be in [0, 65535] (or -1: no gRPC), got 70000"),
         ({"colocated": ("h:1",), "port": 9, "http_port": 9}, "port and http_port are both 9"),
         ({"metrics_port": 9, "http_port": 9}, "http_port and metrics_port are both 9"),
         ({"metrics_port": -2}, "metrics_port must be -1 (off) or in [0, 65535], got -2"),

@@ -1,0 +1,79 @@
+"""One process, one command: `kvbridge serve --http-port` serves the OpenAI-compatible HTTP API and
+GET /health from the colocated node's own front process (as llama-server and vLLM do, and as a pod
+behind an InferencePool must): the engine's tokens, the API key, and no listener besides the
+node's gRPC port and the HTTP port."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+
+import pytest
+
+from kvbridge.common.sampling import SamplingParams
+from tests.conftest import make_llm, make_prompts
+from tests.nodes.test_listeners import listening_sockets
+
+KEY = "sk-serve-http-test"
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    key_file = tmp_path_factory.mktemp("key") / "api.key"
+    key_file.write_text(KEY + "\n")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvbridge", "serve", "--model", "tiny-random", "--dtype", "float32", "--page-size", "4",
+         "--port", "0", "--http-port", "0", "--api-key-file", str(key_file), "--quiet"],
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        while not (line := proc.stderr.readline()).startswith("kvbridge serve: listening on "):
+            assert line, "kvbridge serve exited before it was ready"
+        grpc_addr, http = line.split("listening on ")[1].split(", http on ")
+        yield proc, grpc_addr.strip(), http.split(",")[0].strip()
+    finally:
+        proc.terminate()
+        assert proc.wait(60) == 0
+
+
+def request(http: str, path: str, body: dict | None = None, key: str | None = KEY) -> tuple[int, dict]:
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(f"http://{http}{path}", data, headers, method="POST" if body else "GET")
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            raw = r.read()
+            return r.status, json.loads(raw) if raw else {}
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+def test_completions_from_the_nodes_own_process_equal_the_engine(served, tiny_model):
+    _, _, http = served
+    prompt = make_prompts(1, tiny_model.config.vocab_size, seed=9)[0]
+    want = make_llm(tiny_model).generate([prompt], SamplingParams(max_new_tokens=6, ignore_eos=True))[0]
+    body = {"prompt": prompt, "max_tokens": 6, "ignore_eos": True, "temperature": 0}
+    status, answer = request(http, "/v1/completions", body)
+    assert status == 200, answer
+    n = len(prompt)
+    usage = {"prompt_tokens": n, "completion_tokens": 6, "total_tokens": n + 6}
+    assert answer["usage"] == {**usage, "prompt_tokens_details": {"cached_tokens": 0}}
+    [choice] = answer["choices"]
+    assert (choice["text"], choice["finish_reason"]) == (tiny_model.tokenizer.decode(want.output_ids), "length")
+    assert request(http, "/v1/models")[1]["data"][0]["id"] == "tiny-random"
+
+
+def test_health_and_the_api_key(served):
+    _, _, http = served
+    assert urllib.request.urlopen(f"http://{http}/health", timeout=10).status == 200
+    status, answer = request(http, "/v1/completions", {"prompt": [5, 6], "max_tokens": 1}, key="wrong")
+    assert (status, answer["error"]["code"]) == (401, "invalid_api_key")
+
+
+def test_the_front_process_listens_on_the_grpc_and_http_ports_only(served):
+    proc, grpc_addr, http = served
+    ports = sorted(port for _, _, port in listening_sockets({"serve": proc.pid}))
+    assert ports == sorted([int(grpc_addr.rsplit(":", 1)[1]), int(http.rsplit(":", 1)[1])])

@@ -1,0 +1,68 @@
+"""A Kubernetes inference gateway's prefill choice (router/gateway.py): with two prefill nodes, a
+request naming one in x-gateway-prefill-endpoints (or llm-d's x-prefiller-host-port) is prefilled
+there, counted under reason "gateway"; an address that is not a prefill node of the router gets 400
+naming it, and no connection is opened to it."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from tests.router.test_router_tokenize import call
+
+BODY = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+
+
+def gateway_decisions(router) -> float:
+    samples = router.dispatcher.metrics.routing.collect()[0].samples
+    return sum(s.value for s in samples if s.name.endswith("_total") and s.labels["reason"] == "gateway")
+
+
+@pytest.mark.parametrize("header", ["x-gateway-prefill-endpoints", "x-prefiller-host-port"])
+def test_the_named_prefill_node_prefills(fleet, header):
+    router, nodes = fleet(prefill=2, decode=1)
+    rooms = nodes["prefill"][0].rooms
+    for target in (1, 0, 1, 1):
+        before = set(rooms.prefilled)
+        status, answer = call(router, "POST", "/v1/chat/completions", BODY, {header: nodes["prefill"][target].address})
+        assert status == 200, answer
+        [room] = set(rooms.prefilled) - before
+        assert rooms.prefilled[room] == nodes["prefill"][target].address
+    assert gateway_decisions(router) == 4
+
+
+def test_a_list_takes_its_first_healthy_known_node_and_unnamed_requests_route_as_ever(fleet):
+    router, nodes = fleet(prefill=2, decode=1)
+    p0, p1 = (n.address for n in nodes["prefill"])
+    rooms = nodes["prefill"][0].rooms
+    status, _ = call(router, "POST", "/v1/chat/completions", BODY, {"x-gateway-prefill-endpoints": f" {p1} , {p0}"})
+    assert status == 200 and set(rooms.prefilled.values()) <= {p0, p1}
+    for _ in range(4):  # no header: the policy spreads them over both
+        assert call(router, "POST", "/v1/chat/completions", BODY)[0] == 200
+    assert set(rooms.prefilled.values()) == {p0, p1}
+    assert gateway_decisions(router) == 1
+
+
+@pytest.mark.parametrize("header", ["x-gateway-prefill-endpoints", "x-prefiller-host-port"])
+def test_an_address_that_is_no_prefill_node_of_the_router_is_refused_and_never_dialled(fleet, header):
+    router, nodes = fleet(prefill=2, decode=1)
+    trap = socket.socket()
+    trap.bind(("127.0.0.1", 0))
+    trap.listen(8)
+    trap.setblocking(False)
+    elsewhere = f"127.0.0.1:{trap.getsockname()[1]}"
+    decode = nodes["decode"][0].address
+    try:
+        for named in (elsewhere, f"{nodes['prefill'][0].address},{elsewhere}", decode):
+            status, answer = call(router, "POST", "/v1/chat/completions", BODY, {header: named})
+            bad = named.split(",")[-1]
+            assert (status, answer["error"]["message"]) == (
+                400,
+                f"{header}: {bad!r} is not a prefill node of this router",
+            ), answer
+        with pytest.raises(BlockingIOError):
+            trap.accept()  # nobody connected to it
+    finally:
+        trap.close()
+    assert nodes["prefill"][0].rooms.prefilled == {} and gateway_decisions(router) == 0
