@@ -51,6 +51,8 @@ def layout_to_proto(layout: NodeLayout) -> prefill_pb2.KVLayout:
         ranks=[rank_to_proto(r) for r in layout.ranks],
         backends=list(layout.backends),
         host_id=layout.host_id,
+        kvbridge_version=layout.kvbridge_version,
+        model_revision=layout.model_revision,
     )
 
 
@@ -81,6 +83,8 @@ def layout_from_proto(msg: prefill_pb2.KVLayout) -> NodeLayout:
         model_fingerprint=msg.model_fingerprint,
         backends=tuple(msg.backends),
         host_id=msg.host_id,
+        kvbridge_version=msg.kvbridge_version,
+        model_revision=msg.model_revision,
     )
 
 

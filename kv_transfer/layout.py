@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import socket
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from kvbridge import __version__
 from kvbridge.kv_transfer.layers import LayerRange
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -114,6 +116,8 @@ class NodeLayout:
     model_fingerprint: str = ""  # digest of the weights; must match between P and D
     backends: tuple[str, ...] = ()  # transfer backends the node can drive
     host_id: str = ""  # equal ids = same machine (shared memory and CUDA IPC possible)
+    kvbridge_version: str = ""  # the node's kvbridge (kvbridge.__version__); must match between P and D
+    model_revision: str = ""  # the checkpoint's revision where its source names one; must match
 
     @property
     def layer_ranges(self) -> list[LayerRange]:
@@ -121,9 +125,13 @@ class NodeLayout:
 
 
 def incompatibility(prefill: NodeLayout, decode: NodeLayout) -> str:
-    """Why a prefill node cannot feed a decode node ("" when it can), naming both values."""
+    """Why a prefill node cannot feed a decode node ("" when it can), naming both values: the two
+    must run the same kvbridge on the same weights (their digest, and the revision where the source
+    names one) with the same page geometry."""
     checks = [
+        ("kvbridge version", prefill.kvbridge_version, decode.kvbridge_version),
         ("model fingerprint", prefill.model_fingerprint, decode.model_fingerprint),
+        ("model revision", prefill.model_revision, decode.model_revision),
         ("number of layers", prefill.num_layers, decode.num_layers),
         ("page size", prefill.geometry.page_size, decode.geometry.page_size),
         ("KV dtype", prefill.geometry.dtype, decode.geometry.dtype),
@@ -150,4 +158,17 @@ def node_layout(config, model, ranks: tuple[RankInfo, ...], backends: tuple[str,
         model_fingerprint=model.fingerprint,
         backends=backends,
         host_id=local_host_id(),
+        kvbridge_version=__version__,
+        model_revision=model_revision(model.source),
     )
+
+
+def model_revision(source: str) -> str:
+    """The revision a model's source names: the commit of a Hugging Face cache snapshot
+    (.../snapshots/<40 hex>/...), else "" (a GGUF file or a plain directory: its fingerprint,
+    the digest of its bytes, is what identifies it)."""
+    parts = Path(source).parts
+    for i, part in enumerate(parts[:-1]):
+        if part == "snapshots" and re.fullmatch(r"[0-9a-f]{40}", parts[i + 1]):
+            return parts[i + 1]
+    return ""

@@ -75,7 +75,7 @@ class RankEndpoint(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., receiver_addr: _Optional[str] = ..., endpoints: _Optional[_Mapping[str, bytes]] = ...) -> None: ...
 
 class KVLayout(_message.Message):
-    __slots__ = ("model_fingerprint", "num_layers", "page_size", "dtype", "num_kv_heads", "head_dim", "num_pages", "ranks", "backends", "host_id")
+    __slots__ = ("model_fingerprint", "num_layers", "page_size", "dtype", "num_kv_heads", "head_dim", "num_pages", "ranks", "backends", "host_id", "kvbridge_version", "model_revision")
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -86,6 +86,8 @@ class KVLayout(_message.Message):
     RANKS_FIELD_NUMBER: _ClassVar[int]
     BACKENDS_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    KVBRIDGE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MODEL_REVISION_FIELD_NUMBER: _ClassVar[int]
     model_fingerprint: str
     num_layers: int
     page_size: int
@@ -96,7 +98,9 @@ class KVLayout(_message.Message):
     ranks: _containers.RepeatedCompositeFieldContainer[RankEndpoint]
     backends: _containers.RepeatedScalarFieldContainer[str]
     host_id: str
-    def __init__(self, model_fingerprint: _Optional[str] = ..., num_layers: _Optional[int] = ..., page_size: _Optional[int] = ..., dtype: _Optional[str] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., num_pages: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankEndpoint, _Mapping]]] = ..., backends: _Optional[_Iterable[str]] = ..., host_id: _Optional[str] = ...) -> None: ...
+    kvbridge_version: str
+    model_revision: str
+    def __init__(self, model_fingerprint: _Optional[str] = ..., num_layers: _Optional[int] = ..., page_size: _Optional[int] = ..., dtype: _Optional[str] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., num_pages: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankEndpoint, _Mapping]]] = ..., backends: _Optional[_Iterable[str]] = ..., host_id: _Optional[str] = ..., kvbridge_version: _Optional[str] = ..., model_revision: _Optional[str] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("rid", "room", "backend", "decode_layout", "page_ids", "decode_addr", "secret", "held_pages", "proof")

@@ -24,7 +24,7 @@ from kvbridge.kv_transfer.backends.grpc_stream import GrpcSender
 from kvbridge.kv_transfer.backends.shm import ShmSender
 from kvbridge.kv_transfer.backends.torch_p2p import TorchSender
 from kvbridge.kv_transfer.factory import REGISTRY, drivable
-from kvbridge.kv_transfer.layout import Endpoint
+from kvbridge.kv_transfer.layout import Endpoint, model_revision
 from kvbridge.v1 import prefill_pb2
 
 GEOMETRY = PageGeometry(page_size=4, num_kv_heads=2, head_dim=8, dtype="float32")
@@ -97,6 +97,20 @@ def test_incompatibility_names_both_values():
     assert incompatibility(p, d) == "page size differs: prefill 4, decode 16"
     d = dataclasses.replace(p, model_fingerprint="other")
     assert incompatibility(p, d) == "model fingerprint differs: prefill 'fp', decode 'other'"
+    d = dataclasses.replace(p, kvbridge_version="0.0.9", model_fingerprint="other")  # (the version first)
+    assert incompatibility(p, d) == "kvbridge version differs: prefill '', decode '0.0.9'"
+    d = dataclasses.replace(p, model_revision="a" * 40)
+    assert incompatibility(p, d) == f"model revision differs: prefill '', decode '{'a' * 40}'"
+    d = dataclasses.replace(p, geometry=dataclasses.replace(GEOMETRY, dtype="bfloat16"))
+    assert incompatibility(p, d) == "KV dtype differs: prefill 'float32', decode 'bfloat16'"
+
+
+def test_a_models_revision_is_the_snapshot_its_source_names():
+    sha = "0123456789abcdef0123456789abcdef01234567"
+    hub = f"/root/.cache/huggingface/hub/models--HuggingFaceTB--SmolLM2-135M-Instruct/snapshots/{sha}"
+    assert model_revision(hub) == sha and model_revision(hub + "/") == sha
+    assert model_revision("/models/smollm2.gguf") == model_revision("tiny-random") == ""
+    assert model_revision("/x/snapshots/main") == ""  # (a branch name is no revision)
 
 
 @pytest.mark.parametrize("ipc", [False, True])

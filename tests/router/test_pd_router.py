@@ -11,6 +11,7 @@ import grpc
 import pytest
 from safetensors.torch import save_file
 
+from kvbridge import __version__
 from kvbridge.common import rpc
 from kvbridge.common.sampling import SamplingParams
 from kvbridge.engine.config import EngineConfig
@@ -117,6 +118,16 @@ def test_mismatched_layouts_fail_with_failed_precondition_and_both_keep_serving(
             tokens, _, err = pd_generate(prefill.address, odd[name].address, token_prompt(ids), 4, timeout=30)
             assert tokens == [] and isinstance(err, grpc.RpcError)
             assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and message in err.details()
+        # a decode node of another kvbridge version: the same, naming both versions
+        d2 = nodes["d2"].node
+        own = d2.layout
+        d2.layout = replace(own, kvbridge_version="0.0.9")
+        try:
+            tokens, _, err = pd_generate(prefill.address, nodes["d2"].address, token_prompt(ids), 4, timeout=30)
+        finally:
+            d2.layout = own
+        assert tokens == [] and err.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert err.details() == f"kvbridge version differs: prefill '{__version__}', decode '0.0.9'"
         # both sides keep serving compatible requests
         tokens, _, result = pd_generate(prefill.address, nodes["d2"].address, token_prompt(ids), 4)
         assert len(tokens) == 4 and result.first_token == tokens[0]
