@@ -3,7 +3,8 @@
 An endpoint picker that chose the decode pod passes its prefill choice in a header: the GIE P/D
 proposal's `x-gateway-prefill-endpoints: ip:port[,ip:port]`, or llm-d's `x-prefiller-host-port`.
 A router beside each decode pod takes it, but only as a choice among the prefill nodes it already
-knows: an address a request names is never dialled (a header must not steer the fleet's KV or
+knows (the node at that address, or the one prefill node on that host: a picker names a pod by its
+IP and the pool's target port): an address a request names is never dialled (a header must not steer the fleet's KV or
 its traffic to a host of the client's choosing)."""
 
 from __future__ import annotations

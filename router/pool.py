@@ -100,6 +100,10 @@ class Node:
     def key(self) -> str:
         return f"{self.role}/{self.address}"
 
+    @property
+    def host(self) -> str:
+        return self.address.rpartition(":")[0]
+
 
 class NodePool:
     def __init__(
@@ -219,14 +223,24 @@ class NodePool:
             return Pick(node, "gateway" if chosen else choice.reason, choice.tokens)
 
     def prefill_nodes_at(self, addresses: Collection[str]) -> list[Node]:
-        """The pool's prefill nodes at these addresses (a gateway's prefill choice). ValueError naming
-        the first address that is not one: a request may not steer the router to any other host."""
+        """The pool's prefill nodes at these addresses (a gateway's prefill choice): the node at the
+        address, else the one prefill node on its host (a gateway names a pod by its IP and the
+        pool's target port, not the node's gRPC port). ValueError naming the first address that is
+        neither: a request may not steer the router to any other host."""
         with self._lock:
-            known = {n.address: n for n in self.nodes if n.role == "prefill"}
+            prefill = [n for n in self.nodes if n.role == "prefill"]
+        out = []
         for a in addresses:
-            if a not in known:
-                raise ValueError(f"{a!r} is not a prefill node of this router")
-        return [known[a] for a in addresses]
+            try:
+                key = normalized_address(a, "address")
+            except ValueError:
+                raise ValueError(f"{shown(a)} is not a prefill node of this router") from None
+            host = key.rpartition(":")[0]
+            same = [n for n in prefill if n.address == key] or [n for n in prefill if n.host == host]
+            if len(same) != 1:
+                raise ValueError(f"{shown(a)} is not a prefill node of this router")
+            out.append(same[0])
+        return out
 
     def acquire(self, roles: Collection[str], exclude: Collection[Node] = ()) -> Node | None:
         """pick() without a prompt: the least loaded (ties round-robin) under least_loaded and

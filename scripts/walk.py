@@ -146,21 +146,23 @@ def main() -> None:
             except subprocess.TimeoutExpired:
                 p.kill()
     files: dict[str, set[str]] = {}
-    encodes = 0
+    encodes, touched = 0, 0
     for dump in tmp.glob("*.json"):
         data = json.loads(dump.read_text())
         encodes += sum(data["encodes"].values())
-        who = "rank" if any("multiprocessing" in a or "spawn" in a for a in data["argv"]) else "front"
+        mine = set()
         for f, _name, _count in data["calls"]:
             rel = str(pathlib.Path(f).relative_to(root))
             if rel.split("/")[0] not in PRODUCT or rel.startswith("kvbridge/v1/"):
                 continue  # not hand-written product code (the environment, generated stubs, tests)
-            files.setdefault(rel, set()).add(f"{pathlib.Path(dump).stem}:{who}")
+            mine.add(rel)
+            files.setdefault(rel, set()).add(dump.stem)
+        touched += bool(mine)  # (a resource tracker runs none of it)
     print(
         json.dumps(
             {
                 "checkout": str(root),
-                "processes": len(list(tmp.glob("*.json"))),
+                "processes": touched,  # that ran the project's code for the request
                 "files": len(files),
                 "tokenizations": encodes,  # encode calls into the tokenizers library, all processes
                 "streamed_bytes": len(body),

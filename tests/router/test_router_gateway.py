@@ -66,3 +66,29 @@ def test_an_address_that_is_no_prefill_node_of_the_router_is_refused_and_never_d
     finally:
         trap.close()
     assert nodes["prefill"][0].rooms.prefilled == {} and gateway_decisions(router) == 0
+
+
+def test_a_pod_named_by_its_ip_and_the_pools_port_is_its_prefill_node_never_the_named_port(fleet):
+    """An InferencePool's picker names a prefill pod as podIP:targetPort (the pool's port, here a
+    trap), not the node's gRPC port: the one prefill node on that host prefills, and the named port
+    is never dialled. Another host is refused."""
+    router, nodes = fleet(prefill=1, decode=1)
+    trap = socket.socket()
+    trap.bind(("127.0.0.1", 0))
+    trap.listen(8)
+    trap.setblocking(False)
+    try:
+        named = f"127.0.0.1:{trap.getsockname()[1]}"
+        status, answer = call(router, "POST", "/v1/chat/completions", BODY, {"x-gateway-prefill-endpoints": named})
+        assert status == 200, answer
+        assert list(nodes["prefill"][0].rooms.prefilled.values()) == [nodes["prefill"][0].address]
+        with pytest.raises(BlockingIOError):
+            trap.accept()
+    finally:
+        trap.close()
+    status, answer = call(router, "POST", "/v1/chat/completions", BODY, {"x-prefiller-host-port": "10.1.2.3:8000"})
+    assert (status, answer["error"]["message"]) == (
+        400,
+        "x-prefiller-host-port: '10.1.2.3:8000' is not a prefill node of this router",
+    )
+    assert gateway_decisions(router) == 1
