@@ -50,6 +50,7 @@ ROUND_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.0
 CHUNK_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 OUTCOMES = ("stop", "length", "abort", "error")  # label values of kvbridge_requests_total{outcome}
+PD_OUTCOMES = ("disaggregated", "colocated", "fallback")  # of kvbridge_router_pd_decisions_total{outcome}
 
 
 def outcome_of(finish_reason: str, error: str = "") -> str:
@@ -205,6 +206,13 @@ class RouterMetrics:
             "kvbridge_router_routing_decisions",
             "Nodes chosen for requests, by role, routing policy and why that node",
             ["role", "policy", "reason"],
+            registry=r,
+        )
+        self.pd_decisions = Counter(
+            "kvbridge_router_pd_decisions",
+            "Attempts by how they were served: disaggregated (a prefill and a decode node), colocated (a "
+            "colocated node chosen), fallback (a colocated node because no prefill node could take it)",
+            ["outcome"],
             registry=r,
         )
         self.kv_resyncs = Counter(

@@ -34,7 +34,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from kvbridge.common.metrics import OUTCOMES, RouterMetrics
+from kvbridge.common.metrics import OUTCOMES, PD_OUTCOMES, RouterMetrics
 from kvbridge.router.pool import NodePool
 
 RETRY_REASONS = ("unavailable", "resource_exhausted", "deadline_exceeded")  # the retried status codes, lowercased
@@ -60,6 +60,9 @@ class Recorder:
         self.migrations = self.series.migrations
         for reason in MIGRATION_REASONS:
             self.migrations.labels(reason)
+        self.pd_decisions = self.series.pd_decisions
+        for outcome in PD_OUTCOMES:  # (a fleet silently serving without its prefill nodes shows as fallback > 0)
+            self.pd_decisions.labels(outcome)
         self.routing, self.kv_resyncs = self.series.routing, self.series.kv_resyncs
         for reason in RESYNC_REASONS:
             self.kv_resyncs.labels(reason)
@@ -79,6 +82,9 @@ class Recorder:
 
     def timed_out(self, timeout: str) -> None:
         self.timeouts.labels(timeout).inc()
+
+    def pd_decision(self, outcome: str) -> None:
+        self.pd_decisions.labels(outcome).inc()
 
     def routed(self, role: str, policy: str, reason: str) -> None:
         self.routing.labels(role, policy, reason).inc()

@@ -275,6 +275,11 @@ class NodePool:
                 cached[n] = min(n.blocks.overlap(prompt.hashes[size]) * size, prompt.tokens)
         return cached if nodes else None
 
+    def has_role(self, role: str) -> bool:
+        """Some node of `role` is in the pool, healthy or not."""
+        with self._lock:
+            return any(n.role == role for n in self.nodes)
+
     def has_eligible(self, role: str, exclude: Collection[Node] = ()) -> bool:
         with self._lock:
             return any(n.healthy for n in self.nodes if n.role == role and n not in exclude)
