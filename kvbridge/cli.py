@@ -226,7 +226,7 @@ def cmd_node(args: argparse.Namespace) -> int:
     server.on_death = stop.set
     stop.wait()
     if http is not None:  # (first: it stops taking requests, and those in flight finish on the node)
-        http.stop(grace_s=args.shutdown_grace_s)
+        http.stop(grace_s=0 if server.dead else args.shutdown_grace_s)
     if server.dead:  # its streams are failed already; a supervisor restarts a node that exits non-zero
         print(f"kvbridge {args.command}: error: pipeline rank {server.dead[0]} died", file=sys.stderr, flush=True)
         server.stop(grace_s=0)

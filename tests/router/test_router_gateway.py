@@ -5,6 +5,7 @@ naming it, and no connection is opened to it."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 
 import pytest
@@ -12,6 +13,22 @@ import pytest
 from tests.router.test_router_tokenize import call
 
 BODY = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+
+
+@contextlib.contextmanager
+def trap():
+    """A listening socket on 127.0.0.1 that nobody may connect to: yields its address, then
+    checks its accept queue is empty."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(8)
+    sock.setblocking(False)
+    try:
+        yield f"127.0.0.1:{sock.getsockname()[1]}"
+        with pytest.raises(BlockingIOError):
+            sock.accept()  # nobody connected to it
+    finally:
+        sock.close()
 
 
 def gateway_decisions(router) -> float:
@@ -47,13 +64,8 @@ def test_a_list_takes_its_first_healthy_known_node_and_unnamed_requests_route_as
 @pytest.mark.parametrize("header", ["x-gateway-prefill-endpoints", "x-prefiller-host-port"])
 def test_an_address_that_is_no_prefill_node_of_the_router_is_refused_and_never_dialled(fleet, header):
     router, nodes = fleet(prefill=2, decode=1)
-    trap = socket.socket()
-    trap.bind(("127.0.0.1", 0))
-    trap.listen(8)
-    trap.setblocking(False)
-    elsewhere = f"127.0.0.1:{trap.getsockname()[1]}"
     decode = nodes["decode"][0].address
-    try:
+    with trap() as elsewhere:
         for named in (elsewhere, f"{nodes['prefill'][0].address},{elsewhere}", decode):
             status, answer = call(router, "POST", "/v1/chat/completions", BODY, {header: named})
             bad = named.split(",")[-1]
@@ -61,10 +73,11 @@ def test_an_address_that_is_no_prefill_node_of_the_router_is_refused_and_never_d
                 400,
                 f"{header}: {bad!r} is not a prefill node of this router",
             ), answer
-        with pytest.raises(BlockingIOError):
-            trap.accept()  # nobody connected to it
-    finally:
-        trap.close()
+    for garbage in ("nowhere", "[::1", "127.0.0.1:99999", "x" * 5000):  # (not addresses: refused, cut short)
+        status, answer = call(router, "POST", "/v1/chat/completions", BODY, {header: garbage})
+        assert status == 400 and answer["error"]["message"].startswith(f"{header}: "), answer
+        assert "is not a prefill node of this router" in answer["error"]["message"]
+        assert len(answer["error"]["message"]) < 200
     assert nodes["prefill"][0].rooms.prefilled == {} and gateway_decisions(router) == 0
 
 
@@ -73,19 +86,10 @@ def test_a_pod_named_by_its_ip_and_the_pools_port_is_its_prefill_node_never_the_
     trap), not the node's gRPC port: the one prefill node on that host prefills, and the named port
     is never dialled. Another host is refused."""
     router, nodes = fleet(prefill=1, decode=1)
-    trap = socket.socket()
-    trap.bind(("127.0.0.1", 0))
-    trap.listen(8)
-    trap.setblocking(False)
-    try:
-        named = f"127.0.0.1:{trap.getsockname()[1]}"
+    with trap() as named:
         status, answer = call(router, "POST", "/v1/chat/completions", BODY, {"x-gateway-prefill-endpoints": named})
         assert status == 200, answer
         assert list(nodes["prefill"][0].rooms.prefilled.values()) == [nodes["prefill"][0].address]
-        with pytest.raises(BlockingIOError):
-            trap.accept()
-    finally:
-        trap.close()
     status, answer = call(router, "POST", "/v1/chat/completions", BODY, {"x-prefiller-host-port": "10.1.2.3:8000"})
     assert (status, answer["error"]["message"]) == (
         400,
