@@ -122,6 +122,20 @@ class RankMetrics:
             buckets=TRANSFER_BUCKETS,
             **kw,
         )
+        self.push_seconds = Counter(
+            "kvbridge_kv_push_seconds",
+            "Time a prefill rank spent writing KV pages to decode ranks (the push itself, not the prefill it "
+            "overlaps), by rank: kvbridge_kv_transfer_bytes over it is the push's bytes per second",
+            ["rank"],
+            **kw,
+        )
+        self.handoff = Histogram(
+            "kvbridge_kv_handoff_seconds",
+            "Per request, prefill node: from its prompt computed and its route known to every rank's pushes "
+            "landing (what the hand-off adds after prefill)",
+            buckets=TRANSFER_BUCKETS,
+            **kw,
+        )
         self.transfer_failures = Counter(
             "kvbridge_kv_transfer_failures", "KV transfers that failed on a rank, by reason", ["rank", "reason"], **kw
         )

@@ -59,7 +59,7 @@ def decode_rank(ctx: RankContext) -> RankSetup:
             role=DecodeRole(chan, receiver, reserve_tokens=RESERVE_TOKENS), recorder=ctx.recorder,
         )  # fmt: skip
     else:
-        loop = StageLoop(ctx.rank, pp.pp_size, ctx.stage, receiver.pool, link, agent, ctx.model.tokenizer)
+        loop = StageLoop(ctx.rank, pp.pp_size, ctx.stage, receiver.pool, link, agent, ctx.model.tokenizer, ctx.recorder)
     endpoint = codec.to_json(receiver.endpoint)  # (the rank's start-up report to the front)
     return RankSetup(loop, endpoint=endpoint, close=close)
 

@@ -107,6 +107,8 @@ class DecodeRole:
                 # every rank expects the room: the front may now register it with the prefill node
                 req.handoff.preallocated_s = time.perf_counter()
                 h = req.handoff
+                h.kv_pages = len(req.page_table.pages) - h.held_pages
+                h.kv_bytes = h.kv_pages * self.loop.page_bytes_all_layers()
                 self.loop.outbox.put(Preallocated(req.rid, tuple(req.page_table.pages[h.held_pages :]), h.held_pages))
             elif self.transfer.on_verdict(req, ruling):
                 self._join(req)

@@ -14,7 +14,7 @@ from dataclasses import replace
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvbridge.common import rpc, sampling
+from kvbridge.common import rpc, sampling, tracing
 from kvbridge.common.limits import normalized_address
 from kvbridge.common.security import message_proof, message_proof_ok
 from kvbridge.decode_node.node import DecodeNode
@@ -156,6 +156,7 @@ class DecodeGenerationService(generation_pb2_grpc.GenerationServicer):
     def node(self) -> DecodeNode:
         return self.server.node
 
+    @tracing.served("kvbridge.v1.Generation/Generate")
     async def Generate(self, request, context):
         await self.server.admit(context)
         front, route = self.node.front, request.prefill

@@ -48,6 +48,18 @@ class Handoff:
     preallocated_s: float = 0.0  # decode: when every rank expected its pages (for kv_seconds)
     held_pages: int = 0  # decode: the prompt's first pages, found in its prefix cache (not moved)
     caller: str = ""  # prefill: the host its Prefill call came from (rpc.peer_host; bounds what one caller holds)
+    # what the hand-off moved, once known (Admin's listing, the logs, the trace): pages and their bytes
+    # over every layer, and on a prefill node the hand-off's time after prefill (routed and prompt
+    # computed, to every rank's pushes landing)
+    kv_pages: int = 0
+    kv_bytes: int = 0
+    awaiting_s: float = 0.0  # prefill: when it began to wait for its pushes (perf_counter)
+    handoff_s: float = 0.0
+
+    def figures(self) -> dict:
+        """What its hand-off moved, as Admin lists it (RequestInfo) and the logs and spans show it."""
+        moved = {"backend": self.backend, "kv_pages_moved": self.kv_pages, "kv_bytes_moved": self.kv_bytes}
+        return moved | {"handoff_s": round(self.handoff_s, 6)}
 
     def expires(self, now: float, after_s: float, timeout: str) -> None:
         self.deadline, self.timeout = now + after_s, timeout
@@ -89,6 +101,8 @@ class Request:
     prompt_logprobs: list = field(default_factory=list)  # engine/llm.py: its prompt tokens' (from the second)
     # choice i > 0 of an n > 1 request: choice 0, whose full prompt pages it starts from (Scheduler._fork)
     parent: Request | None = None
+    trace: str = ""  # its trace context (W3C traceparent), "" when none: spans are recorded under it
+    phase_ns: int = 0  # time.time_ns() when it entered its phase (the phase's span starts there)
     prompt_logprobs_next: int = 1  # rank 0: the prompt token whose logprobs go out next (a recompute repeats some)
 
     def __post_init__(self) -> None:

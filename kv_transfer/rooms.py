@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import hmac
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -84,6 +85,7 @@ class Room:
     first_token: tuple[int, int] | None = None  # (token, prompt_tokens), rank 0 only
     first_logprob: object = None  # its kvbridge.v1.TokenLogprob (as received: the decode role checks it)
     writers: int = 0  # copies into its pages in flight; forget() waits for none
+    expected_ns: int = field(default_factory=time.time_ns)  # when this rank began to expect its KV
 
 
 @dataclass(frozen=True)
@@ -223,14 +225,14 @@ class RoomTable:
 
     # ---- notices ----
 
-    def done(self, n: Notice, room: int, secret: bytes) -> None:
-        """A prefill rank's TransferDone."""
+    def done(self, n: Notice, room: int, secret: bytes) -> int:
+        """A prefill rank's TransferDone; returns when this rank began to expect the room (time.time_ns())."""
         with self._locked():
             r = self._open_room(room, secret)
             s = r.sources.get(n.src_rank)
             if n.error:
                 self.board.fail(room, f"prefill rank {n.src_rank}: {n.error}")
-                return
+                return r.expected_ns
             problem = self._notice_problem(r, s, n)
             if problem:
                 self.board.fail(room, problem)
@@ -241,6 +243,7 @@ class RoomTable:
             self._try_complete(r)
             if self.board.poll(room) == KVPoll.FAILED:  # the accounting failed: tell the sender why
                 raise BadTransfer(self.board.reason(room))
+            return r.expected_ns
 
     def set_first_token(self, room: int, secret: bytes, token: int, prompt_tokens: int, logprob=None) -> None:
         with self._locked():

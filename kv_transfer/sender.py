@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
+from kvbridge.common import tracing
 from kvbridge.common.rpc import KV_MESSAGE_BYTES, make_channel
 from kvbridge.engine.kv_pool import KVPool
 from kvbridge.kv_transfer.layers import overlap
@@ -63,6 +64,9 @@ class SenderRoom:
     bytes_sent: dict[int, int] = field(default_factory=dict)  # decode rank -> page bytes written so far
     first_token: int | None = None  # held for the TransferNotice to decode rank 0 (when it is a target)
     first_logprob: object = None  # and its kvbridge.v1.TokenLogprob (the request asked for logprobs)
+    trace: str = ""  # the request's trace context: a push span per target, under it (common/tracing.py)
+    push_ns: dict[int, int] = field(default_factory=dict)  # decode rank -> time spent writing to it
+    spans: dict[int, object] = field(default_factory=dict)  # decode rank -> its push span (traced rooms)
 
 
 @dataclass
@@ -102,16 +106,19 @@ class Sender:
 
     # ---- the daemon's calls (non-blocking) ----
 
-    def connect(self, room: int, decode: NodeLayout, page_ids: Sequence[int], secret: bytes, rid: str = "") -> None:
+    def connect(
+        self, room: int, decode: NodeLayout, page_ids: Sequence[int], secret: bytes, rid: str = "", trace: str = ""
+    ) -> None:
         """The decode node registered `room`: its layout, destination pages and write key. The room starts
-        BOOTSTRAPPING and becomes WAITING_FOR_INPUT once every overlapping decode rank is reachable."""
+        BOOTSTRAPPING and becomes WAITING_FOR_INPUT once every overlapping decode rank is reachable.
+        `trace`: the request's traceparent (a span per decode rank pushed to goes under it)."""
         targets = tuple(
             Target(info, *both) for info in decode.ranks if (both := overlap(self.layers, info.layers)) is not None
         )
         self.board.add(room, rid)
         with self._lock:
             first = decode.ranks[0] if decode.ranks else RankInfo(0, 0, 0)
-            r = self._rooms[room] = SenderRoom(room, decode, targets, first, frozenset(page_ids), secret)
+            r = self._rooms[room] = SenderRoom(room, decode, targets, first, frozenset(page_ids), secret, trace=trace)
         problem = self._registration_problem(decode, page_ids, targets)
         if problem:
             self.board.fail(room, problem)
@@ -162,6 +169,12 @@ class Sender:
             r = self._rooms.pop(room, None)
         if r is not None:
             self._jobs.put(("forget", r))
+
+    def push_seconds(self, room: int) -> float:
+        """Time this rank spent writing the room's pages, over every decode rank (0 once forgotten)."""
+        with self._lock:
+            r = self._rooms.get(room)
+        return sum(r.push_ns.values()) / 1e9 if r is not None else 0.0
 
     def poll(self, room: int) -> KVPoll:
         return self.board.poll(room)
@@ -276,20 +289,33 @@ class Sender:
     def _do_push(self, r: SenderRoom, src: tuple, dst: tuple, num_tokens: int) -> None:
         self._advance(r.room, KVPoll.TRANSFERRING)
         for t in r.targets:
-            key = self._key(t.info)
+            key, rank = self._key(t.info), t.info.rank
             conn = self._peer(t.info, r)
+            if r.trace and rank not in r.spans:
+                where = {"kvbridge.rank": self.rank, "kvbridge.decode_rank": rank, "kvbridge.backend": self.name}
+                r.spans[rank] = tracing.start(
+                    "kv push", r.trace, attributes=where | {"server.address": t.info.receiver_addr}
+                )
+            began = time.perf_counter_ns()
             try:
                 n = self._write(conn, r, t, src, dst)
             except Exception:
                 self._drop_peer(key)  # a broken connection is reopened by the next room
                 raise
-            r.bytes_sent[t.info.rank] = r.bytes_sent.get(t.info.rank, 0) + n
+            r.push_ns[rank] = r.push_ns.get(rank, 0) + time.perf_counter_ns() - began
+            r.bytes_sent[rank] = r.bytes_sent.get(rank, 0) + n
             self._peers[key].last_used = time.monotonic()
 
     def _do_finish(self, r: SenderRoom, num_tokens: int) -> None:
         for t in r.targets:
             self._sync(self._peer(t.info, r))
         errors = self._notify(r, num_tokens, "")
+        for rank, span in r.spans.items():  # (each target's push span: its bytes, the time spent writing them)
+            nbytes, seconds = r.bytes_sent.get(rank, 0), r.push_ns.get(rank, 0) / 1e9
+            span.set_attribute("kvbridge.bytes", nbytes)
+            span.set_attribute("kvbridge.push_seconds", seconds)
+            span.set_attribute("kvbridge.gb_per_s", nbytes / seconds / 1e9 if seconds else 0.0)
+            span.end()
         if errors:
             self._fail(r.room, "; ".join(errors))
         else:
@@ -319,6 +345,8 @@ class Sender:
                 first_token=r.first_token if t.info == r.first_rank and not error else None,
                 first_logprob=r.first_logprob if t.info == r.first_rank and not error else None,
                 secret=r.secret,
+                push_seconds=r.push_ns.get(t.info.rank, 0) / 1e9,
+                traceparent=tracing.traceparent(r.spans[t.info.rank]) if t.info.rank in r.spans else "",
             )
             try:
                 self._stub(t.info.receiver_addr).TransferDone(notice, timeout=self.config.deadline_s)

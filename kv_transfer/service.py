@@ -24,10 +24,12 @@ A WritePages stream must show its key at once and keep moving:
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass
 
 import grpc
 
+from kvbridge.common import tracing
 from kvbridge.common.rpc import peer_host
 from kvbridge.common.rpc_parse import rejected
 from kvbridge.kv_transfer.rooms import Notice, TransferError
@@ -146,7 +148,12 @@ class KVReceiverServicer(kv_transfer_pb2_grpc.KVReceiverServicer):
         first = n.first_token if n.HasField("first_token") else None
         logprob = n.first_logprob if n.HasField("first_logprob") else None
         notice = Notice(n.src_rank, n.layer_start, n.layer_end, n.num_tokens, n.bytes, n.error, first, logprob)
-        self._receiver.rooms.done(notice, n.room, n.secret)
+        expected_ns = self._receiver.rooms.done(notice, n.room, n.secret)
+        if n.traceparent and not n.error:  # (a child of the source's push span: the trace crosses the hand-off)
+            rank, layers = self._receiver.rooms.rank, [n.layer_start, n.layer_end]
+            where = {"kvbridge.rank": rank, "kvbridge.prefill_rank": n.src_rank, "kvbridge.layers": layers}
+            where |= {"kvbridge.bytes": n.bytes, "kvbridge.push_seconds": n.push_seconds}
+            tracing.record("kv landed", n.traceparent, expected_ns, time.time_ns(), where)
 
     async def FirstToken(self, request, context):
         await self._call(context, self._first_token, request)

@@ -9,6 +9,7 @@ import sys
 from kvbridge.common.flags import add_config_flags, from_flags
 from kvbridge.common.sampling import SamplingParams
 from kvbridge.common.security import add_tls_flags
+from kvbridge.common.tracing import add_tracing_flags
 from kvbridge.engine.config import EngineConfig, PPConfig
 
 
@@ -78,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
             )  # fmt: skip
             node.add_argument("--api-key-file", default="", help="with --http-port: clients must send this bearer key")
         add_tls_flags(node)
+        add_tracing_flags(node)
 
     from kvbridge.admin_cli import add_admin_parser
     from kvbridge.demo import add_demo_parser
@@ -181,7 +183,7 @@ def stop_on_signal():
 def cmd_node(args: argparse.Namespace) -> int:
     """`kvbridge serve|prefill|decode`: a node with its gRPC server, until SIGINT or SIGTERM.
     The server is bound first (health NOT_SERVING, Admin answering) and serves once the ranks are up."""
-    from kvbridge.common import logs, rpc, security
+    from kvbridge.common import logs, rpc, security, tracing
 
     http_port = getattr(args, "http_port", -1)  # (kvbridge serve only)
     if not -1 <= http_port < 65536:
@@ -194,6 +196,8 @@ def cmd_node(args: argparse.Namespace) -> int:
         raise UsageError(f"--shutdown-grace-s must be >= 0, got {args.shutdown_grace_s}")
     try:
         logs.setup(args.log_level)
+        # (before the ranks start: they take the settings from the environment)
+        tracing.setup(f"kvbridge-{args.command}", args.otlp_traces_endpoint, args.otlp_traces_sample_ratio)
     except ValueError as e:
         raise UsageError(str(e)) from None
     from kvbridge.nodes import COMMANDS, bind_node, load_node
@@ -230,8 +234,10 @@ def cmd_node(args: argparse.Namespace) -> int:
     if server.dead:  # its streams are failed already; a supervisor restarts a node that exits non-zero
         print(f"kvbridge {args.command}: error: pipeline rank {server.dead[0]} died", file=sys.stderr, flush=True)
         server.stop(grace_s=0)
+        tracing.shutdown()
         return 1
     server.shutdown_gracefully(args.shutdown_grace_s)
+    tracing.shutdown()
     return 0
 
 

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.multiprocessing as mp
 
-from kvbridge.common import logs, rpc
+from kvbridge.common import logs, rpc, tracing
 from kvbridge.common.metrics import RankFiles, init_rank_metrics
 from kvbridge.common.progress import Progress
 from kvbridge.common.sampling import SamplingParams
@@ -148,10 +148,11 @@ class RankGroup:
         cache_salt: str = "",
         resumed: int = 0,
         fork_of: str = "",
+        trace: str = "",
     ) -> str:
         """Queue a request at rank 0 (messages.Add: pairing, a disaggregated request's half; resumed,
         the last prompt ids are a migrated request's outputs so far; fork_of, a choice i > 0's
-        choice 0)."""
+        choice 0; trace, its traceparent)."""
         vocab = self.model.config.vocab_size
         if params.n != 1:
             raise ValueError(f"n is {params.n}: a rank group runs one choice a request (NodeFront forks the others)")
@@ -175,7 +176,7 @@ class RankGroup:
         if rid in self._pending:
             raise ValueError(f"duplicate request id {rid!r}")
         self._pending[rid] = {"arrival": time.perf_counter(), "first": None, "done": None}
-        self.inbox.put(Add(rid, tuple(prompt_ids), params, pairing, cache_salt, resumed, fork_of))
+        self.inbox.put(Add(rid, tuple(prompt_ids), params, pairing, cache_salt, resumed, fork_of, trace))
         return rid
 
     def forget(self, rid: str) -> None:
@@ -354,7 +355,10 @@ def colocated_rank(ctx: RankContext) -> RankSetup:
             ctx.stage, pool, scheduler, link, pp.pp_size, pp.pp_loop_size, ctx.inbox, ctx.outbox, recorder=ctx.recorder
         )
         return RankSetup(loop)
-    return RankSetup(StageLoop(ctx.rank, ctx.pp.pp_size, ctx.stage, pool, link, tokenizer=ctx.model.tokenizer))
+    loop = StageLoop(
+        ctx.rank, ctx.pp.pp_size, ctx.stage, pool, link, tokenizer=ctx.model.tokenizer, recorder=ctx.recorder
+    )
+    return RankSetup(loop)
 
 
 def rank_main(
@@ -385,6 +389,8 @@ def rank_main(
     _exit_with_parent(rank, closers)
     recorder = RankRecorder(init_rank_metrics(metrics_dir))  # before any series is made
     logs.setup()  # the front's level, inherited through the environment
+    if tracing.setup_from_env(f"-rank{rank}"):  # the front's collector, inherited the same way
+        closers.append(tracing.shutdown)
     rpc.configure(Security(**security))  # the front's TLS: KV receivers and senders are servers and channels
     config, pp = EngineConfig(**config), PPConfig(**pp)
     faults.init(config.fault_inject, rank)

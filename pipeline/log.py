@@ -36,6 +36,7 @@ class Admitted:
     prompt: tuple[int, ...] = ()  # its tokens, when the last rank's sampling needs them (penalties, grammars)
     resumed: int = 0  # the last `resumed` prompt tokens are outputs an earlier attempt streamed
     destination: Destination | None = None  # decode node: where its KV lands
+    trace: str = ""  # its trace context (W3C traceparent; common/tracing.py): every rank's spans go under it
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,7 @@ class Add:
     cache_salt: str = ""  # the prefix cache shares pages only between requests with equal salts
     resumed: int = 0  # migration: the last `resumed` prompt ids are outputs an earlier attempt streamed
     fork_of: str = ""  # choice i > 0 of an n > 1 request: the rid of choice 0, whose prompt pages it shares
+    trace: str = ""  # its trace context (W3C traceparent of the node's span; common/tracing.py), "" for none
 
 
 @dataclass(frozen=True)

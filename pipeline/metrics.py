@@ -1,14 +1,20 @@
 """What a rank process counts, in one place: the loops, the control channel and the KV agents
 report events to the rank's `RankRecorder` (made once per rank process, handed out through its
 RankContext); only the recorder touches the series (common/metrics.py RankMetrics), which a rank
-writes to its node's multiprocess files for the front to serve.
+writes to its node's multiprocess files for the front to serve, and records the spans of the
+requests whose trace is sampled (common/tracing.py): after the fact, with the times the loops
+measured, and not at all while tracing is off.
 """
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CollectorRegistry
 
+from kvbridge.common import tracing
 from kvbridge.common.metrics import RankMetrics, failure_reason
+from kvbridge.engine.batch import ForwardBatch
 
 
 class RankRecorder:
@@ -16,6 +22,34 @@ class RankRecorder:
         # without series (a part built alone, in a test): counted in a registry nobody serves
         self._m = series or RankMetrics(CollectorRegistry())
         self._cache_counts = (0, 0, 0)  # the prefix cache's (hit, query, evicted) as last counted
+        self._traces: dict[str, str] = {}  # rid -> traceparent, for the requests this rank traces
+
+    # tracing: every rank
+    def traced(self, rid: str, trace: str) -> None:
+        """The request's trace context (its ADMIT's; rank 0: its Add's): its spans go under it."""
+        if trace and tracing.enabled():
+            self._traces[rid] = trace
+
+    def untraced(self, rid: str) -> None:
+        self._traces.pop(rid, None)
+
+    def trace_of(self, rid: str) -> str:
+        return self._traces.get(rid, "")
+
+    def span(self, rid: str, name: str, start_ns: int, attributes: dict, end_ns: int | None = None) -> None:
+        """A finished span of the request (to now, unless `end_ns`), if it is traced."""
+        if trace := self._traces.get(rid):
+            tracing.record(name, trace, start_ns, end_ns or time.time_ns(), attributes)
+
+    def forwarded(self, rank: int, batch: ForwardBatch, start_ns: int) -> None:
+        """This rank computed `batch` since `start_ns`: a span for each traced request's prompt chunk."""
+        if not self._traces:
+            return
+        end_ns = time.time_ns()
+        for rid, start, q_len in zip(batch.rids, batch.starts, batch.q_lens):
+            if q_len > 1 and rid in self._traces:  # (a decode step's one token: its phase's span covers it)
+                where = {"kvbridge.rank": rank, "kvbridge.rid": rid, "kvbridge.start": start, "kvbridge.tokens": q_len}
+                tracing.record("prefill chunk", self._traces[rid], start_ns, end_ns, where)
 
     # rank 0's loop
     def decided(self, kind: str) -> None:
@@ -54,8 +88,15 @@ class RankRecorder:
     def pushed(self, rank: int, nbytes: int) -> None:
         self._m.transfer_bytes.labels(str(rank)).inc(nbytes)
 
-    def transfer_done(self, rank: int, seconds: float) -> None:
+    def transfer_done(self, rank: int, seconds: float, push_seconds: float = 0.0) -> None:
+        """The rank's pushes of a request landed, `seconds` after its route was known; `push_seconds`
+        of that went to writing them (the push itself)."""
         self._m.transfer_duration.labels(str(rank)).observe(seconds)
+        self._m.push_seconds.labels(str(rank)).inc(push_seconds)
+
+    def handed_off(self, seconds: float) -> None:
+        """Prefill rank 0: a request's hand-off after its prefill (routed and computed, to every push landed)."""
+        self._m.handoff.observe(seconds)
 
     def transfer_failed(self, rank: int, reason: str) -> None:
         """reason: the backend's words (bounded to a few labels here) or "injected"."""

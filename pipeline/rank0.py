@@ -31,7 +31,7 @@ from kvbridge.engine.kv_pool import KVPool
 from kvbridge.engine.logits import logprob_width, prompt_logprobs, prompt_spans, split_logits, unpack_logprobs
 from kvbridge.engine.model import ModelStage
 from kvbridge.engine.pages import PageTable
-from kvbridge.engine.request import Phase, Request
+from kvbridge.engine.request import Handoff, Phase, Request
 from kvbridge.engine.sampler import Sampler
 from kvbridge.engine.scheduler import ScheduledStep, Scheduler
 from kvbridge.kv_transfer.handoff import Destination
@@ -67,7 +67,7 @@ from kvbridge.pipeline.messages import (
     Wake,
 )
 from kvbridge.pipeline.metrics import RankRecorder
-from kvbridge.pipeline.roles import ColocatedRole, Role
+from kvbridge.pipeline.roles import WAITS_FOR, ColocatedRole, Role
 
 log = logging.getLogger("kvbridge.node")
 
@@ -154,9 +154,10 @@ class Rank0Loop:
             else:
                 self.move(req, Phase.DECODING)
         self._send(Message(STEP, self._take_unsent(), step.batch))
-        meta = AttentionMetadata.build(step.batch, self.pool.page_size, self.stage.device)
+        meta, began = AttentionMetadata.build(step.batch, self.pool.page_size, self.stage.device), time.time_ns()
         ids = torch.tensor(step.batch.input_ids, dtype=torch.long, device=self.stage.device)
         hidden = self.stage.forward(meta, ids, self.pool)
+        self.recorder.forwarded(0, step.batch, began)
         self.faults.after_step()
         self.agent.after_forward(step.batch)
         self._send_hidden(step, hidden)
@@ -273,6 +274,8 @@ class Rank0Loop:
                 ids, salt = list(msg.prompt_ids), msg.cache_salt
                 req = Request(msg.rid, ids, msg.params, table, cache_salt=salt, resumed=msg.resumed)
                 req.parent = self.requests.get(msg.fork_of) if msg.fork_of else None
+                req.trace, req.phase_ns = msg.trace, time.time_ns()
+                self.recorder.traced(msg.rid, msg.trace)
                 self.requests[msg.rid] = req
                 if self.sampler is not None:  # (it samples here: its grammar compiles while it waits)
                     self.sampler.prepare(req)
@@ -309,6 +312,7 @@ class Rank0Loop:
     def move(self, req: Request, phase: Phase, **fields) -> None:
         """`req` is in `phase` now; a change is one log line."""
         if req.phase is not phase:
+            self._phase_span(req)
             req.phase = phase
             self._log_phase(req, phase.value, **fields)
 
@@ -336,6 +340,7 @@ class Rank0Loop:
                 prompt=tuple(req.prompt_ids) if history else (),
                 resumed=req.resumed if history else 0,
                 destination=destination,
+                trace=req.trace,
             )
             self.decide(ADMIT, req.rid, replace(req.params, seed=req.seed), record)
 
@@ -358,9 +363,29 @@ class Rank0Loop:
         if event.get("error"):
             fields |= {"code": event.get("code", ""), "error": event["error"]}
         self._log_phase(req, "finished", **fields)
+        self._phase_span(req, **fields)
+        self.recorder.untraced(req.rid)
         outputs = tuple(req.resumed_ids + req.output_ids)
         finish = Finish(req.rid, req.finish_reason, outputs, req.text, req.num_prompt_tokens, **event)
         self.outbox.put(replace(finish, cached_tokens=req.cached_tokens) if req.cached_tokens else finish)
+
+    def _phase_span(self, req: Request, **fields) -> None:
+        """The span of the phase `req` leaves (each queue it waits in, the consensus rulings it waits
+        for: pipeline/roles.py WAITS_FOR), if it is traced."""
+        now = time.time_ns()
+        if req.phase is not None and req.trace:
+            attributes = {"kvbridge.rid": req.rid, "kvbridge.role": self.role.name, **handoff_fields(req.handoff)}
+            if waits := WAITS_FOR.get((self.role.name, req.phase)) or WAITS_FOR.get(("", req.phase)):
+                attributes["kvbridge.waits_for"] = waits
+            attributes |= {f"kvbridge.{k}": v for k, v in fields.items() if isinstance(v, (str, int, float))}
+            self.recorder.span(req.rid, req.phase.value, req.phase_ns, attributes, now)
+        req.phase_ns = now
+
+    def page_bytes_all_layers(self) -> int:
+        """Bytes of one KV page over every layer of the model (all ranks together)."""
+        pool = self.pool
+        per_layer = pool.buffer[0].numel() * pool.buffer.element_size() // (pool.layer_end - pool.layer_start)
+        return per_layer * self.stage.config.num_hidden_layers
 
     def _log_phase(self, req: Request, phase: str, **fields) -> None:
         room = req.handoff.room if req.handoff else None
@@ -433,6 +458,7 @@ class Rank0Loop:
                 "peer": req.handoff.peer if req.handoff else "",
                 "prompt_tokens": req.num_prompt_tokens,
                 "output_tokens": req.num_outputs,
+                **(req.handoff.figures() if req.handoff else {}),
             }
             for req in self.requests.values()
         ]
@@ -445,6 +471,13 @@ SCHEDULER_PHASES = {
     "forked": {Phase.WAITING},
     "running": {Phase.WAITING, Phase.PREFILLING, Phase.DECODING},
 }
+
+
+def handoff_fields(h: Handoff | None) -> dict:
+    """A hand-off's figures as span attributes."""
+    if h is None:
+        return {}
+    return {f"kvbridge.{k}": v for k, v in ({"room": h.room, "peer": h.peer} | h.figures()).items()}
 
 
 def _drop(msg: Message) -> None:

@@ -32,6 +32,18 @@ if TYPE_CHECKING:
     from kvbridge.pipeline.rank0 import Rank0Loop
 
 
+# what a request waits for in a phase (a traced request's span of that phase says so); "" = any role
+WAITS_FOR = {
+    ("", Phase.WAITING): "the scheduler: KV pages and a batch slot",
+    ("prefill", Phase.BOOTSTRAP): "the decode node's registration of its room (Bootstrap.Register)",
+    ("prefill", Phase.TRANSFERRING): "consensus PREFILL_TRANSFERRED: every prefill rank's pushes landed",
+    ("decode", Phase.PREALLOC): "KV pages, then consensus DECODE_PREALLOCATED: every decode rank expects the KV",
+    ("decode", Phase.TRANSFERRING): "consensus DECODE_TRANSFERRED: the KV and the first token landed on every rank",
+    ("decode", Phase.RETRACTED): "KV pages to resume into (its KV is in host memory)",
+    ("decode", Phase.RESUMING): "consensus: its KV copied back on every rank",
+}
+
+
 class Role(Protocol):
     name: str  # "colocated" | "prefill" | "decode": in logs, listings and errors
 

@@ -8,6 +8,8 @@ does is bound once, at start-up.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from kvbridge.engine import faults
@@ -21,6 +23,7 @@ from kvbridge.pipeline import cores
 from kvbridge.pipeline.agent import KVAgent
 from kvbridge.pipeline.dist import Link
 from kvbridge.pipeline.log import ADMIT, APPEND, ENDS, REUSE, SHUTDOWN, STEP, LogEntry, Message, PipelineLog
+from kvbridge.pipeline.metrics import RankRecorder
 
 
 class StageLoop:
@@ -33,9 +36,11 @@ class StageLoop:
         link: Link,
         agent: KVAgent | None = None,
         tokenizer=None,
+        recorder: RankRecorder | None = None,
     ):
         self.rank, self.stage, self.pool, self.link = rank, stage, pool, link
         self.agent = agent or KVAgent()
+        self.recorder = recorder or RankRecorder()
         self.prev = rank - 1
         self.is_last = rank == pp_size - 1
         self.emit = self._return_tokens if self.is_last else self._forward
@@ -59,7 +64,9 @@ class StageLoop:
                 meta = AttentionMetadata.build(b, self.pool.page_size, self.stage.device)
                 shape = (b.num_tokens, self.stage.config.hidden_size)
                 hidden = self.link.recv_tensor(shape, self.stage.dtype, self.prev).to(self.stage.device)
+                began = time.time_ns()
                 out = self.stage.forward(meta, hidden, self.pool)
+                self.recorder.forwarded(self.rank, b, began)
                 faults.current().after_step()
                 self.agent.after_forward(b)
                 self.emit(raw, msg, meta, out)
@@ -77,6 +84,7 @@ class StageLoop:
                 self.live[d.rid] = req = Request(d.rid, list(d.info.prompt), d.params, None)
                 req.resumed = d.info.resumed
                 req.num_sampled = d.info.first_sample_index
+                self.recorder.traced(d.rid, d.info.trace)
                 if self.sampler is not None:
                     self.sampler.prepare(req)
             elif d.kind == APPEND:
@@ -85,6 +93,7 @@ class StageLoop:
                 self.reused[d.rid] = list(d.info.pages)
             elif d.kind in ENDS:
                 del self.live[d.rid]
+                self.recorder.untraced(d.rid)
                 self.reused.pop(d.rid, None)
             self.agent.on_decision(d)
 

@@ -88,7 +88,8 @@ class PrefillAgent(KVAgent):
             route.doomed = self.faults.fail_transfer()
             self.routes[d.rid] = route
             self.chan.set_local(Stream.PREFILL_TRANSFERRED, d.rid, LocalStatus.PENDING)
-            self._sender(route.backend).connect(route.room, r.decode, route.page_ids, r.secret, d.rid)
+            trace = self.recorder.trace_of(d.rid)
+            self._sender(route.backend).connect(route.room, r.decode, route.page_ids, r.secret, d.rid, trace)
             done = self.unrouted.pop(d.rid, None)
             if done is not None and self._push(route, done.table, 0, done.end, done.done) and done.done:
                 if self.is_last:
@@ -173,7 +174,9 @@ class PrefillAgent(KVAgent):
         if change.state == KVPoll.SUCCESS:
             route = self.routes.get(rid)
             if route is not None:
-                self.recorder.transfer_done(self.rank, time.perf_counter() - route.routed_s)
+                pushed = self._sender(route.backend).push_seconds(route.room)
+                self.recorder.transfer_done(self.rank, time.perf_counter() - route.routed_s, pushed)
+                self._log_push(route, pushed)
             self.faults.report_done(lambda: self.chan.set_local(Stream.PREFILL_TRANSFERRED, rid, LocalStatus.READY))
         elif change.state == KVPoll.FAILED:
             self._log_failure(rid, change.room, change.reason)
@@ -183,6 +186,13 @@ class PrefillAgent(KVAgent):
     def close(self) -> None:
         for sender in self.senders.values():
             sender.close()
+
+    def _log_push(self, route: Route, seconds: float) -> None:
+        """One line per rank and request: what this rank pushed, and how fast the push itself went."""
+        nbytes = len(route.page_ids) * self.page_bytes
+        fields = {"rank": self.rank, "backend": route.backend, "pages": len(route.page_ids), "bytes": nbytes}
+        fields |= {"push_s": round(seconds, 6), "gb_per_s": round(nbytes / seconds / 1e9, 3) if seconds else 0.0}
+        log_event(log, "kv_push", rid=route.rid, room=room_tag(route.room), **fields)
 
     def _log_failure(self, rid: str, room: int, reason: str) -> None:
         log_event(log, "transfer_failed", logging.WARNING, rid=rid, room=room_tag(room), rank=self.rank, reason=reason)

@@ -36,7 +36,7 @@ def prefill_rank(ctx: RankContext) -> RankSetup:
             role=PrefillRole(chan), recorder=ctx.recorder,
         )  # fmt: skip
     else:
-        loop = StageLoop(ctx.rank, pp.pp_size, ctx.stage, pool, link, agent, ctx.model.tokenizer)
+        loop = StageLoop(ctx.rank, pp.pp_size, ctx.stage, pool, link, agent, ctx.model.tokenizer, ctx.recorder)
     return RankSetup(loop, close=close)
 
 

@@ -11,9 +11,12 @@ every rank.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import replace
 
+from kvbridge.common.limits import room_tag
+from kvbridge.common.logs import log_event
 from kvbridge.consensus import Stream as S
 from kvbridge.consensus import Verdict
 from kvbridge.engine.request import Handoff, Phase, Request
@@ -24,6 +27,8 @@ from kvbridge.pipeline.messages import Add, Answer, Register
 from kvbridge.pipeline.rank0 import Rank0Loop
 from kvbridge.pipeline.roles import Deadlines, live_rulings
 from kvbridge.prefill_node.queues import BootstrapQueue, InflightQueue, Registrations
+
+log = logging.getLogger("kvbridge.prefill")
 
 
 class PrefillRole:
@@ -107,8 +112,10 @@ class PrefillRole:
             self.fail(req, error, "FAILED_PRECONDITION")
             return error
         h = req.handoff
-        h.peer, h.routed = registration.decode_addr, True
+        h.peer, h.routed, h.backend = registration.decode_addr, True, registration.backend
         h.held_pages = registration.held_pages
+        h.kv_pages = pages - h.held_pages
+        h.kv_bytes = h.kv_pages * self.loop.page_bytes_all_layers()
         h.no_deadline()  # no bootstrap deadline any more; the transfer's starts at the first token
         self.loop.announce(req)  # (registered before its first chunk ran)
         self.loop.decide(ROUTE, req.rid, info=registration)
@@ -225,16 +232,21 @@ class PrefillRole:
         )
 
     def _await_transfer(self, req: Request) -> None:
-        req.handoff.expires(time.perf_counter(), self.config.transfer_timeout_s, "transfer")
+        """Prefilled and routed: only its pushes are left."""
+        req.handoff.awaiting_s = time.perf_counter()
+        req.handoff.expires(req.handoff.awaiting_s, self.config.transfer_timeout_s, "transfer")
         self.loop.move(req, Phase.TRANSFERRING)
         self.inflight.admit(req)
 
     def _transferred(self, req: Request) -> None:
         """Every rank's pushes landed: the pages are free again and the request is done here."""
         self._release_room(req)
-        pages = len(req.page_table.pages) - req.handoff.held_pages  # (the decode node held the others)
+        h = req.handoff
+        h.handoff_s = time.perf_counter() - h.awaiting_s
+        log_event(log, "handoff", rid=req.rid, room=room_tag(h.room), decode=h.peer, **h.figures())
+        self.loop.recorder.handed_off(h.handoff_s)
         self.loop.scheduler.release(req)
-        self.loop.retire(req, FINISH, kv_bytes=pages * self._page_bytes_all_layers())
+        self.loop.retire(req, FINISH, kv_bytes=h.kv_bytes)
 
     def fail(self, req: Request, error: str, code: str, reason: str = "error", **event) -> None:
         if not req.handoff.routed:
@@ -259,12 +271,6 @@ class PrefillRole:
     def _release_room(self, req: Request) -> None:
         if self.rooms.get(req.handoff.room) == req.rid:  # (a request refused for another's room never held it)
             del self.rooms[req.handoff.room]
-
-    def _page_bytes_all_layers(self) -> int:
-        """Bytes of one KV page over every layer of the model (all ranks together)."""
-        pool = self.loop.pool
-        per_layer = pool.buffer[0].numel() * pool.buffer.element_size() // (pool.layer_end - pool.layer_start)
-        return per_layer * self.loop.stage.config.num_hidden_layers
 
     # ---------------------------------------------------------------- what the loop and checks see
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import grpc
 
-from kvbridge.common import rpc, sampling
+from kvbridge.common import rpc, sampling, tracing
 from kvbridge.common.rpc import peer_host, shown
 from kvbridge.common.security import message_proof, message_proof_ok
 from kvbridge.kv_transfer import adapters as kv_wire
@@ -25,6 +25,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
     def __init__(self, server: NodeServer):
         self.server = server
 
+    @tracing.served("kvbridge.v1.Prefill/Prefill")
     async def Prefill(self, request, context):
         await self.server.admit(context)
         front = self.server.node.front

@@ -10,6 +10,7 @@ from dataclasses import fields
 
 from kvbridge.common.logs import LEVELS
 from kvbridge.common.security import add_tls_flags
+from kvbridge.common.tracing import add_tracing_flags
 from kvbridge.router.config import RouterConfig
 
 GIL_SWITCH_S = 0.001  # sys.setswitchinterval of a router process (see run_router)
@@ -31,6 +32,7 @@ def add_router_parser(subparsers) -> argparse.ArgumentParser:
         parser.add_argument(flag, default=str(default), metavar=metavar, help=text + shown)
     parser.add_argument("--log-level", default="info", choices=LEVELS, help="log level (default: info)")
     add_tls_flags(parser)
+    add_tracing_flags(parser)
     parser.add_argument(
         "--api-key-file", default="", metavar="FILE",
         help="Generation (gRPC) and the HTTP API need Authorization: Bearer KEY with this file's key; off when absent",
@@ -78,7 +80,7 @@ def start_http_api(node_address: str, host: str, http_port: int):
 
 def run_router(args: argparse.Namespace) -> int:
     """Serve until SIGINT or SIGTERM. Bad flag values: one line on stderr, exit status 2."""
-    from kvbridge.common import heap, rpc, security
+    from kvbridge.common import heap, rpc, security, tracing
     from kvbridge.common.logs import setup as setup_logs
     from kvbridge.router.server import start_router
 
@@ -89,6 +91,7 @@ def run_router(args: argparse.Namespace) -> int:
     try:
         rpc.configure(security.from_flags(args, api_key_file=args.api_key_file))
         setup_logs(args.log_level)
+        tracing.setup("kvbridge-router", args.otlp_traces_endpoint, args.otlp_traces_sample_ratio)
         config = config_from_args(args)
         router = start_router(config)
     except ValueError as e:
@@ -105,4 +108,5 @@ def run_router(args: argparse.Namespace) -> int:
     print(ready, file=sys.stderr, flush=True)
     stop.wait()
     router.stop()
+    tracing.shutdown()
     return 0

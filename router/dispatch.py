@@ -59,11 +59,12 @@ class Dispatcher:
         return not self.draining and self.can_route()
 
     def route(
-        self, request: generation_pb2.GenerateRequest, timeout_s: float | None = None, prefill: tuple = ()
+        self, request: generation_pb2.GenerateRequest, timeout_s: float | None = None, prefill: tuple = (), parent=None
     ) -> Routed:
         """Start routing a (checked) request; iterate the result (`async for`) for its responses.
         The deadline of every upstream call is now + min(timeout_s, request_timeout_s). `prefill`:
-        the pool's prefill nodes a gateway chose (pool.prefill_nodes_at), tried before any other."""
+        the pool's prefill nodes a gateway chose (pool.prefill_nodes_at), tried before any other;
+        `parent`: the caller's trace context (common/tracing.py extract), or None."""
         req = generation_pb2.GenerateRequest()
         req.CopyFrom(request)
         req.rid = req.rid or uuid.uuid4().hex
@@ -73,7 +74,7 @@ class Dispatcher:
             s.seed = secrets.randbits(63)
         limit = self.config.request_timeout_s
         budget = limit if timeout_s is None else min(timeout_s, limit)
-        return Routed(self, req, time.monotonic() + budget, prefill)
+        return Routed(self, req, time.monotonic() + budget, prefill, parent)
 
     async def aclose(self) -> None:
         """Cancel the Prefill calls still settling after their requests ended."""

@@ -58,7 +58,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import STATUS_PHRASES, H11Protocol
 
 from kvbridge import __version__
-from kvbridge.common import rpc
+from kvbridge.common import rpc, tracing
 from kvbridge.common.heap import release_freed_heap
 from kvbridge.common.limits import prompt_size_problem
 from kvbridge.common.security import check_bearer
@@ -257,7 +257,8 @@ class HTTPFront:
             echo = await echo_texts(req, self.dispatcher.pool, self.dispatcher.prompts)  # (completions' echo)
         except Refused as e:
             return _error(e.code, str(e), e.param)
-        routed = Fanout([self.dispatcher.route(r, prefill=prefill) for r in req.requests()])
+        parent = tracing.extract(request.headers)  # (the client's trace, W3C traceparent)
+        routed = Fanout([self.dispatcher.route(r, prefill=prefill, parent=parent) for r in req.requests()])
         model = req.model or (served[0] if served else "")
         reply = Reply(req, routed.rid, model, echo=echo, max_bytes=self.config.max_answer_bytes)
         return HTTPAnswer(routed, reply, req.stream)

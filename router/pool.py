@@ -77,6 +77,7 @@ class Pick:
     node: Node
     reason: str  # router/policy.py REASONS
     tokens: int  # added to node.pending_tokens: hand it back to release()
+    cached: int = 0  # prompt tokens its prefix cache holds, as far as the router knows (cache-aware policies)
 
 
 @dataclass(eq=False)
@@ -217,10 +218,10 @@ class NodePool:
             overlaps = None if cached is None else [cached.get(n, 0) for n in live]
             choice = self.policy.choose(live, at, tokens, overlaps)
             node = live[choice.index]
-            node.outstanding += 1
-            node.routed += 1
+            node.outstanding, node.routed = node.outstanding + 1, node.routed + 1
             node.pending_tokens += choice.tokens
-            return Pick(node, "gateway" if chosen else choice.reason, choice.tokens)
+            reason, cached_tokens = "gateway" if chosen else choice.reason, overlaps[choice.index] if overlaps else 0
+            return Pick(node, reason, choice.tokens, cached_tokens)
 
     def prefill_nodes_at(self, addresses: Collection[str]) -> list[Node]:
         """The pool's prefill nodes at these addresses (a gateway's prefill choice): the node at the

@@ -52,6 +52,7 @@ import asyncio
 import contextlib
 import logging
 import secrets
+import sys
 import time
 from array import array
 from collections.abc import AsyncIterator
@@ -59,11 +60,12 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from kvbridge.common import rpc
+from kvbridge.common import rpc, tracing
 from kvbridge.common.limits import room_tag
 from kvbridge.common.logs import log_event
 from kvbridge.common.metrics import outcome_of
 from kvbridge.common.security import message_proof
+from kvbridge.router import traced
 from kvbridge.router.failures import MIGRATED_CODES, RETRIED_CODES, Interrupted, Migrate, Retry, RouteError, TimedOut
 from kvbridge.router.pool import Node, Pick
 from kvbridge.router.prompts import PromptBlocks, PromptIds
@@ -90,7 +92,7 @@ class Routed:
     Admin.ListRequests while it runs."""
 
     def __init__(
-        self, dispatcher: Dispatcher, request: generation_pb2.GenerateRequest, deadline: float, prefill: tuple = ()
+        self, dispatcher: Dispatcher, request: generation_pb2.GenerateRequest, deadline: float, prefill=(), parent=None
     ):
         self.dispatcher, self.pool, self.config = dispatcher, dispatcher.pool, dispatcher.config
         self.request = request  # rid set; prefill unset
@@ -98,6 +100,7 @@ class Routed:
         self.gateway_prefill = prefill  # prefill nodes a gateway chose (x-gateway-prefill-endpoints): tried first
         self.rid = request.rid
         self.received = time.monotonic()  # when the router got it
+        self.span = traced.request_span(request, parent)  # (parent: the client's trace context, or None)
         self.phase = "routing"  # one of PHASES
         self.room = 0  # the current attempt's room (disaggregated), else 0
         self.peer = ""  # the nodes serving it: "P_ADDR -> D_ADDR", or the colocated node's address
@@ -150,7 +153,7 @@ class Routed:
         return len(self.output_ids)
 
     async def _run(self) -> AsyncIterator[generation_pb2.GenerateResponse]:
-        outcome = "error"
+        outcome, error = "error", None
         try:
             self.dispatcher._admit(self)
             excluded: list[Node] = []
@@ -169,17 +172,19 @@ class Routed:
             outcome = outcome_of(self.finish_reason)
             self._log("finished", outcome=outcome, tokens=self.output_tokens, seconds=self.age_s())
         except RouteError as e:
+            error = e
             outcome = "abort" if e.code == grpc.StatusCode.CANCELLED and self.cancelled.is_set() else "error"
             self._log("failed", outcome=outcome, code=e.code.name, message=e.message, seconds=self.age_s())
             raise
         except (GeneratorExit, asyncio.CancelledError):  # the consumer stopped reading, or its task was cancelled
             self.cancel()  # (a no-op if it was cancelled already; the first reason stays)
-            outcome = "abort"
+            outcome, error = "abort", RouteError(grpc.StatusCode.CANCELLED, self.why)
             self._log("failed", outcome=outcome, code="CANCELLED", message=self.why, seconds=self.age_s())
             raise
         finally:
             self._ended = True
             self.dispatcher._ended(self, outcome)
+            traced.ended(self.span, self, error)
 
     # ------------------------------------------------------------------ attempts
 
@@ -197,7 +202,7 @@ class Routed:
                 self.prompt_tokens = len(self.ids.ids)
             elif self.blocks is not None:
                 self.prompt_tokens = self.blocks.tokens
-        timeout = self._remaining()
+        timeout, picking = self._remaining(), time.time_ns()
         roles = GENERATION_ROLES if self.pool.has_eligible("prefill", excluded) else ("colocated",)
         picked = self._pick(roles, excluded)
         if picked is None:
@@ -219,7 +224,8 @@ class Routed:
             self._send_ids(request, node)
             self.peer, self.phase = node.address, "colocated"
             self._log("routed", colocated=node.address)
-            served = self._colocated(picked, request, timeout)
+            attempt = traced.picked(self.span, picked, None, self.pool.policy.name, picking, self.migrations)
+            served = self._colocated(picked, request, timeout, tracing.metadata(attempt))
         else:
             prefill = self._pick(("prefill",), excluded, among=self.gateway_prefill)
             if prefill is None:  # the last prefill node turned unhealthy just now
@@ -230,10 +236,14 @@ class Routed:
             self.room, self.peer = secrets.randbits(63), f"{prefill.node.address} -> {node.address}"
             self.phase = "prefill+decode"
             self._log("routed", prefill=prefill.node.address, decode=node.address)
-            served = self._disaggregated(prefill, picked, request, timeout)
-        async with contextlib.aclosing(served) as responses:
-            async for resp in responses:
-                yield resp
+            attempt = traced.picked(self.span, picked, prefill, self.pool.policy.name, picking, self.migrations)
+            served = self._disaggregated(prefill, picked, request, timeout, tracing.metadata(attempt))
+        try:
+            async with contextlib.aclosing(served) as responses:
+                async for resp in responses:
+                    yield resp
+        finally:
+            traced.attempt_ended(attempt, sys.exc_info()[1])
 
     def _send_ids(self, request: generation_pb2.GenerateRequest, node: Node) -> None:
         """The prompt as the ids the router made, when `node` serves the model whose tokenizer made
@@ -282,6 +292,7 @@ class Routed:
         self.dispatcher.metrics.migrated(moved.reason)
         fields = {"tokens": self.output_tokens, "migration": self.migrations}
         self._log("migrate", code=error.code.name, reason=error.message, **fields)
+        self.span.add_event("migrated", {"kvbridge.reason": moved.reason, "kvbridge.tokens": self.output_tokens})
 
     def _none_left(self) -> RouteError:
         """No node to try: the last attempt's failure, if there was one."""
@@ -301,13 +312,13 @@ class Routed:
         return call
 
     async def _colocated(
-        self, picked: Pick, request: generation_pb2.GenerateRequest, timeout: float
+        self, picked: Pick, request: generation_pb2.GenerateRequest, timeout: float, trace: tuple
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         """The node's stream, passed through. The caller acquired the node; it is released here."""
         node = picked.node
         try:
             call = generation_pb2_grpc.GenerationStub(node.channel).Generate
-            stream = self._open(call(request, timeout=timeout, metadata=self.pool.call_metadata))
+            stream = self._open(call(request, timeout=timeout, metadata=self.pool.call_metadata + trace))
             done = False
             try:
                 while (resp := await self._next(stream)) is not None:
@@ -327,7 +338,7 @@ class Routed:
             self.pool.release(node, picked.tokens)
 
     async def _disaggregated(
-        self, p_pick: Pick, d_pick: Pick, request: generation_pb2.GenerateRequest, timeout: float
+        self, p_pick: Pick, d_pick: Pick, request: generation_pb2.GenerateRequest, timeout: float, trace: tuple
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         """D's stream, passed through, with P's Prefill running beside it as a task. The caller
         acquired both; D is released when its stream ends, P when its Prefill call returns."""
@@ -349,9 +360,9 @@ class Routed:
         done = False
         try:
             call = generation_pb2_grpc.GenerationStub(d.channel).Generate
-            stream = self._open(call(dreq, timeout=timeout, metadata=self.pool.call_metadata))
+            stream = self._open(call(dreq, timeout=timeout, metadata=self.pool.call_metadata + trace))
             calls.append(stream)
-            p_call = self._open(prefill_pb2_grpc.PrefillStub(p.channel).Prefill(preq, timeout=timeout))
+            p_call = self._open(prefill_pb2_grpc.PrefillStub(p.channel).Prefill(preq, timeout=timeout, metadata=trace))
             calls.append(p_call)
 
             async def prefill() -> None:
@@ -472,6 +483,7 @@ class Routed:
             return
         now = time.monotonic()
         if not self._last_token_at:
+            self.span.add_event("first_token")
             self.dispatcher.metrics.first_token(now - self.received)
             self._log("first_token", seconds=now - self.received)
         elif resp.index in self._last_token_at:

@@ -15,7 +15,7 @@ from dataclasses import asdict
 import grpc
 
 from kvbridge import __version__
-from kvbridge.common import rpc, security
+from kvbridge.common import rpc, security, tracing
 from kvbridge.common.limits import listed_room, room_tag
 from kvbridge.common.logs import log_event
 from kvbridge.router.checks import check_generate
@@ -44,7 +44,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if problem := self.dispatcher.prompts.size_problem(request.prompt):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
-        routed = self.dispatcher.route(request, timeout_s=context.time_remaining())
+        parent = tracing.extract(context.invocation_metadata())  # (the caller's trace, W3C traceparent)
+        routed = self.dispatcher.route(request, timeout_s=context.time_remaining(), parent=parent)
         try:
             # write() rather than yield: every await stays in this task, so a client that leaves
             # (grpc cancels the task) or a failed write closes `routed`, which cancels upstream

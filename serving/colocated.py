@@ -12,7 +12,7 @@ import uuid
 
 import grpc
 
-from kvbridge.common import sampling
+from kvbridge.common import sampling, tracing
 from kvbridge.pipeline.group import RankGroup
 from kvbridge.serving.config import NodeConfig
 from kvbridge.serving.front import NodeFront, Overloaded
@@ -26,6 +26,7 @@ class ColocatedGeneration(generation_pb2_grpc.GenerationServicer):
     def __init__(self, server: NodeServer):
         self.server = server
 
+    @tracing.served("kvbridge.v1.Generation/Generate")
     async def Generate(self, request, context):
         await self.server.admit(context)
         front = self.server.node.front

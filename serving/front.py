@@ -24,7 +24,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
-from kvbridge.common import blocks
+from kvbridge.common import blocks, tracing
 from kvbridge.common.limits import rid_problem
 from kvbridge.common.metrics import outcome_of
 from kvbridge.common.rpc import EventLoop, shown
@@ -220,7 +220,8 @@ class NodeFront:
     ):
         """Queue one request at rank 0 and open its event stream."""
         ids = [*prompt_ids, *resumed]  # (add_request raises ValueError before anything is registered)
-        self.ranks.add_request(ids, params, rid, pairing, cache_salt, resumed=len(resumed), fork_of=fork_of)
+        trace = tracing.current()  # (the service's span: common/tracing.py served)
+        self.ranks.add_request(ids, params, rid, pairing, cache_salt, len(resumed), fork_of, trace)
         events: asyncio.Queue = asyncio.Queue()
         self._streams[rid] = events
         self._timing[rid] = [time.perf_counter(), None]

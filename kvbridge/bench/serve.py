@@ -10,6 +10,7 @@ the metric definitions of `vllm bench serve`.
     kvbridge bench serve --base-url http://HOST:PORT [--served-model NAME] [--label vllm] [the load flags]
     kvbridge bench serve --mode interference [--cores 0,1] [--itf-streams 4] [--itf-long-prompts 8] ...
     kvbridge bench serve --mode handoff [--num-prompts 100] [--random-input-len 32] [--random-output-len 4] ...
+    kvbridge bench serve --mode tracing [--num-prompts 100] [--max-concurrency 16] ...
 
 Sweep mode (default): every stack of `--stacks` is started in this process (the nodes' fronts and
 the router here, their ranks in child processes), then for each rate in turn each stack gets the
@@ -40,6 +41,10 @@ Handoff mode (kvbridge/bench/serve_handoff.py): the disaggregation TTFT overhead
 as unpinned `kvbridge` child processes; each prompt of the dataset goes to the colocated stack,
 then to the disaggregated one, one request at a time. One JSON line per stack (TTFT mean,
 median, p99) and a summary with the median of the paired differences (`ttft_overhead_ms`).
+
+Tracing mode (kvbridge/bench/serve_tracing.py): the disaggregated stack as child processes, the
+same load four times (tracing off, on, on, off; on = every span exported over OTLP to a receiver in
+this process); one JSON line per run and a summary of output tokens/s on over off.
 
 Every request is streamed with ignore_eos and max_tokens (and min_tokens, with --min-tokens on,
 or auto when a probe request carrying it is accepted), so output lengths are the dataset's.
@@ -118,7 +123,7 @@ def _cores(text: str) -> list[int]:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="kvbridge bench serve", description=__doc__.split("\n")[0])
-    ap.add_argument("--mode", default="sweep", choices=["sweep", "interference", "handoff"])
+    ap.add_argument("--mode", default="sweep", choices=["sweep", "interference", "handoff", "tracing"])
     ap.add_argument("--stacks", type=_names, default=list(STACKS), help="default: colocated,disaggregated")
     ap.add_argument("--model", default="tiny-random", help="tiny-random (default) | smollm2-135m-instruct | ...")
     ap.add_argument("--pp", type=int, default=1, help="pipeline ranks of the colocated node")
@@ -428,6 +433,10 @@ def main(argv: list[str] | None = None) -> int:
             from kvbridge.bench.serve_handoff import handoff
 
             return handoff(args, pool, samples, dataset)
+        if args.mode == "tracing":
+            from kvbridge.bench.serve_tracing import tracing_runs
+
+            return tracing_runs(args, pool, samples, dataset)
         from kvbridge.bench.serve_interference import interference
 
         try:

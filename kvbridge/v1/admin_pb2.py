@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvbridge/v1/admin.proto\x12\x0bkvbridge.v1\"\x12\n\x10GetStatusRequest\"X\n\nRankStatus\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\r\n\x05\x61live\x18\x02 \x01(\x08\x12\x15\n\rkv_pages_used\x18\x03 \x01(\r\x12\x16\n\x0ekv_pages_total\x18\x04 \x01(\r\"\xcd\x03\n\x06Status\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x02 \x01(\t\x12\x0f\n\x07pp_size\x18\x03 \x01(\r\x12&\n\x05ranks\x18\x04 \x03(\x0b\x32\x17.kvbridge.v1.RankStatus\x12/\n\x06queues\x18\x05 \x03(\x0b\x32\x1f.kvbridge.v1.Status.QueuesEntry\x12\x17\n\x0frequests_served\x18\x06 \x01(\x04\x12\x0f\n\x07version\x18\x07 \x01(\t\x12\x10\n\x08uptime_s\x18\x08 \x01(\x01\x12\x10\n\x08\x64raining\x18\t \x01(\x08\x12\x1b\n\x13transfers_in_flight\x18\n \x01(\r\x12\x1a\n\x12requests_in_flight\x18\x0b \x01(\r\x12\r\n\x05model\x18\x0c \x01(\t\x12\x0f\n\x07serving\x18\r \x01(\x08\x12$\n\x05nodes\x18\x0e \x03(\x0b\x32\x15.kvbridge.v1.NodeInfo\x12\x34\n\x0cprefix_cache\x18\x0f \x01(\x0b\x32\x1e.kvbridge.v1.PrefixCacheStatus\x1a-\n\x0bQueuesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"\x8f\x01\n\x11PrefixCacheStatus\x12\x0f\n\x07\x65nabled\x18\x01 \x01(\x08\x12\x14\n\x0c\x63\x61\x63hed_pages\x18\x02 \x01(\r\x12\x12\n\nidle_pages\x18\x03 \x01(\r\x12\x12\n\nhit_tokens\x18\x04 \x01(\x04\x12\x14\n\x0cquery_tokens\x18\x05 \x01(\x04\x12\x15\n\revicted_pages\x18\x06 \x01(\x04\"\x19\n\x17\x43learPrefixCacheRequest\"1\n\x18\x43learPrefixCacheResponse\x12\x15\n\rpages_dropped\x18\x01 \x01(\r\"\x94\x01\n\x0bRequestInfo\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12\x0c\n\x04room\x18\x02 \x01(\x04\x12\r\n\x05phase\x18\x03 \x01(\t\x12\r\n\x05\x61ge_s\x18\x04 \x01(\x01\x12\x10\n\x08kv_pages\x18\x05 \x01(\r\x12\x0c\n\x04peer\x18\x06 \x01(\t\x12\x15\n\rprompt_tokens\x18\x07 \x01(\r\x12\x15\n\routput_tokens\x18\x08 \x01(\r\"K\n\x13ListRequestsRequest\x12\x11\n\tpage_size\x18\x01 \x01(\r\x12\x12\n\npage_token\x18\x02 \x01(\t\x12\r\n\x05phase\x18\x03 \x01(\t\"j\n\x14ListRequestsResponse\x12*\n\x08requests\x18\x01 \x03(\x0b\x32\x18.kvbridge.v1.RequestInfo\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\x12\r\n\x05total\x18\x03 \x01(\r\"\"\n\x13\x41\x62ortRequestRequest\x12\x0b\n\x03rid\x18\x01 \x01(\t\"2\n\x14\x41\x62ortRequestResponse\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12\r\n\x05phase\x18\x02 \x01(\t\"\x1e\n\x0c\x44rainRequest\x12\x0e\n\x06wait_s\x18\x01 \x01(\x01\"L\n\rDrainResponse\x12\x10\n\x08\x64raining\x18\x01 \x01(\x08\x12\x1a\n\x12requests_in_flight\x18\x02 \x01(\r\x12\r\n\x05\x65mpty\x18\x03 \x01(\x08\"\x0f\n\rResumeRequest\"\x12\n\x10GetConfigRequest\"5\n\x06\x43onfig\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x0c\n\x04json\x18\x03 \x01(\t\"\x80\x01\n\x08NodeInfo\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\x10\n\x08reported\x18\x04 \x01(\x08\x12\x13\n\x0boutstanding\x18\x05 \x01(\r\x12\x0e\n\x06routed\x18\x06 \x01(\x04\x12\r\n\x05model\x18\x07 \x01(\t\"\x12\n\x10ListNodesRequest\"9\n\x11ListNodesResponse\x12$\n\x05nodes\x18\x01 \x03(\x0b\x32\x15.kvbridge.v1.NodeInfo\"/\n\x0e\x41\x64\x64NodeRequest\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"2\n\x11RemoveNodeRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t2\xe6\x05\n\x05\x41\x64min\x12?\n\tGetStatus\x12\x1d.kvbridge.v1.GetStatusRequest\x1a\x13.kvbridge.v1.Status\x12S\n\x0cListRequests\x12 .kvbridge.v1.ListRequestsRequest\x1a!.kvbridge.v1.ListRequestsResponse\x12S\n\x0c\x41\x62ortRequest\x12 .kvbridge.v1.AbortRequestRequest\x1a!.kvbridge.v1.AbortRequestResponse\x12>\n\x05\x44rain\x12\x19.kvbridge.v1.DrainRequest\x1a\x1a.kvbridge.v1.DrainResponse\x12@\n\x06Resume\x12\x1a.kvbridge.v1.ResumeRequest\x1a\x1a.kvbridge.v1.DrainResponse\x12?\n\tGetConfig\x12\x1d.kvbridge.v1.GetConfigRequest\x1a\x13.kvbridge.v1.Config\x12J\n\tListNodes\x12\x1d.kvbridge.v1.ListNodesRequest\x1a\x1e.kvbridge.v1.ListNodesResponse\x12=\n\x07\x41\x64\x64Node\x12\x1b.kvbridge.v1.AddNodeRequest\x1a\x15.kvbridge.v1.NodeInfo\x12\x43\n\nRemoveNode\x12\x1e.kvbridge.v1.RemoveNodeRequest\x1a\x15.kvbridge.v1.NodeInfo\x12_\n\x10\x43learPrefixCache\x12$.kvbridge.v1.ClearPrefixCacheRequest\x1a%.kvbridge.v1.ClearPrefixCacheResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvbridge/v1/admin.proto\x12\x0bkvbridge.v1\"\x12\n\x10GetStatusRequest\"X\n\nRankStatus\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\r\n\x05\x61live\x18\x02 \x01(\x08\x12\x15\n\rkv_pages_used\x18\x03 \x01(\r\x12\x16\n\x0ekv_pages_total\x18\x04 \x01(\r\"\xcd\x03\n\x06Status\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x02 \x01(\t\x12\x0f\n\x07pp_size\x18\x03 \x01(\r\x12&\n\x05ranks\x18\x04 \x03(\x0b\x32\x17.kvbridge.v1.RankStatus\x12/\n\x06queues\x18\x05 \x03(\x0b\x32\x1f.kvbridge.v1.Status.QueuesEntry\x12\x17\n\x0frequests_served\x18\x06 \x01(\x04\x12\x0f\n\x07version\x18\x07 \x01(\t\x12\x10\n\x08uptime_s\x18\x08 \x01(\x01\x12\x10\n\x08\x64raining\x18\t \x01(\x08\x12\x1b\n\x13transfers_in_flight\x18\n \x01(\r\x12\x1a\n\x12requests_in_flight\x18\x0b \x01(\r\x12\r\n\x05model\x18\x0c \x01(\t\x12\x0f\n\x07serving\x18\r \x01(\x08\x12$\n\x05nodes\x18\x0e \x03(\x0b\x32\x15.kvbridge.v1.NodeInfo\x12\x34\n\x0cprefix_cache\x18\x0f \x01(\x0b\x32\x1e.kvbridge.v1.PrefixCacheStatus\x1a-\n\x0bQueuesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"\x8f\x01\n\x11PrefixCacheStatus\x12\x0f\n\x07\x65nabled\x18\x01 \x01(\x08\x12\x14\n\x0c\x63\x61\x63hed_pages\x18\x02 \x01(\r\x12\x12\n\nidle_pages\x18\x03 \x01(\r\x12\x12\n\nhit_tokens\x18\x04 \x01(\x04\x12\x14\n\x0cquery_tokens\x18\x05 \x01(\x04\x12\x15\n\revicted_pages\x18\x06 \x01(\x04\"\x19\n\x17\x43learPrefixCacheRequest\"1\n\x18\x43learPrefixCacheResponse\x12\x15\n\rpages_dropped\x18\x01 \x01(\r\"\xe8\x01\n\x0bRequestInfo\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12\x0c\n\x04room\x18\x02 \x01(\x04\x12\r\n\x05phase\x18\x03 \x01(\t\x12\r\n\x05\x61ge_s\x18\x04 \x01(\x01\x12\x10\n\x08kv_pages\x18\x05 \x01(\r\x12\x0c\n\x04peer\x18\x06 \x01(\t\x12\x15\n\rprompt_tokens\x18\x07 \x01(\r\x12\x15\n\routput_tokens\x18\x08 \x01(\r\x12\x0f\n\x07\x62\x61\x63kend\x18\t \x01(\t\x12\x16\n\x0ekv_pages_moved\x18\n \x01(\r\x12\x16\n\x0ekv_bytes_moved\x18\x0b \x01(\x04\x12\x11\n\thandoff_s\x18\x0c \x01(\x01\"K\n\x13ListRequestsRequest\x12\x11\n\tpage_size\x18\x01 \x01(\r\x12\x12\n\npage_token\x18\x02 \x01(\t\x12\r\n\x05phase\x18\x03 \x01(\t\"j\n\x14ListRequestsResponse\x12*\n\x08requests\x18\x01 \x03(\x0b\x32\x18.kvbridge.v1.RequestInfo\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\x12\r\n\x05total\x18\x03 \x01(\r\"\"\n\x13\x41\x62ortRequestRequest\x12\x0b\n\x03rid\x18\x01 \x01(\t\"2\n\x14\x41\x62ortRequestResponse\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12\r\n\x05phase\x18\x02 \x01(\t\"\x1e\n\x0c\x44rainRequest\x12\x0e\n\x06wait_s\x18\x01 \x01(\x01\"L\n\rDrainResponse\x12\x10\n\x08\x64raining\x18\x01 \x01(\x08\x12\x1a\n\x12requests_in_flight\x18\x02 \x01(\r\x12\r\n\x05\x65mpty\x18\x03 \x01(\x08\"\x0f\n\rResumeRequest\"\x12\n\x10GetConfigRequest\"5\n\x06\x43onfig\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x0c\n\x04json\x18\x03 \x01(\t\"\x80\x01\n\x08NodeInfo\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\x10\n\x08reported\x18\x04 \x01(\x08\x12\x13\n\x0boutstanding\x18\x05 \x01(\r\x12\x0e\n\x06routed\x18\x06 \x01(\x04\x12\r\n\x05model\x18\x07 \x01(\t\"\x12\n\x10ListNodesRequest\"9\n\x11ListNodesResponse\x12$\n\x05nodes\x18\x01 \x03(\x0b\x32\x15.kvbridge.v1.NodeInfo\"/\n\x0e\x41\x64\x64NodeRequest\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"2\n\x11RemoveNodeRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t2\xe6\x05\n\x05\x41\x64min\x12?\n\tGetStatus\x12\x1d.kvbridge.v1.GetStatusRequest\x1a\x13.kvbridge.v1.Status\x12S\n\x0cListRequests\x12 .kvbridge.v1.ListRequestsRequest\x1a!.kvbridge.v1.ListRequestsResponse\x12S\n\x0c\x41\x62ortRequest\x12 .kvbridge.v1.AbortRequestRequest\x1a!.kvbridge.v1.AbortRequestResponse\x12>\n\x05\x44rain\x12\x19.kvbridge.v1.DrainRequest\x1a\x1a.kvbridge.v1.DrainResponse\x12@\n\x06Resume\x12\x1a.kvbridge.v1.ResumeRequest\x1a\x1a.kvbridge.v1.DrainResponse\x12?\n\tGetConfig\x12\x1d.kvbridge.v1.GetConfigRequest\x1a\x13.kvbridge.v1.Config\x12J\n\tListNodes\x12\x1d.kvbridge.v1.ListNodesRequest\x1a\x1e.kvbridge.v1.ListNodesResponse\x12=\n\x07\x41\x64\x64Node\x12\x1b.kvbridge.v1.AddNodeRequest\x1a\x15.kvbridge.v1.NodeInfo\x12\x43\n\nRemoveNode\x12\x1e.kvbridge.v1.RemoveNodeRequest\x1a\x15.kvbridge.v1.NodeInfo\x12_\n\x10\x43learPrefixCache\x12$.kvbridge.v1.ClearPrefixCacheRequest\x1a%.kvbridge.v1.ClearPrefixCacheResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -48,35 +48,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CLEARPREFIXCACHERESPONSE']._serialized_start=787
   _globals['_CLEARPREFIXCACHERESPONSE']._serialized_end=836
   _globals['_REQUESTINFO']._serialized_start=839
-  _globals['_REQUESTINFO']._serialized_end=987
-  _globals['_LISTREQUESTSREQUEST']._serialized_start=989
-  _globals['_LISTREQUESTSREQUEST']._serialized_end=1064
-  _globals['_LISTREQUESTSRESPONSE']._serialized_start=1066
-  _globals['_LISTREQUESTSRESPONSE']._serialized_end=1172
-  _globals['_ABORTREQUESTREQUEST']._serialized_start=1174
-  _globals['_ABORTREQUESTREQUEST']._serialized_end=1208
-  _globals['_ABORTREQUESTRESPONSE']._serialized_start=1210
-  _globals['_ABORTREQUESTRESPONSE']._serialized_end=1260
-  _globals['_DRAINREQUEST']._serialized_start=1262
-  _globals['_DRAINREQUEST']._serialized_end=1292
-  _globals['_DRAINRESPONSE']._serialized_start=1294
-  _globals['_DRAINRESPONSE']._serialized_end=1370
-  _globals['_RESUMEREQUEST']._serialized_start=1372
-  _globals['_RESUMEREQUEST']._serialized_end=1387
-  _globals['_GETCONFIGREQUEST']._serialized_start=1389
-  _globals['_GETCONFIGREQUEST']._serialized_end=1407
-  _globals['_CONFIG']._serialized_start=1409
-  _globals['_CONFIG']._serialized_end=1462
-  _globals['_NODEINFO']._serialized_start=1465
-  _globals['_NODEINFO']._serialized_end=1593
-  _globals['_LISTNODESREQUEST']._serialized_start=1595
-  _globals['_LISTNODESREQUEST']._serialized_end=1613
-  _globals['_LISTNODESRESPONSE']._serialized_start=1615
-  _globals['_LISTNODESRESPONSE']._serialized_end=1672
-  _globals['_ADDNODEREQUEST']._serialized_start=1674
-  _globals['_ADDNODEREQUEST']._serialized_end=1721
-  _globals['_REMOVENODEREQUEST']._serialized_start=1723
-  _globals['_REMOVENODEREQUEST']._serialized_end=1773
-  _globals['_ADMIN']._serialized_start=1776
-  _globals['_ADMIN']._serialized_end=2518
+  _globals['_REQUESTINFO']._serialized_end=1071
+  _globals['_LISTREQUESTSREQUEST']._serialized_start=1073
+  _globals['_LISTREQUESTSREQUEST']._serialized_end=1148
+  _globals['_LISTREQUESTSRESPONSE']._serialized_start=1150
+  _globals['_LISTREQUESTSRESPONSE']._serialized_end=1256
+  _globals['_ABORTREQUESTREQUEST']._serialized_start=1258
+  _globals['_ABORTREQUESTREQUEST']._serialized_end=1292
+  _globals['_ABORTREQUESTRESPONSE']._serialized_start=1294
+  _globals['_ABORTREQUESTRESPONSE']._serialized_end=1344
+  _globals['_DRAINREQUEST']._serialized_start=1346
+  _globals['_DRAINREQUEST']._serialized_end=1376
+  _globals['_DRAINRESPONSE']._serialized_start=1378
+  _globals['_DRAINRESPONSE']._serialized_end=1454
+  _globals['_RESUMEREQUEST']._serialized_start=1456
+  _globals['_RESUMEREQUEST']._serialized_end=1471
+  _globals['_GETCONFIGREQUEST']._serialized_start=1473
+  _globals['_GETCONFIGREQUEST']._serialized_end=1491
+  _globals['_CONFIG']._serialized_start=1493
+  _globals['_CONFIG']._serialized_end=1546
+  _globals['_NODEINFO']._serialized_start=1549
+  _globals['_NODEINFO']._serialized_end=1677
+  _globals['_LISTNODESREQUEST']._serialized_start=1679
+  _globals['_LISTNODESREQUEST']._serialized_end=1697
+  _globals['_LISTNODESRESPONSE']._serialized_start=1699
+  _globals['_LISTNODESRESPONSE']._serialized_end=1756
+  _globals['_ADDNODEREQUEST']._serialized_start=1758
+  _globals['_ADDNODEREQUEST']._serialized_end=1805
+  _globals['_REMOVENODEREQUEST']._serialized_start=1807
+  _globals['_REMOVENODEREQUEST']._serialized_end=1857
+  _globals['_ADMIN']._serialized_start=1860
+  _globals['_ADMIN']._serialized_end=2602
 # @@protoc_insertion_point(module_scope)

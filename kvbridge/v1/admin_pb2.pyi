@@ -90,7 +90,7 @@ class ClearPrefixCacheResponse(_message.Message):
     def __init__(self, pages_dropped: _Optional[int] = ...) -> None: ...
 
 class RequestInfo(_message.Message):
-    __slots__ = ("rid", "room", "phase", "age_s", "kv_pages", "peer", "prompt_tokens", "output_tokens")
+    __slots__ = ("rid", "room", "phase", "age_s", "kv_pages", "peer", "prompt_tokens", "output_tokens", "backend", "kv_pages_moved", "kv_bytes_moved", "handoff_s")
     RID_FIELD_NUMBER: _ClassVar[int]
     ROOM_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
@@ -99,6 +99,10 @@ class RequestInfo(_message.Message):
     PEER_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    KV_PAGES_MOVED_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_MOVED_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_S_FIELD_NUMBER: _ClassVar[int]
     rid: str
     room: int
     phase: str
@@ -107,7 +111,11 @@ class RequestInfo(_message.Message):
     peer: str
     prompt_tokens: int
     output_tokens: int
-    def __init__(self, rid: _Optional[str] = ..., room: _Optional[int] = ..., phase: _Optional[str] = ..., age_s: _Optional[float] = ..., kv_pages: _Optional[int] = ..., peer: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ...) -> None: ...
+    backend: str
+    kv_pages_moved: int
+    kv_bytes_moved: int
+    handoff_s: float
+    def __init__(self, rid: _Optional[str] = ..., room: _Optional[int] = ..., phase: _Optional[str] = ..., age_s: _Optional[float] = ..., kv_pages: _Optional[int] = ..., peer: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., backend: _Optional[str] = ..., kv_pages_moved: _Optional[int] = ..., kv_bytes_moved: _Optional[int] = ..., handoff_s: _Optional[float] = ...) -> None: ...
 
 class ListRequestsRequest(_message.Message):
     __slots__ = ("page_size", "page_token", "phase")

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvbridge.v1 import common_pb2 as kvbridge_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dkvbridge/v1/kv_transfer.proto\x12\x0bkvbridge.v1\x1a\x18kvbridge/v1/common.proto\"\x83\x01\n\tPageChunk\x12\x0c\n\x04room\x18\x01 \x01(\x04\x12\x10\n\x08src_rank\x18\x02 \x01(\r\x12\x13\n\x0blayer_start\x18\x03 \x01(\r\x12\x11\n\tlayer_end\x18\x04 \x01(\r\x12\x10\n\x08page_ids\x18\x05 \x03(\r\x12\x0c\n\x04\x64\x61ta\x18\x06 \x01(\x0c\x12\x0e\n\x06secret\x18\x07 \x01(\x0c\"\xf6\x01\n\x0eTransferNotice\x12\x0c\n\x04room\x18\x01 \x01(\x04\x12\x10\n\x08src_rank\x18\x02 \x01(\r\x12\x13\n\x0blayer_start\x18\x03 \x01(\r\x12\x11\n\tlayer_end\x18\x04 \x01(\r\x12\x12\n\nnum_tokens\x18\x05 \x01(\r\x12\r\n\x05\x62ytes\x18\x06 \x01(\x04\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12\x18\n\x0b\x66irst_token\x18\x08 \x01(\rH\x00\x88\x01\x01\x12\x0e\n\x06secret\x18\t \x01(\x0c\x12\x30\n\rfirst_logprob\x18\n \x01(\x0b\x32\x19.kvbridge.v1.TokenLogprobB\x0e\n\x0c_first_token\"\x82\x01\n\x10\x46irstTokenNotice\x12\x0c\n\x04room\x18\x01 \x01(\x04\x12\r\n\x05token\x18\x02 \x01(\r\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12\x0e\n\x06secret\x18\x04 \x01(\x0c\x12*\n\x07logprob\x18\x05 \x01(\x0b\x32\x19.kvbridge.v1.TokenLogprob\"\x1c\n\x0bTransferAck\x12\r\n\x05\x62ytes\x18\x01 \x01(\x04\x32\xdc\x01\n\nKVReceiver\x12@\n\nWritePages\x12\x16.kvbridge.v1.PageChunk\x1a\x18.kvbridge.v1.TransferAck(\x01\x12\x45\n\x0cTransferDone\x12\x1b.kvbridge.v1.TransferNotice\x1a\x18.kvbridge.v1.TransferAck\x12\x45\n\nFirstToken\x12\x1d.kvbridge.v1.FirstTokenNotice\x1a\x18.kvbridge.v1.TransferAckb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dkvbridge/v1/kv_transfer.proto\x12\x0bkvbridge.v1\x1a\x18kvbridge/v1/common.proto\"\x83\x01\n\tPageChunk\x12\x0c\n\x04room\x18\x01 \x01(\x04\x12\x10\n\x08src_rank\x18\x02 \x01(\r\x12\x13\n\x0blayer_start\x18\x03 \x01(\r\x12\x11\n\tlayer_end\x18\x04 \x01(\r\x12\x10\n\x08page_ids\x18\x05 \x03(\r\x12\x0c\n\x04\x64\x61ta\x18\x06 \x01(\x0c\x12\x0e\n\x06secret\x18\x07 \x01(\x0c\"\xa1\x02\n\x0eTransferNotice\x12\x0c\n\x04room\x18\x01 \x01(\x04\x12\x10\n\x08src_rank\x18\x02 \x01(\r\x12\x13\n\x0blayer_start\x18\x03 \x01(\r\x12\x11\n\tlayer_end\x18\x04 \x01(\r\x12\x12\n\nnum_tokens\x18\x05 \x01(\r\x12\r\n\x05\x62ytes\x18\x06 \x01(\x04\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12\x18\n\x0b\x66irst_token\x18\x08 \x01(\rH\x00\x88\x01\x01\x12\x0e\n\x06secret\x18\t \x01(\x0c\x12\x30\n\rfirst_logprob\x18\n \x01(\x0b\x32\x19.kvbridge.v1.TokenLogprob\x12\x14\n\x0cpush_seconds\x18\x0b \x01(\x01\x12\x13\n\x0btraceparent\x18\x0c \x01(\tB\x0e\n\x0c_first_token\"\x82\x01\n\x10\x46irstTokenNotice\x12\x0c\n\x04room\x18\x01 \x01(\x04\x12\r\n\x05token\x18\x02 \x01(\r\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12\x0e\n\x06secret\x18\x04 \x01(\x0c\x12*\n\x07logprob\x18\x05 \x01(\x0b\x32\x19.kvbridge.v1.TokenLogprob\"\x1c\n\x0bTransferAck\x12\r\n\x05\x62ytes\x18\x01 \x01(\x04\x32\xdc\x01\n\nKVReceiver\x12@\n\nWritePages\x12\x16.kvbridge.v1.PageChunk\x1a\x18.kvbridge.v1.TransferAck(\x01\x12\x45\n\x0cTransferDone\x12\x1b.kvbridge.v1.TransferNotice\x1a\x18.kvbridge.v1.TransferAck\x12\x45\n\nFirstToken\x12\x1d.kvbridge.v1.FirstTokenNotice\x1a\x18.kvbridge.v1.TransferAckb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,11 +35,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PAGECHUNK']._serialized_start=73
   _globals['_PAGECHUNK']._serialized_end=204
   _globals['_TRANSFERNOTICE']._serialized_start=207
-  _globals['_TRANSFERNOTICE']._serialized_end=453
-  _globals['_FIRSTTOKENNOTICE']._serialized_start=456
-  _globals['_FIRSTTOKENNOTICE']._serialized_end=586
-  _globals['_TRANSFERACK']._serialized_start=588
-  _globals['_TRANSFERACK']._serialized_end=616
-  _globals['_KVRECEIVER']._serialized_start=619
-  _globals['_KVRECEIVER']._serialized_end=839
+  _globals['_TRANSFERNOTICE']._serialized_end=496
+  _globals['_FIRSTTOKENNOTICE']._serialized_start=499
+  _globals['_FIRSTTOKENNOTICE']._serialized_end=629
+  _globals['_TRANSFERACK']._serialized_start=631
+  _globals['_TRANSFERACK']._serialized_end=659
+  _globals['_KVRECEIVER']._serialized_start=662
+  _globals['_KVRECEIVER']._serialized_end=882
 # @@protoc_insertion_point(module_scope)

@@ -26,7 +26,7 @@ class PageChunk(_message.Message):
     def __init__(self, room: _Optional[int] = ..., src_rank: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., page_ids: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., secret: _Optional[bytes] = ...) -> None: ...
 
 class TransferNotice(_message.Message):
-    __slots__ = ("room", "src_rank", "layer_start", "layer_end", "num_tokens", "bytes", "error", "first_token", "secret", "first_logprob")
+    __slots__ = ("room", "src_rank", "layer_start", "layer_end", "num_tokens", "bytes", "error", "first_token", "secret", "first_logprob", "push_seconds", "traceparent")
     ROOM_FIELD_NUMBER: _ClassVar[int]
     SRC_RANK_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +37,8 @@ class TransferNotice(_message.Message):
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     SECRET_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    PUSH_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     room: int
     src_rank: int
     layer_start: int
@@ -47,7 +49,9 @@ class TransferNotice(_message.Message):
     first_token: int
     secret: bytes
     first_logprob: _common_pb2.TokenLogprob
-    def __init__(self, room: _Optional[int] = ..., src_rank: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_tokens: _Optional[int] = ..., bytes: _Optional[int] = ..., error: _Optional[str] = ..., first_token: _Optional[int] = ..., secret: _Optional[bytes] = ..., first_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ...) -> None: ...
+    push_seconds: float
+    traceparent: str
+    def __init__(self, room: _Optional[int] = ..., src_rank: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_tokens: _Optional[int] = ..., bytes: _Optional[int] = ..., error: _Optional[str] = ..., first_token: _Optional[int] = ..., secret: _Optional[bytes] = ..., first_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., push_seconds: _Optional[float] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class FirstTokenNotice(_message.Message):
     __slots__ = ("room", "token", "prompt_tokens", "secret", "logprob")

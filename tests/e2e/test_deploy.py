@@ -28,8 +28,9 @@ ROLES = ("prefill", "decode", "router")
 
 
 def _docs() -> list[tuple[str, dict]]:
+    """The manifests of deploy/k8s/ and extras/ (gateway/ is tests/e2e/test_deploy_gateway.py's)."""
     out = []
-    for path in sorted(K8S.rglob("*.yaml")):
+    for path in sorted([*K8S.glob("*.yaml"), *(K8S / "extras").glob("*.yaml")]):
         for doc in yaml.safe_load_all(path.read_text()):
             if doc is not None:
                 out.append((str(path.relative_to(ROOT)), doc))
