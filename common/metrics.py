@@ -229,6 +229,14 @@ class RouterMetrics:
             ["outcome"],
             registry=r,
         )
+        self.prompt_tokens = Counter(
+            "kvbridge_router_prompt_tokens",
+            "Prompt tokens of the attempts routed, by the kind of node that computes them: prefill (a "
+            "disaggregated pair's prefill node) or colocated (a colocated node, fallbacks included); a "
+            "prefill fleet left idle while colocated nodes compute prompts shows here",
+            ["computed_by"],
+            registry=r,
+        )
         self.kv_resyncs = Counter(
             "kvbridge_router_kv_event_resyncs",
             "KV event streams re-opened for a fresh snapshot, by why",

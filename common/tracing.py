@@ -42,6 +42,7 @@ ENV_SERVICE = "KVBRIDGE_OTLP_SERVICE"
 TRACEPARENT = "traceparent"
 MAX_HEADER = 512  # a traceparent or tracestate longer than this is ignored (W3C's are 55 and <= 512)
 EXPORT_TIMEOUT_S = 5.0  # one export's wait on the collector
+QUEUE_SPANS = 16384  # spans a process holds for export at most (then drops): bursts of thousands fit
 EXPORT_DELAY_MS = 500  # spans leave a process at most this long after they end (the SDK's default: 5 s)
 # the SDK's loggers that complain once per failed batch (or dropped span): reported once here instead
 _NOISY = ("opentelemetry.exporter.otlp", "opentelemetry.sdk._shared_internal", "opentelemetry.sdk.trace.export")
@@ -95,8 +96,9 @@ def setup(service: str, endpoint: str = "", ratio: float = 1.0) -> bool:
             logging.getLogger(name).setLevel(logging.CRITICAL)
         resource = Resource.create({"service.name": service, "service.version": __version__})
         _provider = TracerProvider(resource=resource, sampler=ParentBased(TraceIdRatioBased(ratio)))
-        exporter = _Reported(_exporter(endpoint), endpoint)
-        _provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=EXPORT_DELAY_MS))
+        exporter = _Reported(_exporter(endpoint), endpoint, service)
+        processor = BatchSpanProcessor(exporter, max_queue_size=QUEUE_SPANS, schedule_delay_millis=EXPORT_DELAY_MS)
+        _provider.add_span_processor(processor)
         _tracer = _provider.get_tracer("kvbridge", __version__)
     log_event(log, "tracing", service=service, endpoint=endpoint, sample_ratio=ratio)
     return True
@@ -113,12 +115,14 @@ def setup_from_env(suffix: str) -> bool:
 
 
 def shutdown() -> None:
-    """Send what is queued (a process about to exit)."""
+    """Send what is queued (a process about to exit), and stop tracing here and in children started later."""
     global _tracer, _provider
     with _lock:
         if _provider is not None:
             _provider.shutdown()
         _provider, _tracer = None, trace.NoOpTracer()
+    for name in (ENV_ENDPOINT, ENV_RATIO, ENV_SERVICE):
+        os.environ.pop(name, None)
 
 
 def enabled() -> bool:
@@ -143,8 +147,8 @@ def _exporter(endpoint: str):
 class _Reported:
     """An exporter that says once that the collector is unreachable (and once that it is back)."""
 
-    def __init__(self, inner, endpoint: str):
-        self.inner, self.endpoint, self.failing = inner, endpoint, False
+    def __init__(self, inner, endpoint: str, service: str):
+        self.inner, self.endpoint, self.service, self.failing = inner, endpoint, service, False
 
     def export(self, spans):
         from opentelemetry.sdk.trace.export import SpanExportResult
@@ -158,12 +162,12 @@ class _Reported:
         if result == SpanExportResult.FAILURE and not self.failing:
             self.failing = True
             log_event(
-                log, "tracing_unreachable", logging.WARNING, endpoint=self.endpoint, reason=why,
+                log, "tracing_unreachable", logging.WARNING, service=self.service, endpoint=self.endpoint, reason=why,
                 effect="serving on; spans are dropped until the collector answers (said once)",
             )  # fmt: skip
         elif result == SpanExportResult.SUCCESS and self.failing:
             self.failing = False
-            log_event(log, "tracing_reachable", endpoint=self.endpoint)
+            log_event(log, "tracing_reachable", service=self.service, endpoint=self.endpoint)
         return result
 
     def shutdown(self) -> None:

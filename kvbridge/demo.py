@@ -90,6 +90,24 @@ def start_fleet(config: EngineConfig, prefill_pp: int, decode_pp: int, backend: 
     return prefill, decode, router
 
 
+def push_figures(registry) -> dict:
+    """The hand-off itself, from the prefill node's series: the mean time a request's hand-off took
+    after its prompt was computed (kvbridge_kv_handoff_seconds), and the push's own speed: the bytes
+    its ranks wrote over the time they spent writing them (kvbridge_kv_transfer_bytes over
+    kvbridge_kv_push_seconds)."""
+    total: dict[str, float] = {}
+    for family in registry.collect():
+        for s in family.samples:
+            total[s.name] = total.get(s.name, 0.0) + s.value
+    nbytes, seconds = total.get("kvbridge_kv_transfer_bytes_total", 0), total.get("kvbridge_kv_push_seconds_total", 0)
+    count = total.get("kvbridge_kv_handoff_seconds_count", 0)
+    return {
+        "kv_handoff_s_mean": round(total.get("kvbridge_kv_handoff_seconds_sum", 0) / count, 4) if count else None,
+        "kv_push_s": round(seconds, 4),
+        "kv_push_gb_per_s": round(nbytes / seconds / 1e9, 3) if seconds else None,
+    }
+
+
 def run_traffic(port: int, requests: int, max_new_tokens: int, progress: bool = True) -> list[dict]:
     """The demo's chat requests, all at once, through the router on `port`; their answers in order."""
     with Progress("requests", requests, enabled=progress) as bar, ThreadPoolExecutor(requests) as pool:
@@ -133,21 +151,21 @@ def run_demo(args: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         answers = run_traffic(router.port, args.requests, args.max_new_tokens)
         wall = time.perf_counter() - t0
+        pushed = push_figures(prefill.registry)
     finally:
         for s in (router, decode, prefill):
             s.stop()
     kv_bytes = sum(a.get("kv_bytes", 0) for a in answers)
-    # per request: from the decode node's registration to its KV landing on every decode rank; this
-    # includes computing the prompt on the prefill node (kvbridge/bench/kv_transfer.py measures copies alone)
-    kv_s = sum(a.get("kv_s", 0.0) for a in answers)
     summary = {
         "requests": len(answers),
         "ttft_s_p50": round(statistics.median(a["ttft_s"] for a in answers), 3),
         "output_tokens": sum(a["tokens"] for a in answers),
         "tokens_per_s": round(sum(a["tokens"] for a in answers) / wall, 1),
         "kv_bytes": kv_bytes,
-        "kv_handoff_s_p50": round(statistics.median(a.get("kv_s", 0.0) for a in answers), 3),
-        "kv_handoff_gb_per_s": round(kv_bytes / kv_s / 1e9, 4) if kv_s else None,
+        # the decode node's wait for the KV: from its registration to the KV landing on every rank,
+        # computing the prompt on the prefill node included
+        "kv_wait_s_p50": round(statistics.median(a.get("kv_s", 0.0) for a in answers), 3),
+        **pushed,
         "backend": sorted({a.get("backend", "") for a in answers}),
         "prefill_pp": args.prefill_pp,
         "decode_pp": args.decode_pp,

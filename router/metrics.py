@@ -63,6 +63,9 @@ class Recorder:
         self.pd_decisions = self.series.pd_decisions
         for outcome in PD_OUTCOMES:  # (a fleet silently serving without its prefill nodes shows as fallback > 0)
             self.pd_decisions.labels(outcome)
+        self.prompt_tokens = self.series.prompt_tokens
+        for kind in ("prefill", "colocated"):
+            self.prompt_tokens.labels(kind)
         self.routing, self.kv_resyncs = self.series.routing, self.series.kv_resyncs
         for reason in RESYNC_REASONS:
             self.kv_resyncs.labels(reason)
@@ -83,8 +86,10 @@ class Recorder:
     def timed_out(self, timeout: str) -> None:
         self.timeouts.labels(timeout).inc()
 
-    def pd_decision(self, outcome: str) -> None:
+    def pd_decision(self, outcome: str, prompt_tokens: int = 0) -> None:
+        """An attempt served `outcome` (PD_OUTCOMES), its prompt of `prompt_tokens` computed accordingly."""
         self.pd_decisions.labels(outcome).inc()
+        self.prompt_tokens.labels("prefill" if outcome == "disaggregated" else "colocated").inc(prompt_tokens)
 
     def routed(self, role: str, policy: str, reason: str) -> None:
         self.routing.labels(role, policy, reason).inc()

@@ -220,7 +220,7 @@ class Routed:
         self._attempt_sent = 0
         if node.role == "colocated":
             fallback = roles == ("colocated",) and self.pool.has_role("prefill")
-            self.dispatcher.metrics.pd_decision("fallback" if fallback else "colocated")
+            self.dispatcher.metrics.pd_decision("fallback" if fallback else "colocated", self.prompt_tokens)
             self._send_ids(request, node)
             self.peer, self.phase = node.address, "colocated"
             self._log("routed", colocated=node.address)
@@ -231,7 +231,7 @@ class Routed:
             if prefill is None:  # the last prefill node turned unhealthy just now
                 self.pool.release(node, picked.tokens)
                 raise self._none_left()
-            self.dispatcher.metrics.pd_decision("disaggregated")
+            self.dispatcher.metrics.pd_decision("disaggregated", self.prompt_tokens)
             self._send_ids(request, node)  # (D refuses a P of another model: the layout's fingerprint)
             self.room, self.peer = secrets.randbits(63), f"{prefill.node.address} -> {node.address}"
             self.phase = "prefill+decode"

@@ -33,9 +33,32 @@ def _value(v):
     return getattr(v, kind) if kind else None
 
 
+def _spans_of(request) -> list[Span]:
+    got = []
+    for rs in request.resource_spans:
+        resource = {a.key: _value(a.value) for a in rs.resource.attributes}
+        for ss in rs.scope_spans:
+            for s in ss.spans:
+                got.append(
+                    Span(
+                        service=resource.get("service.name", ""),
+                        name=s.name,
+                        trace_id=s.trace_id.hex(),
+                        span_id=s.span_id.hex(),
+                        parent_id=s.parent_span_id.hex(),
+                        attributes={a.key: _value(a.value) for a in s.attributes},
+                        error=s.status.code == s.status.STATUS_CODE_ERROR,
+                        start_ns=s.start_time_unix_nano,
+                        end_ns=s.end_time_unix_nano,
+                    )
+                )
+    return got
+
+
 class OTLPSink(trace_service_pb2_grpc.TraceServiceServicer):
     def __init__(self):
-        self.spans: list[Span] = []
+        self._requests: list = []  # ExportTraceServiceRequests not read yet
+        self._spans: list[Span] = []
         self.exports = 0  # Export calls served
         self._lock = threading.Lock()
         self._server: grpc.Server | None = None
@@ -54,32 +77,23 @@ class OTLPSink(trace_service_pb2_grpc.TraceServiceServicer):
             self._server.stop(grace=None)
 
     def Export(self, request, context):
-        got = []
-        for rs in request.resource_spans:
-            resource = {a.key: _value(a.value) for a in rs.resource.attributes}
-            for ss in rs.scope_spans:
-                for s in ss.spans:
-                    got.append(
-                        Span(
-                            service=resource.get("service.name", ""),
-                            name=s.name,
-                            trace_id=s.trace_id.hex(),
-                            span_id=s.span_id.hex(),
-                            parent_id=s.parent_span_id.hex(),
-                            attributes={a.key: _value(a.value) for a in s.attributes},
-                            error=s.status.code == s.status.STATUS_CODE_ERROR,
-                            start_ns=s.start_time_unix_nano,
-                            end_ns=s.end_time_unix_nano,
-                        )
-                    )
+        # kept as received (parsed by protobuf's C++ runtime); read into Spans when asked: a receiver
+        # that runs beside the process it measures must cost it little
         with self._lock:
-            self.spans += got
+            self._requests.append(request)
             self.exports += 1
         return trace_service_pb2.ExportTraceServiceResponse()
 
-    def of_trace(self, trace_id: str) -> list[Span]:
+    @property
+    def spans(self) -> list[Span]:
         with self._lock:
-            return [s for s in self.spans if s.trace_id == trace_id]
+            fresh, self._requests = self._requests, []
+            for request in fresh:
+                self._spans += _spans_of(request)
+            return list(self._spans)
+
+    def of_trace(self, trace_id: str) -> list[Span]:
+        return [s for s in self.spans if s.trace_id == trace_id]
 
     def wait_for(self, trace_id: str, done, timeout: float = 30.0) -> list[Span]:
         """The trace's spans once `done(spans)` holds (or the timeout passed: the last look)."""
@@ -92,4 +106,4 @@ class OTLPSink(trace_service_pb2_grpc.TraceServiceServicer):
 
     def clear(self) -> None:
         with self._lock:
-            self.spans.clear()
+            self._requests, self._spans = [], []

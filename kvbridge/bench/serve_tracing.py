@@ -74,8 +74,8 @@ def tracing_runs(args: argparse.Namespace, pool, samples: list[Sample], dataset:
                 "loadavg_1m": round(os.getloadavg()[0], 2),
             }
             row |= serve_metrics.compute_metrics(records, duration, args.slo_ms)
-            row["spans_received"] = len(sink.spans)
-            row["traces_received"] = len({s.trace_id for s in sink.spans})
+            spans = sink.spans
+            row["spans_received"], row["traces_received"] = len(spans), len({s.trace_id for s in spans})
             rows.append(row)
             print(json.dumps(row), flush=True)
             log(f"{label}: {row['output_throughput']:.0f} tok/s, {row['spans_received']} spans")

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 
 def children_of(pid: int) -> list[int]:
     """Processes spawned by `pid` (multiprocessing's spawn command line names its parent)."""
@@ -36,6 +38,10 @@ def test_demo_answers_summarizes_and_leaves_nothing_behind():
     assert all(a["tokens"] == 6 and a["kv_bytes"] > 0 for a in answers)
     assert summary["requests"] == 3 and summary["output_tokens"] == 18
     assert summary["backend"] == ["shm"] and summary["kv_bytes"] == sum(a["kv_bytes"] for a in answers)
+    # the hand-off itself (the prefill node's series): its time after prefill, and the push's own speed
+    assert summary["kv_handoff_s_mean"] > 0 and summary["kv_push_s"] > 0
+    # (P's bytes are D's kv_bytes: every page it wrote landed; kv_push_s is shown rounded to 0.1 ms)
+    assert summary["kv_push_gb_per_s"] == pytest.approx(summary["kv_bytes"] / summary["kv_push_s"] / 1e9, rel=0.05)
     assert "requests: 3/3" in err  # the progress bar
     assert "terminate called" not in err
     assert {p.name for p in Path("/dev/shm").glob("kvbridge-*")} <= before  # every segment unlinked

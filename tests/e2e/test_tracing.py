@@ -127,14 +127,14 @@ def names(spans: list[Span], service: str) -> set[str]:
 
 
 def test_one_streamed_chat_is_one_trace_across_every_process(fleet):
-    sink, router, _ = fleet
+    sink, router, nodes = fleet
     trace_id, client, header = new_trace()
     status, _, chunks = chat(router, header, 8)
     assert status == 200 and sum(1 for c in chunks if c["choices"] and c["choices"][0]["delta"].get("content")) >= 1
     d = "d1" if any(s.service == "kvbridge-decode-rank1" for s in sink.of_trace(trace_id)) else "d2"
     want = {"kvbridge-router", "kvbridge-prefill", "kvbridge-prefill-rank0", "kvbridge-prefill-rank1"}
     want |= {"kvbridge-decode", "kvbridge-decode-rank0"} | ({"kvbridge-decode-rank1"} if d == "d1" else set())
-    spans = sink.wait_for(trace_id, lambda s: want <= {x.service for x in s} and _decoded(s), timeout=30)
+    spans = sink.wait_for(trace_id, lambda s: want <= {x.service for x in s} and _complete(s), timeout=30)
     assert {s.trace_id for s in spans} == {trace_id}
     assert {s.service for s in spans} == want and len(want) >= 6
     check_connected(spans, client)
@@ -172,10 +172,26 @@ def test_one_streamed_chat_is_one_trace_across_every_process(fleet):
     assert handed.attributes["kvbridge.kv_pages_moved"] == pages and handed.attributes["kvbridge.backend"] == "shm"
     assert handed.attributes["kvbridge.kv_bytes_moved"] == sum(p.attributes["kvbridge.bytes"] for p in pushes.values())
     assert 0 < handed.attributes["kvbridge.handoff_s"] <= (handed.end_ns - handed.start_ns) / 1e9 + 1e-3
+    # the same figures in the prefill node's log (rank 0), and each rank's push with its own
+    for _ in range(100):  # (its stderr is read by a thread)
+        if any("event=handoff" in line for line in nodes["p"].lines):
+            break
+        threading.Event().wait(0.05)
+    logged = [line for line in nodes["p"].lines if "event=handoff" in line]
+    assert f"kv_pages_moved={pages} " in logged[-1] and "backend=shm" in logged[-1]
+    pushed = [line for line in nodes["p"].lines if "event=kv_push" in line]
+    assert {line.split(" rank=")[1].split()[0] for line in pushed} == {"0", "1"}
 
 
-def _decoded(spans: list[Span]) -> bool:
-    return any(s.name == "decoding" for s in spans) and any(s.name.startswith("chat ") for s in spans)
+def _complete(spans: list[Span]) -> bool:
+    """Every process's spans of the request are in (each exports on its own schedule)."""
+    named = [(s.service, s.name) for s in spans]
+    ends = ("kvbridge-decode-rank0", "decoding") in named and ("kvbridge-prefill-rank0", "transferring") in named
+    return (
+        ends
+        and any(s.name.startswith("chat ") for s in spans)
+        and named.count(("kvbridge-prefill-rank1", "kv push")) == 1
+    )
 
 
 def test_a_request_refused_by_a_node_is_one_trace(fleet):

@@ -55,6 +55,7 @@ class Call:
         req = generation_pb2.GenerateRequest(rid=rid, prompt=token_prompt(prompt), sampling=sampling)
         self.stream = stub.Generate(req, timeout=120)
         self.tokens: list[int] = []
+        self.transfer: generation_pb2.TransferStats | None = None  # the decode node's, on its first response
         self.error: grpc.RpcError | None = None
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
@@ -63,6 +64,8 @@ class Call:
         try:
             for resp in self.stream:
                 self.tokens += resp.token_ids
+                if resp.HasField("transfer"):
+                    self.transfer = resp.transfer
         except grpc.RpcError as e:
             self.error = e
 
@@ -155,6 +158,25 @@ def test_abort_in_every_phase_ends_the_request_and_frees_both_nodes(fleet):
     again = Call(router.port, "after-2", list(range(1, 9)), 6).result()
     assert first[1] is None and again[1] is None
     assert len(first[0]) == 6 and first[0] == again[0]
+    assert_idle(p.address, d.address)
+
+
+def test_both_listings_show_the_hand_off_of_a_request(fleet):
+    """Admin.ListRequests names each request's hand-off once known: the backend, the pages moved (the
+    prompt's: D's cache held none of this new prompt) and their bytes over every layer (checked against
+    the decode node's TransferStats, computed from its layout), and on the prefill node, once every
+    push landed, how long the hand-off took after the prompt was computed (P's transfer report is
+    held 1.5 s here, so the request is caught in that phase; the time is that far only once done)."""
+    p, d, router = fleet
+    call = Call(router.port, "shown", list(range(101, 111)), 30)  # 10 tokens: 3 pages of 4
+    on_p = wait_phase(p.address, "shown", "transferring")  # (D's arrival report is held too: it decodes after)
+    on_d = wait_phase(d.address, "shown", "decoding")
+    tokens, error = call.result()
+    assert error is None and len(tokens) == 30 and call.transfer is not None
+    assert (on_d.backend, on_d.kv_pages_moved, on_d.peer) == ("shm", 3, p.address)
+    assert (on_p.backend, on_p.kv_pages_moved, on_p.peer) == ("shm", 3, d.address)
+    assert on_d.kv_bytes_moved == on_p.kv_bytes_moved == call.transfer.kv_bytes > 0
+    assert on_p.handoff_s == 0.0  # (not done yet: set when every push landed)
     assert_idle(p.address, d.address)
 
 

@@ -17,12 +17,19 @@ def decisions(router) -> dict[str, float]:
     return {s.labels["outcome"]: s.value for s in samples if s.name.endswith("_total")}
 
 
+def prompt_tokens(router) -> dict[str, float]:
+    samples = router.dispatcher.metrics.prompt_tokens.collect()[0].samples
+    return {s.labels["computed_by"]: s.value for s in samples if s.name.endswith("_total")}
+
+
 def test_pairs_count_as_disaggregated(fleet):
     router, _ = fleet(prefill=1, decode=1)
     assert decisions(router) == {"disaggregated": 0, "colocated": 0, "fallback": 0}  # exported from the start
-    for _ in range(3):
-        assert call(router, "POST", "/v1/chat/completions", BODY)[0] == 200
+    assert prompt_tokens(router) == {"prefill": 0, "colocated": 0}
+    used = [call(router, "POST", "/v1/chat/completions", BODY) for _ in range(3)]
+    assert [status for status, _ in used] == [200] * 3
     assert decisions(router) == {"disaggregated": 3, "colocated": 0, "fallback": 0}
+    assert prompt_tokens(router) == {"prefill": sum(body["usage"]["prompt_tokens"] for _, body in used), "colocated": 0}
 
 
 def test_a_colocated_fleet_counts_as_colocated(fleet):
@@ -39,6 +46,8 @@ def test_serving_without_the_prefill_fleet_counts_as_fallback(fleet):
     while router.dispatcher.pool.has_eligible("prefill"):
         assert time.monotonic() < deadline, "the router never saw the prefill node go"
         time.sleep(0.05)
-    for _ in range(2):
-        assert call(router, "POST", "/v1/chat/completions", BODY)[0] == 200
+    used = [call(router, "POST", "/v1/chat/completions", BODY) for _ in range(2)]
+    assert [status for status, _ in used] == [200] * 2
     assert decisions(router) == {"disaggregated": 0, "colocated": 0, "fallback": 2}
+    # the prompts computed on the colocated node while the prefill fleet was gone
+    assert prompt_tokens(router) == {"prefill": 0, "colocated": sum(body["usage"]["prompt_tokens"] for _, body in used)}
