@@ -140,6 +140,25 @@ def test_handoff_mode_pairs_each_prompt_across_both_stacks_of_child_processes(ca
 
 
 @pytest.mark.slow
+@pytest.mark.long
+def test_tracing_mode_serves_the_same_load_with_tracing_off_on_on_off(capsys):
+    argv = ["--mode", "tracing", "--num-prompts", "6", "--random-input-len", "24", "--random-output-len", "4",
+            "--warmups", "1", "--json"]  # fmt: skip
+    rows = run_bench(capsys, argv)
+    runs, summary = rows[:-1], rows[-1]
+    assert [(r["tracing"], r["run"]) for r in runs] == [("off", 1), ("on", 2), ("on", 3), ("off", 4)]
+    assert {r["stack"] for r in runs} == {"disaggregated"}
+    for r in runs:
+        assert r["completed"] == 6 and r["failed"] == 0 and r["total_output_tokens"] == 24, r
+    # every request traced (the probe and the warm-up too: 8 traces), none while off; spans from every process
+    assert [r["traces_received"] for r in runs] == [0, 8, 8, 0]
+    assert all(r["spans_received"] >= 8 * 12 for r in runs if r["tracing"] == "on")
+    on = statistics.fmean(r["output_throughput"] for r in runs if r["tracing"] == "on")
+    off = statistics.fmean(r["output_throughput"] for r in runs if r["tracing"] == "off")
+    assert summary["on_over_off"] == round(on / off, 4) and summary["every_request_traced"] is True
+    assert summary["within_5_percent"] == (on / off >= 0.95)  # (the figure itself is bench/'s, not a test's)
+
+
 def test_pinned_nodes_and_their_ranks_run_on_their_cores():
     from kvbridge.bench.serve_stacks import start_pinned
 
