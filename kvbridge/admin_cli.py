@@ -144,13 +144,22 @@ def render_requests(resp: admin_pb2.ListRequestsResponse) -> str:
             r.kv_pages,
             r.peer or "-",
             f"{r.prompt_tokens}+{r.output_tokens}",
+            handoff(r),
         ]
         for r in resp.requests
     ]
     footer = f"{len(resp.requests)} of {resp.total} requests"
     if resp.next_page_token:
         footer += " (--all for every page)"
-    return table(["RID", "ROOM", "PHASE", "AGE", "PAGES", "PEER", "TOKENS"], rows) + "\n" + footer
+    return table(["RID", "ROOM", "PHASE", "AGE", "PAGES", "PEER", "TOKENS", "HANDOFF"], rows) + "\n" + footer
+
+
+def handoff(r: admin_pb2.RequestInfo) -> str:
+    """What a disaggregated request's hand-off moves (and, on its prefill node once done, how long it took)."""
+    if not r.backend:
+        return "-"
+    moved = f"{r.kv_pages_moved}p {r.kv_bytes_moved / 1e6:.2f}MB {r.backend}"  # (pages, MB, the backend)
+    return moved + (f" {r.handoff_s * 1e3:.1f}ms" if r.handoff_s else "")
 
 
 def render_abort(resp: admin_pb2.AbortRequestResponse) -> str:

@@ -72,6 +72,10 @@ REQUESTS = admin_pb2.ListRequestsResponse(
             peer="127.0.0.1:50062",
             prompt_tokens=30,
             output_tokens=1,
+            backend="shm",
+            kv_pages_moved=8,
+            kv_bytes_moved=98304,
+            handoff_s=0.0123,
         ),
         admin_pb2.RequestInfo(rid="r2", phase="waiting", age_s=75.0, prompt_tokens=5),
     ],
@@ -166,9 +170,9 @@ def test_status_of_the_router_lists_its_nodes():
 
 def test_requests_table_and_json():
     assert admin_cli.render_requests(REQUESTS).splitlines() == [
-        "RID  ROOM                 PHASE         AGE     PAGES  PEER             TOKENS",
-        "r1   9223372036854775803  transferring  1.5s    8      127.0.0.1:50062  30+1",
-        "r2   -                    waiting       1m 15s  0      -                5+0",
+        "RID  ROOM                 PHASE         AGE     PAGES  PEER             TOKENS  HANDOFF",
+        "r1   9223372036854775803  transferring  1.5s    8      127.0.0.1:50062  30+1    8p 0.10MB shm 12.3ms",
+        "r2   -                    waiting       1m 15s  0      -                5+0     -",
         "2 of 5 requests (--all for every page)",
     ]
     assert admin_cli.requests_dict(REQUESTS) == {
@@ -182,6 +186,10 @@ def test_requests_table_and_json():
                 "peer": "127.0.0.1:50062",
                 "prompt_tokens": 30,
                 "output_tokens": 1,
+                "backend": "shm",
+                "kv_pages_moved": 8,
+                "kv_bytes_moved": 98304,
+                "handoff_s": 0.0123,
             },
             {
                 "rid": "r2",
@@ -192,13 +200,17 @@ def test_requests_table_and_json():
                 "peer": "",
                 "prompt_tokens": 5,
                 "output_tokens": 0,
+                "backend": "",
+                "kv_pages_moved": 0,
+                "kv_bytes_moved": 0,
+                "handoff_s": 0.0,
             },
         ],
         "next_page_token": "2",
         "total": 5,
     }
     assert admin_cli.render_requests(admin_pb2.ListRequestsResponse()).splitlines() == [
-        "RID  ROOM  PHASE  AGE  PAGES  PEER  TOKENS",
+        "RID  ROOM  PHASE  AGE  PAGES  PEER  TOKENS  HANDOFF",
         "0 of 0 requests",
     ]
 
