@@ -131,7 +131,10 @@ def test_one_streamed_chat_is_one_trace_across_every_process(fleet):
     trace_id, client, header = new_trace()
     status, _, chunks = chat(router, header, 8)
     assert status == 200 and sum(1 for c in chunks if c["choices"] and c["choices"][0]["delta"].get("content")) >= 1
-    d = "d1" if any(s.service == "kvbridge-decode-rank1" for s in sink.of_trace(trace_id)) else "d2"
+    attempt = sink.wait_for(trace_id, lambda s: any(x.name == "attempt" for x in s), timeout=30)
+    decode = next(s for s in attempt if s.name == "attempt").attributes["server.address"]
+    d = "d1" if decode == nodes["d1"].address else "d2"  # (D1 runs two ranks, D2 one)
+    assert decode == nodes[d].address
     want = {"kvbridge-router", "kvbridge-prefill", "kvbridge-prefill-rank0", "kvbridge-prefill-rank1"}
     want |= {"kvbridge-decode", "kvbridge-decode-rank0"} | ({"kvbridge-decode-rank1"} if d == "d1" else set())
     spans = sink.wait_for(trace_id, lambda s: want <= {x.service for x in s} and _complete(s), timeout=30)
