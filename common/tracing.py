@@ -129,10 +129,6 @@ def enabled() -> bool:
     return _provider is not None
 
 
-def tracer() -> trace.Tracer:
-    return _tracer
-
-
 def _exporter(endpoint: str):
     if endpoint.rstrip("/").endswith("/v1/traces"):
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HTTPExporter

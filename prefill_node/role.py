@@ -242,7 +242,8 @@ class PrefillRole:
         """Every rank's pushes landed: the pages are free again and the request is done here."""
         self._release_room(req)
         h = req.handoff
-        h.handoff_s = time.perf_counter() - h.awaiting_s
+        # (0 when every push landed before the first token was taken here: nothing after prefill)
+        h.handoff_s = time.perf_counter() - h.awaiting_s if h.awaiting_s else 0.0
         log_event(log, "handoff", rid=req.rid, room=room_tag(h.room), decode=h.peer, **h.figures())
         self.loop.recorder.handed_off(h.handoff_s)
         self.loop.scheduler.release(req)

@@ -3,8 +3,9 @@
 The disaggregated stack (the router here, its prefill and decode nodes as `kvbridge` child
 processes) serves the same dataset four times, started afresh each time: tracing off, on, on, off
 (ABBA, so that a drift of the host's speed weighs on both settings alike). "On" is every process
-exporting every span (sample ratio 1.0) over OTLP/gRPC to a receiver in this process
-(kvbridge/bench/otlp_sink.py), which keeps them as a collector would receive them. One JSON line per
+exporting every span (sample ratio 1.0) over OTLP/gRPC to a receiver in a child process of its own
+(kvbridge/bench/otlp_sink.py; as a collector, it shares no interpreter with the router), which keeps
+them as a collector would receive them. One JSON line per
 run (vLLM's figures, and the spans received for it), then a summary: output tokens/s with tracing
 on over off (the means of the two runs of each), and the spans per request."""
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import statistics
 import time
@@ -30,8 +32,8 @@ def tracing_runs(args: argparse.Namespace, pool, samples: list[Sample], dataset:
     from kvbridge.bench.serve_stacks import start_unpinned, wait_healthy
     from kvbridge.common import tracing
 
-    sink = OTLPSink()
-    url = sink.start()
+    sink = _SinkProcess()
+    url = sink.url
     engine_flags = [f"--{n.replace('_', '-')}={getattr(args, n)}" for n in ENGINE_FLAGS] + ["--model", args.model]
     if args.threads:
         engine_flags += ["--threads", str(args.threads)]
@@ -74,8 +76,7 @@ def tracing_runs(args: argparse.Namespace, pool, samples: list[Sample], dataset:
                 "loadavg_1m": round(os.getloadavg()[0], 2),
             }
             row |= serve_metrics.compute_metrics(records, duration, args.slo_ms)
-            spans = sink.spans
-            row["spans_received"], row["traces_received"] = len(spans), len({s.trace_id for s in spans})
+            row["spans_received"], row["traces_received"] = sink.count()
             rows.append(row)
             print(json.dumps(row), flush=True)
             log(f"{label}: {row['output_throughput']:.0f} tok/s, {row['spans_received']} spans")
@@ -86,6 +87,49 @@ def tracing_runs(args: argparse.Namespace, pool, samples: list[Sample], dataset:
         sink.stop()
     print(json.dumps(summary(rows)), flush=True)
     return 0 if all(r["failed"] == 0 for r in rows) else 1
+
+
+class _SinkProcess:
+    """An OTLPSink in a child process: the spans stay there, the counts come back over a pipe."""
+
+    def __init__(self):
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_serve_sink, args=(child,), name="otlp-sink", daemon=True)
+        self._proc.start()
+        self.url = self._conn.recv()
+
+    def _ask(self, what: str):
+        self._conn.send(what)
+        return self._conn.recv()
+
+    def clear(self) -> None:
+        self._ask("clear")
+
+    def count(self) -> tuple[int, int]:
+        """(spans, distinct traces) received since the last clear."""
+        return self._ask("count")
+
+    def stop(self) -> None:
+        self._ask("stop")
+        self._proc.join(timeout=10)
+
+
+def _serve_sink(conn) -> None:
+    sink = OTLPSink()
+    conn.send(sink.start())
+    while True:
+        what = conn.recv()
+        if what == "count":
+            spans = sink.spans
+            conn.send((len(spans), len({s.trace_id for s in spans})))
+        elif what == "clear":
+            sink.clear()
+            conn.send(None)
+        else:
+            sink.stop()
+            conn.send(None)
+            return
 
 
 def summary(rows: list[dict]) -> dict:

@@ -128,18 +128,25 @@ def test_vendored_schemas_reject_broken_documents():
         jsonschema.validate(broken, schema)
 
 
-@pytest.mark.parametrize("where,tpl,container", CONTAINERS, ids=[c[0] for c in CONTAINERS])
-def test_probes_are_the_served_grpc_health(where, tpl, container):
-    """Every process serves grpc.health.v1 (service "") on its --port: readiness (and the nodes'
-    startup, NOT_SERVING while loading) is Kubernetes' native gRPC probe there. Liveness is a TCP
-    check of the same port: NOT_SERVING also means draining (nodes) or no routable node (router),
-    which a restart would not cure, and a node whose rank died exits 1 by itself."""
+def check_probes(where: str, container: dict) -> int:
+    """The container's probes are gRPC health on its --port (startup too, for a node) and TCP liveness
+    there; returns the port."""
     args = container["args"]
     port = int(_flag_value(args, "--port"))
     assert container["readinessProbe"]["grpc"] == {"port": port}, where
     assert container["livenessProbe"]["tcpSocket"] == {"port": port}, where
     if args[0] != "router":
         assert container["startupProbe"]["grpc"] == {"port": port}, where
+    return port
+
+
+@pytest.mark.parametrize("where,tpl,container", CONTAINERS, ids=[c[0] for c in CONTAINERS])
+def test_probes_are_the_served_grpc_health(where, tpl, container):
+    """Every process serves grpc.health.v1 (service "") on its --port: readiness (and the nodes'
+    startup, NOT_SERVING while loading) is Kubernetes' native gRPC probe there. Liveness is a TCP
+    check of the same port: NOT_SERVING also means draining (nodes) or no routable node (router),
+    which a restart would not cure, and a node whose rank died exits 1 by itself."""
+    check_probes(where, container)
     for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
         if probe in container:
             assert "httpGet" not in container[probe] and "exec" not in container[probe], where

@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from kvbridge.cli import build_parser
-from tests.e2e.test_deploy import K8S, K8S_VERSION, ROOT, SCHEMAS, _flag_value, _id, _pod_templates
+from tests.e2e.test_deploy import K8S, K8S_VERSION, ROOT, SCHEMAS, _flag_value, _id, _pod_templates, check_probes
 
 GATEWAY = K8S / "gateway"
 CRD_KINDS = {"InferencePool", "HTTPRoute"}
@@ -399,11 +399,7 @@ def test_sidecar_pairs_the_named_prefill_node_with_its_own_decode_node():
 @pytest.mark.parametrize("where,tpl,container", KVBRIDGE, ids=[c[0] for c in KVBRIDGE])
 def test_probes_ports_and_services(where, tpl, container):
     args = container["args"]
-    port = int(_flag_value(args, "--port"))
-    assert container["readinessProbe"]["grpc"] == {"port": port}, where
-    assert container["livenessProbe"]["tcpSocket"] == {"port": port}, where
-    if args[0] != "router":
-        assert container["startupProbe"]["grpc"] == {"port": port}, where
+    port = check_probes(where, container)
     declared = {p["name"]: p["containerPort"] for p in container["ports"]}
     prefix = "router-" if args[0] == "router" else ""
     expected = {prefix + "grpc": port, prefix + "metrics": int(_flag_value(args, "--metrics-port"))}

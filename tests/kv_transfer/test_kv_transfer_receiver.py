@@ -14,6 +14,8 @@ import grpc
 import pytest
 import torch.multiprocessing as mp
 
+from kvbridge.bench.otlp_sink import OTLPSink
+from kvbridge.common import tracing
 from kvbridge.common.rpc import make_channel, peer_host
 from kvbridge.kv_transfer import KVPoll, KVReceiverEndpoint, ReceiverConfig, Source
 from kvbridge.kv_transfer.backends.shm import remove_segments_of
@@ -106,6 +108,34 @@ def test_bad_chunk_is_invalid_argument_and_fails_only_its_room(receiver, stub, b
     landed = receiver.pool.buffer[3].numpy().tobytes()  # both layers of page 3, as bytes (some are NaN floats)
     assert landed == chunk(6).data * 2
     assert receiver.pool.buffer[[0, 4, 5, 6, 7]].abs().sum() == 0  # never registered: still zero
+
+
+def test_a_notices_trace_context_is_taken_only_when_well_formed(receiver, stub):
+    """A TransferNotice's traceparent comes from a peer: a well-formed one makes this rank's `kv landed`
+    span its child; a malformed one is ignored, and either way the notice counts as it would without."""
+    sink = OTLPSink()
+    tracing.setup("kvbridge-test-rank1", sink.start())
+    try:
+        receiver.expect(12, "r12", [3], SOURCES, "grpc", KEY)
+        stub.WritePages(iter([chunk(12, 0, 2, 3, (3,)), chunk(12, 1, 3, 4, (3,))]), timeout=30)
+        trace_id, parent = "ab" * 16, "cd" * 8
+        for src, (lo, hi), tp in ((0, (2, 3), f"00-{trace_id}-{parent}-01"), (1, (3, 4), "00-" + "z" * 60 + "-01")):
+            notice = kv_transfer_pb2.TransferNotice(
+                secret=KEY, room=12, src_rank=src, layer_start=lo, layer_end=hi, num_tokens=3, bytes=512,
+                push_seconds=0.25, traceparent=tp,
+            )  # fmt: skip
+            assert stub.TransferDone(notice, timeout=10).bytes == 512
+        assert receiver.poll(12) == KVPoll.SUCCESS
+        tracing._provider.force_flush()
+        landed = sink.wait_for(trace_id, lambda s: len(s) == 1, timeout=10)
+        assert [(s.name, s.parent_id, s.attributes["kvbridge.prefill_rank"]) for s in landed] == [
+            ("kv landed", parent, 0)
+        ]
+        assert (landed[0].attributes["kvbridge.bytes"], landed[0].attributes["kvbridge.push_seconds"]) == (512, 0.25)
+        assert len(sink.spans) == 1  # (nothing for the malformed one)
+    finally:
+        tracing.shutdown()
+        sink.stop()
 
 
 def test_segment_is_owner_only_while_open_and_gone_after_close():
