@@ -23,29 +23,10 @@ RESERVE_TOKENS = 64  # free room kept for decoding when a request's pages are pr
 def decode_rank(ctx: RankContext) -> RankSetup:
     """What one rank process of a decode node runs: rank 0 the loop with DecodeRole, the others a
     stage; every rank receives its layers' KV into its pool (KVReceiverEndpoint, DecodeAgent)."""
-    pp, config, mc = ctx.pp, ctx.config, ctx.model.config
+    pp = ctx.pp
     chan = ctx.control_channel()
     agent = DecodeAgent(ctx.rank, None, chan, ctx.recorder)
-    lo, hi = ctx.stage.layer_range
-    receiver = KVReceiverEndpoint(
-        ReceiverConfig(
-            rank=ctx.rank,
-            layer_start=lo,
-            layer_end=hi,
-            num_pages=config.total_pages,
-            page_size=config.page_size,
-            num_kv_heads=mc.num_key_value_heads,
-            head_dim=mc.head_dim,
-            dtype=dtype_name(ctx.stage.dtype),
-            device=str(ctx.stage.device),
-            host=ctx.role_args.get("host", "127.0.0.1"),
-            backends=ctx.role_args.get("backends"),
-            awaits_first_token=ctx.rank == 0,
-            stream_idle_s=config.kv_stream_idle_s,
-        ),
-        on_change=agent.on_change,
-    )
-    agent.receiver = receiver
+    agent.receiver = receiver = make_receiver(ctx, agent.on_change)
     link = pp_dist.Link(ctx.data_group)
 
     def close() -> None:
@@ -64,6 +45,36 @@ def decode_rank(ctx: RankContext) -> RankSetup:
     return RankSetup(loop, endpoint=endpoint, close=close)
 
 
+def make_receiver(ctx: RankContext, on_change) -> KVReceiverEndpoint:
+    """This rank's KV receiver, which owns its KV pool (exported, for the prefill ranks to write)."""
+    config, mc = ctx.config, ctx.model.config
+    lo, hi = ctx.stage.layer_range
+    return KVReceiverEndpoint(
+        ReceiverConfig(
+            rank=ctx.rank,
+            layer_start=lo,
+            layer_end=hi,
+            num_pages=config.total_pages,
+            page_size=config.page_size,
+            num_kv_heads=mc.num_key_value_heads,
+            head_dim=mc.head_dim,
+            dtype=dtype_name(ctx.stage.dtype),
+            device=str(ctx.stage.device),
+            host=ctx.role_args.get("host", "127.0.0.1"),
+            backends=ctx.role_args.get("backends"),
+            awaits_first_token=ctx.rank == 0,
+            stream_idle_s=config.kv_stream_idle_s,
+        ),
+        on_change=on_change,
+    )
+
+
+def receiving_backends(config: NodeConfig, device) -> tuple[str, ...]:
+    """Every backend that moves pools on the device, but a TCPStore per rank only where torch may be used."""
+    torch_too = config.transfer_backend in ("auto", "torch")
+    return tuple(b for b in drivable(device) if b != "torch" or torch_too)
+
+
 class DecodeNode:
     """The rank processes, the front, and this node's KV layout (with every rank's receiver)."""
 
@@ -71,9 +82,7 @@ class DecodeNode:
         pp = config.pp
         remove_stale_segments()  # pools of decode ranks killed before they could unlink them
         self.device = resolve_device(config.engine.device)
-        # every backend that moves pools on the device, but a TCPStore per rank only where torch may be used
-        torch_too = config.transfer_backend in ("auto", "torch")
-        backends = tuple(b for b in drivable(self.device) if b != "torch" or torch_too)
+        backends = receiving_backends(config, self.device)
         role_args = {"host": config.host, "backends": backends}
         self.ranks = RankGroup(config.engine, pp, progress=progress, build=decode_rank, role_args=role_args)
         self.front = NodeFront(self.ranks)

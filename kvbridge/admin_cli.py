@@ -6,6 +6,7 @@
     kvbridge admin drain [--wait SECONDS] --target ... / resume / config
     kvbridge admin clear-cache --target ...   (a node: its prefix cache; the router: every node's)
     kvbridge admin nodes [list | add ROLE ADDR | remove ADDR [--role ROLE]] --target ...   (router only)
+    kvbridge admin set-role ROLE --target ... [--node ADDR] [--wait SECONDS] [--migrate]   (an --elastic node)
 
 The render_* and *_dict functions are pure (a message in, a string or dict out); run_admin
 only parses, calls and prints. A gRPC error is one line on stderr and exit status 1; a bad
@@ -112,6 +113,16 @@ def render_status(st: admin_pb2.Status) -> str:
         ["uptime", duration(st.uptime_s)],
         ["serving", yes_no(st.serving)],
         ["draining", yes_no(st.draining)],
+        *(
+            [
+                [
+                    "elastic",
+                    f"yes, {st.role_epoch} switches{f', switching to {st.switching_to}' if st.switching_to else ''}",
+                ]
+            ]
+            if st.elastic
+            else []
+        ),
         ["requests", f"{st.requests_in_flight} in flight, {st.requests_served} served"],
         ["transfers", f"{st.transfers_in_flight} in flight"],
     ]
@@ -172,6 +183,15 @@ def render_drain(resp: admin_pb2.DrainResponse) -> str:
     return line + ("; empty, safe to stop" if resp.empty else "")
 
 
+def render_set_role(resp: admin_pb2.SetRoleResponse) -> str:
+    if resp.old_role == resp.role:
+        return f"{resp.node} is a {resp.role} node already"
+    return (
+        f"{resp.node}: {resp.old_role} -> {resp.role} (switch {resp.role_epoch}) in {resp.switch_s:.3f} s, "
+        f"{resp.drain_s:.3f} s of it waiting for its requests to end"
+    )
+
+
 def render_config(cfg: admin_pb2.Config) -> str:
     """The effective configuration as indented JSON (the server sends it compact)."""
     return json.dumps(json.loads(cfg.json or "{}"), indent=2, sort_keys=True)
@@ -222,6 +242,20 @@ def add_admin_parser(subparsers) -> argparse.ArgumentParser:
     actions.add_parser("resume", parents=[common], help="admit requests again after a drain")
     actions.add_parser("config", parents=[common], help="the effective configuration (JSON)")
     actions.add_parser("clear-cache", parents=[common], help="drop the prefix cache (the router: every node's)")
+
+    switch = actions.add_parser(
+        "set-role", parents=[common], help="change an --elastic node's role (weights and KV cache kept)"
+    )
+    switch.add_argument("role", metavar="ROLE", help=f"the new role: {' | '.join(NODE_ROLES)}")
+    switch.add_argument(
+        "--node", default="", metavar="ADDR", help="to a router: the node (it refuses its last of a role)"
+    )
+    switch.add_argument(
+        "--wait", default="120", metavar="SECONDS", help="how long the node's requests may take to end (default: 120)"
+    )
+    switch.add_argument(
+        "--migrate", action="store_true", help="end its requests now: the router resumes each elsewhere"
+    )
 
     nodes = actions.add_parser("nodes", parents=[common], help="the router's nodes (router only)")
     nodes.add_argument("words", nargs="*", metavar="WORD", help="list (the default) | add ROLE ADDR | remove ADDR")
@@ -331,6 +365,16 @@ def do_clear_cache(stub, args, timeout):
     return to_dict(resp) if args.json else f"dropped {resp.pages_dropped} cached pages"
 
 
+def do_set_role(stub, args, timeout):
+    if args.role not in NODE_ROLES:
+        raise ArgumentError(f"ROLE must be one of {', '.join(NODE_ROLES)}, got {args.role!r}")
+    wait = seconds(args.wait, "--wait", zero_ok=False)
+    node = host_port(args.node, "--node") if args.node else ""
+    req = admin_pb2.SetRoleRequest(role=args.role, wait_s=wait, migrate=args.migrate, node=node)
+    resp = stub.SetRole(req, timeout=timeout + wait + 5)  # the node may wait that long for its requests
+    return to_dict(resp) if args.json else render_set_role(resp)
+
+
 def do_nodes(stub, args, timeout):
     words = args.words or ["list"]
     match words:
@@ -361,4 +405,5 @@ ACTIONS = {
     "config": do_config,
     "clear-cache": do_clear_cache,
     "nodes": do_nodes,
+    "set-role": do_set_role,
 }

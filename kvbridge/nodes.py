@@ -52,6 +52,13 @@ def _decode() -> tuple:
     return DecodeServer, DecodeNode, CHOICES
 
 
+def _elastic() -> tuple:
+    from kvbridge.elastic_node.service import ElasticServer
+    from kvbridge.kv_transfer.factory import CHOICES
+
+    return ElasticServer, None, CHOICES  # (its node: elastic_node/node.py ElasticNode, made with its role)
+
+
 ROLES: dict[str, RoleSpec] = {
     spec.name: spec
     for spec in (
@@ -70,18 +77,24 @@ def bind_node(role: str, config: NodeConfig):
     metrics_port); its load() starts the node."""
     if role not in ROLES:
         raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
-    server_cls, _, backends = ROLES[role].parts()
+    server_cls, _, backends = _elastic() if config.elastic else ROLES[role].parts()
     if config.transfer_backend not in backends:
         choices = " | ".join(backends)
         raise ValueError(f"a {role} node's transfer backend must be {choices}, got {config.transfer_backend!r}")
     settings = {"model": config.engine.model}
-    if role != "colocated":
+    if role != "colocated" or config.elastic:
         settings["transfer_backend"] = config.transfer_backend
+    if config.elastic:
+        settings |= {"role": role, "elastic": True}
     return server_cls(config.host, config.port, config.metrics_port, settings)
 
 
 def load_node(server, role: str, config: NodeConfig, progress: bool = False):
     """Start the node behind a bound server (blocks until every rank is up); returns the server."""
+    if config.elastic:
+        from kvbridge.elastic_node.node import ElasticNode
+
+        return server.load(partial(ElasticNode, config, role, progress))
     _, node_cls, _ = ROLES[role].parts()
     return server.load(partial(node_cls, config, progress))
 

@@ -23,7 +23,10 @@ REUSE = "reuse"  # the request starts from these pages of the prefix cache (info
 # the request's next tokens, for the last rank's sampling state (info: Appended): a decode node's
 # first token (the prefill node sampled it), when the params need the request's tokens
 APPEND = "append"
-KINDS = (ADMIT, ROUTE, FINISH, ABORT, RETRACT, RESUME, REUSE, APPEND)
+# the node's role changes here (info: Switched; rid ""): every rank swaps its part of the hand-off at
+# this point of the log, with nothing live (pipeline/elastic.py)
+SWITCH = "switch"
+KINDS = (ADMIT, ROUTE, FINISH, ABORT, RETRACT, RESUME, REUSE, APPEND, SWITCH)
 ENDS = (FINISH, ABORT)  # the request is gone after these
 STEP, CONTROL, SHUTDOWN = "step", "control", "shutdown"
 
@@ -53,17 +56,33 @@ class Appended:
     ids: tuple[int, ...]
 
 
-Record = Admitted | Registration | Pages | Appended
+@dataclass(frozen=True)
+class Switched:
+    """SWITCH's record: the role the node has from here on, and how many switches it made."""
+
+    role: str  # "colocated" | "prefill" | "decode"
+    epoch: int
+
+
+Record = Admitted | Registration | Pages | Appended | Switched
 # each kind's record (pipeline/codec.py checks every field of one that arrives); FINISH, ABORT: none
-RECORDS = {ADMIT: Admitted, ROUTE: Registration, RETRACT: Pages, RESUME: Pages, REUSE: Pages, APPEND: Appended}
+RECORDS = {
+    ADMIT: Admitted,
+    ROUTE: Registration,
+    RETRACT: Pages,
+    RESUME: Pages,
+    REUSE: Pages,
+    APPEND: Appended,
+    SWITCH: Switched,
+}
 
 
 @dataclass(frozen=True)
 class LogEntry:
     seq: int  # position in the node's decision log, from 0, contiguous
     kind: str  # ADMIT (the request exists; carries its sampling params) | ROUTE (where its KV goes) | FINISH | ABORT
-    # | RETRACT / RESUME | REUSE | APPEND
-    rid: str
+    # | RETRACT / RESUME | REUSE | APPEND | SWITCH
+    rid: str  # "" for SWITCH (the node's, not a request's)
     params: SamplingParams | None = None  # ADMIT only: the last rank samples with it
     info: Record | None = None  # the kind's record (RECORDS; ADMIT: always one), FINISH and ABORT: None
 

@@ -1,8 +1,8 @@
 """What a node's front and its rank 0 say to each other, over the RankGroup's two queues.
 
     front -> rank 0 (RankGroup.inbox)     Add, Abort, Ask, Shutdown; Register (prefill node);
-                                       Fail, PeerDown (decode node); Wake (rank 0's own
-                                       consensus thread: decisions arrived)
+                                       Fail, PeerDown (decode node); SetRole (elastic node);
+                                       Wake (rank 0's own consensus thread: decisions arrived)
     rank 0 -> front (RankGroup.outbox)    Token, Finish, Answer, CacheEvents; Preallocated (decode node)
 
 Frozen dataclasses, dispatched by type (`match msg: case Add(): ...`). They cross a local
@@ -94,6 +94,17 @@ class PeerDown:
 
 
 @dataclass(frozen=True)
+class SetRole:
+    """An elastic node (pipeline/elastic.py): switch to `role` once nothing is live, within `wait_s`.
+    Rank 0 answers with an Answer carrying `token`: {"code": "" or a gRPC status name, "error", "epoch"}."""
+
+    role: str
+    token: int
+    wait_s: float
+    migrate: bool = False  # end the live requests now (UNAVAILABLE: a router resumes them elsewhere)
+
+
+@dataclass(frozen=True)
 class Wake:
     """Consensus decisions arrived: take them now (sent by rank 0's control thread to its own inbox)."""
 
@@ -156,5 +167,5 @@ class CacheEvents:
     events: tuple[tuple[str, tuple[int, ...]], ...]
 
 
-ToRank0 = Add | Abort | Ask | Shutdown | Register | Fail | PeerDown | Wake
+ToRank0 = Add | Abort | Ask | Shutdown | Register | Fail | PeerDown | SetRole | Wake
 ToFront = Token | PromptLogprobs | Finish | Answer | Preallocated | CacheEvents

@@ -23,6 +23,12 @@ class NodeConfig:
         "on a prefill node, the only one it offers (auto: all it can drive)",
     )
 
+    elastic: bool = setting(
+        False,
+        "let the node change role at run time (Admin.SetRole, `kvbridge admin set-role`), weights and KV "
+        "cache kept: it serves every role's services and refuses those of the roles it does not have now",
+    )
+
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")

@@ -34,7 +34,17 @@ from kvbridge.common.text.prompts import tokenized
 from kvbridge.engine.logits import Logprob, logprob_to_proto
 from kvbridge.kv_transfer.handoff import Registration
 from kvbridge.pipeline.group import RankGroup
-from kvbridge.pipeline.messages import Answer, Ask, CacheEvents, Finish, Pairing, PromptLogprobs, Register, Token
+from kvbridge.pipeline.messages import (
+    Answer,
+    Ask,
+    CacheEvents,
+    Finish,
+    Pairing,
+    PromptLogprobs,
+    Register,
+    SetRole,
+    Token,
+)
 from kvbridge.serving.kv_events import KVEventHub
 from kvbridge.serving.metrics import NodeRecorder
 from kvbridge.v1 import common_pb2, generation_pb2
@@ -348,6 +358,11 @@ class NodeFront:
         """Prefill node: hand a decode node's registration of a room to rank 0; its verdict
         {"code": gRPC status name or "", "error": why} (a room registered twice: ALREADY_EXISTS)."""
         return await self._ask("register", timeout, lambda token: Register(registration, token))
+
+    async def set_role(self, role: str, wait_s: float, migrate: bool) -> dict:
+        """An elastic node: switch every rank to `role` once nothing is live (elastic_node/role.py);
+        {"code": gRPC status name or "", "error", "epoch", "waited_s"}."""
+        return await self._ask("set_role", wait_s + 5, lambda token: SetRole(role, token, wait_s, migrate))
 
     async def _ask(self, op: str, timeout: float, message=None) -> dict:
         token = next(self._tokens)

@@ -52,6 +52,9 @@ LIVE: weakref.WeakSet = weakref.WeakSet()  # servers loaded and not stopped (tes
 
 class NodeServer:
     role = ""  # "colocated" | "prefill" | "decode"
+    elastic = False  # its role can change (elastic_node/service.py ElasticServer)
+    role_epoch = 0  # role switches made
+    switching = ""  # the role a switch under way goes to
     SERVICES: tuple[str, ...] = ()  # the gRPC services this node serves (health is set for each)
 
     def __init__(self, host: str, port: int, metrics_port: int = -1, settings: dict | None = None):
@@ -281,6 +284,9 @@ class NodeAdminService(admin_pb2_grpc.AdminServicer):
             draining=s.draining,
             serving=s.serving,
             model=s.settings.get("model", ""),
+            elastic=s.elastic,
+            role_epoch=s.role_epoch,
+            switching_to=s.switching,
         )
         if s.node is None:
             return out  # loading: what is known before the ranks are up
@@ -373,6 +379,20 @@ class NodeAdminService(admin_pb2_grpc.AdminServicer):
 
     async def GetConfig(self, request, context):
         return admin_pb2.Config(role=self.server.role, version=__version__, json=self.server.config_json())
+
+    async def SetRole(self, request, context):
+        s = self.server
+        if not s.elastic:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"the {s.role} node {s.address} was not started with --elastic: its role is fixed",
+            )
+        if request.node and request.node != s.address:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"node {rpc.shown(request.node)} is not this node ({s.address}): name a node only to a router",
+            )
+        return await s.set_role(request, context)
 
     async def _router_only(self, request, context):
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"a {self.server.role} node has no nodes: ask the router")

@@ -23,7 +23,7 @@ class RankStatus(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., alive: _Optional[bool] = ..., kv_pages_used: _Optional[int] = ..., kv_pages_total: _Optional[int] = ...) -> None: ...
 
 class Status(_message.Message):
-    __slots__ = ("role", "model_fingerprint", "pp_size", "ranks", "queues", "requests_served", "version", "uptime_s", "draining", "transfers_in_flight", "requests_in_flight", "model", "serving", "nodes", "prefix_cache")
+    __slots__ = ("role", "model_fingerprint", "pp_size", "ranks", "queues", "requests_served", "version", "uptime_s", "draining", "transfers_in_flight", "requests_in_flight", "model", "serving", "nodes", "prefix_cache", "elastic", "role_epoch", "switching_to")
     class QueuesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +46,9 @@ class Status(_message.Message):
     SERVING_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
+    ELASTIC_FIELD_NUMBER: _ClassVar[int]
+    ROLE_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SWITCHING_TO_FIELD_NUMBER: _ClassVar[int]
     role: str
     model_fingerprint: str
     pp_size: int
@@ -61,7 +64,10 @@ class Status(_message.Message):
     serving: bool
     nodes: _containers.RepeatedCompositeFieldContainer[NodeInfo]
     prefix_cache: PrefixCacheStatus
-    def __init__(self, role: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., pp_size: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., queues: _Optional[_Mapping[str, int]] = ..., requests_served: _Optional[int] = ..., version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., draining: _Optional[bool] = ..., transfers_in_flight: _Optional[int] = ..., requests_in_flight: _Optional[int] = ..., model: _Optional[str] = ..., serving: _Optional[bool] = ..., nodes: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ..., prefix_cache: _Optional[_Union[PrefixCacheStatus, _Mapping]] = ...) -> None: ...
+    elastic: bool
+    role_epoch: int
+    switching_to: str
+    def __init__(self, role: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., pp_size: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., queues: _Optional[_Mapping[str, int]] = ..., requests_served: _Optional[int] = ..., version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., draining: _Optional[bool] = ..., transfers_in_flight: _Optional[int] = ..., requests_in_flight: _Optional[int] = ..., model: _Optional[str] = ..., serving: _Optional[bool] = ..., nodes: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ..., prefix_cache: _Optional[_Union[PrefixCacheStatus, _Mapping]] = ..., elastic: _Optional[bool] = ..., role_epoch: _Optional[int] = ..., switching_to: _Optional[str] = ...) -> None: ...
 
 class PrefixCacheStatus(_message.Message):
     __slots__ = ("enabled", "cached_pages", "idle_pages", "hit_tokens", "query_tokens", "evicted_pages")
@@ -228,3 +234,31 @@ class RemoveNodeRequest(_message.Message):
     address: str
     role: str
     def __init__(self, address: _Optional[str] = ..., role: _Optional[str] = ...) -> None: ...
+
+class SetRoleRequest(_message.Message):
+    __slots__ = ("role", "wait_s", "migrate", "node")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    MIGRATE_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    wait_s: float
+    migrate: bool
+    node: str
+    def __init__(self, role: _Optional[str] = ..., wait_s: _Optional[float] = ..., migrate: _Optional[bool] = ..., node: _Optional[str] = ...) -> None: ...
+
+class SetRoleResponse(_message.Message):
+    __slots__ = ("old_role", "role", "role_epoch", "drain_s", "switch_s", "node")
+    OLD_ROLE_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    ROLE_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_S_FIELD_NUMBER: _ClassVar[int]
+    SWITCH_S_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    old_role: str
+    role: str
+    role_epoch: int
+    drain_s: float
+    switch_s: float
+    node: str
+    def __init__(self, old_role: _Optional[str] = ..., role: _Optional[str] = ..., role_epoch: _Optional[int] = ..., drain_s: _Optional[float] = ..., switch_s: _Optional[float] = ..., node: _Optional[str] = ...) -> None: ...

@@ -84,6 +84,11 @@ class AdminStub:
                 request_serializer=kvbridge_dot_v1_dot_admin__pb2.ClearPrefixCacheRequest.SerializeToString,
                 response_deserializer=kvbridge_dot_v1_dot_admin__pb2.ClearPrefixCacheResponse.FromString,
                 _registered_method=True)
+        self.SetRole = channel.unary_unary(
+                '/kvbridge.v1.Admin/SetRole',
+                request_serializer=kvbridge_dot_v1_dot_admin__pb2.SetRoleRequest.SerializeToString,
+                response_deserializer=kvbridge_dot_v1_dot_admin__pb2.SetRoleResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -154,6 +159,16 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetRole(self, request, context):
+        """Change the role of an elastic node (`--elastic`) at run time: weights, KV pool and prefix cache
+        stay. It stops admitting work (UNAVAILABLE), lets what it holds finish (or, with migrate, ends
+        it for the router to resume elsewhere), then every rank switches at one entry of its log.
+        On the router: `node` names the node; refused (FAILED_PRECONDITION) for the last node of a role.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -206,6 +221,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.ClearPrefixCache,
                     request_deserializer=kvbridge_dot_v1_dot_admin__pb2.ClearPrefixCacheRequest.FromString,
                     response_serializer=kvbridge_dot_v1_dot_admin__pb2.ClearPrefixCacheResponse.SerializeToString,
+            ),
+            'SetRole': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetRole,
+                    request_deserializer=kvbridge_dot_v1_dot_admin__pb2.SetRoleRequest.FromString,
+                    response_serializer=kvbridge_dot_v1_dot_admin__pb2.SetRoleResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -478,6 +498,33 @@ class Admin:
             '/kvbridge.v1.Admin/ClearPrefixCache',
             kvbridge_dot_v1_dot_admin__pb2.ClearPrefixCacheRequest.SerializeToString,
             kvbridge_dot_v1_dot_admin__pb2.ClearPrefixCacheResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetRole(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvbridge.v1.Admin/SetRole',
+            kvbridge_dot_v1_dot_admin__pb2.SetRoleRequest.SerializeToString,
+            kvbridge_dot_v1_dot_admin__pb2.SetRoleResponse.FromString,
             options,
             channel_credentials,
             insecure,

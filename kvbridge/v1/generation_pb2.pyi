@@ -72,13 +72,17 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "fingerprint", "max_context", "role")
+    __slots__ = ("model", "fingerprint", "max_context", "role", "elastic", "role_epoch")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
+    ELASTIC_FIELD_NUMBER: _ClassVar[int]
+    ROLE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     model: str
     fingerprint: str
     max_context: int
     role: str
-    def __init__(self, model: _Optional[str] = ..., fingerprint: _Optional[str] = ..., max_context: _Optional[int] = ..., role: _Optional[str] = ...) -> None: ...
+    elastic: bool
+    role_epoch: int
+    def __init__(self, model: _Optional[str] = ..., fingerprint: _Optional[str] = ..., max_context: _Optional[int] = ..., role: _Optional[str] = ..., elastic: _Optional[bool] = ..., role_epoch: _Optional[int] = ...) -> None: ...

@@ -25,6 +25,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("kvbridge.pipeline",),  # the PP runtime: rank processes, rank 0's loop, stage loops, control channel
     ("kvbridge.serving",),  # a node's gRPC server, Admin, its front, wire adapters, the colocated node
     ("kvbridge.prefill_node", "kvbridge.decode_node"),  # the roles
+    ("kvbridge.elastic_node",),  # a node of every role, one at a time
     ("kvbridge.router",),  # the front door (speaks to nodes over gRPC only)
     ("kvbridge.nodes",),  # ROLES and start_node: the one way to build a node
     ("kvbridge.bench",),  # benchmarks (start fleets in-process or as child processes)
@@ -37,7 +38,7 @@ LAYERS: list[tuple[str, ...]] = [
 FOLDERS = {
     "kvbridge": "kvbridge",
     **{f"kvbridge.{top}": top for top in ("common", "engine", "consensus", "kv_transfer", "pipeline",
-                                           "serving", "prefill_node", "decode_node", "router")},
+                                           "serving", "prefill_node", "decode_node", "elastic_node", "router")},
 }  # fmt: skip
 MAX_LINES = 500
 

@@ -1,0 +1,182 @@
+"""Elastic nodes (elastic_node/): a prefill node and a decode node swap roles with Admin.SetRole and
+serve disaggregated requests equal to colocated serving before and after, at pp 1 and 2; odd and
+hostile calls get clear statuses and change nothing."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvbridge.common import rpc
+from kvbridge.common.sampling import SamplingParams
+from kvbridge.engine.config import PPConfig
+from kvbridge.nodes import start_node
+from kvbridge.serving.config import NodeConfig
+from kvbridge.v1 import admin_pb2, generation_pb2, generation_pb2_grpc
+from tests.conftest import make_llm, make_prompts
+from tests.pd import TINY, admin, in_parallel, pd_generate, stop_nodes, token_prompt, wait_idle
+
+MAX_NEW = 10
+SERVICES = ("kvbridge.v1.Generation", "kvbridge.v1.Prefill", "kvbridge.v1.Bootstrap")
+
+
+@pytest.fixture(scope="module")
+def pair(hard_timeout):
+    """An elastic node that starts as prefill (pp 2) and one that starts as decode (pp 1)."""
+    nodes = {}
+
+    def start(name, role, pp):
+        nodes[name] = start_node(role, NodeConfig(TINY, PPConfig(pp_size=pp), elastic=True))
+
+    threads = [threading.Thread(target=start, args=a) for a in (("a", "prefill", 2), ("b", "decode", 1))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    yield nodes
+    stop_nodes(nodes)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+    prompts = make_prompts(4, tiny_model.config.vocab_size, seed=7, min_len=3, max_len=60)
+    llm = make_llm(tiny_model, chunked_prefill_size=TINY.chunked_prefill_size)
+    outputs = [c.output_ids for c in llm.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True))]
+    return prompts, outputs
+
+
+def set_role(addr: str, role: str, **fields) -> admin_pb2.SetRoleResponse:
+    return admin(addr).SetRole(admin_pb2.SetRoleRequest(role=role, **fields), timeout=60)
+
+
+def health(addr: str) -> dict[str, str]:
+    stub = health_pb2_grpc.HealthStub(rpc.make_channel(addr))
+    out = {}
+    for name in ("", *SERVICES):
+        status = stub.Check(health_pb2.HealthCheckRequest(service=name), timeout=10).status
+        out[name] = health_pb2.HealthCheckResponse.ServingStatus.Name(status)
+    return out
+
+
+def model_info(addr: str) -> generation_pb2.ModelInfo:
+    stub = generation_pb2_grpc.GenerationStub(rpc.make_channel(addr))
+    return stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=10)
+
+
+def served_pd(p_addr: str, d_addr: str, prompts: list[list[int]]) -> list[list[int]]:
+    results = in_parallel(lambda ids: pd_generate(p_addr, d_addr, token_prompt(ids), MAX_NEW), [(p,) for p in prompts])
+    for _, _, prefill in results:
+        assert not isinstance(prefill, grpc.RpcError), prefill
+    return [tokens for tokens, _, _ in results]
+
+
+PREFILL_UP = {"": "SERVING", SERVICES[0]: "NOT_SERVING", SERVICES[1]: "SERVING", SERVICES[2]: "SERVING"}
+GENERATION_UP = {"": "SERVING", SERVICES[0]: "SERVING", SERVICES[1]: "NOT_SERVING", SERVICES[2]: "NOT_SERVING"}
+
+
+def test_two_nodes_swap_roles_and_serve_equal_to_colocated(pair, reference):
+    a, b = pair["a"].address, pair["b"].address
+    prompts, expected = reference
+    assert (health(a), health(b)) == (PREFILL_UP, GENERATION_UP)
+    assert served_pd(a, b, prompts) == expected
+    # b: decode -> prefill; a: prefill -> decode (a at pp 2: every rank switches)
+    first = set_role(b, "prefill")
+    assert (first.old_role, first.role, first.role_epoch, first.node) == ("decode", "prefill", 1, b)
+    assert 0 <= first.drain_s <= first.switch_s < 30
+    second = set_role(a, "decode")
+    assert (second.old_role, second.role, second.role_epoch) == ("prefill", "decode", 1)
+    assert (health(a), health(b)) == (GENERATION_UP, PREFILL_UP)
+    assert [(i.role, i.elastic, i.role_epoch) for i in map(model_info, (a, b))] == [
+        ("decode", True, 1),
+        ("prefill", True, 1),
+    ]
+    st = admin(a).GetStatus(admin_pb2.GetStatusRequest(), timeout=10)
+    assert (st.role, st.elastic, st.role_epoch, st.switching_to, st.serving) == ("decode", True, 1, "", True)
+    assert served_pd(b, a, prompts) == expected  # the new split: P = b, D = a
+    # the old split is refused by role, with a status a router retries elsewhere
+    results = in_parallel(lambda ids: pd_generate(a, b, token_prompt(ids), MAX_NEW), [(prompts[0],)])
+    error = results[0][2]
+    assert isinstance(error, grpc.RpcError) and error.code() == grpc.StatusCode.UNAVAILABLE
+    assert "is a decode node now" in error.details() or "is a prefill node now" in error.details()
+    # and back again: a decode node that held pages of its prefix cache as prefill still matches them
+    assert set_role(a, "prefill").role_epoch == 2 and set_role(b, "decode").role_epoch == 2
+    assert served_pd(a, b, prompts) == expected
+    for addr in (a, b):
+        st = wait_idle(addr)
+        assert not any(st.queues.values()) and st.requests_in_flight == 0
+
+
+def test_a_colocated_switch_serves_whole_requests(pair, reference):
+    a, b = pair["a"].address, pair["b"].address
+    prompts, expected = reference
+    assert set_role(b, "colocated").role == "colocated"
+    try:
+        stub = generation_pb2_grpc.GenerationStub(rpc.make_channel(b))
+        for ids, want in zip(prompts, expected):
+            req = generation_pb2.GenerateRequest(
+                prompt=token_prompt(ids), sampling={"max_new_tokens": MAX_NEW, "ignore_eos": True}
+            )
+            assert [t for r in stub.Generate(req, timeout=60) for t in r.token_ids] == want
+    finally:
+        assert set_role(b, "decode").role == "decode"
+    assert model_info(a).role == "prefill"
+
+
+def test_odd_and_hostile_switches_get_clear_statuses(pair):
+    a, b = pair["a"].address, pair["b"].address
+    cases = [
+        ({"role": "router"}, grpc.StatusCode.INVALID_ARGUMENT, "role must be one of prefill, decode, colocated"),
+        ({"role": "decode", "wait_s": -1}, grpc.StatusCode.INVALID_ARGUMENT, "wait_s must be >= 0"),
+        ({"role": "decode", "wait_s": float("nan")}, grpc.StatusCode.INVALID_ARGUMENT, "wait_s must be >= 0"),
+        ({"role": "decode", "node": "10.0.0.9:1"}, grpc.StatusCode.INVALID_ARGUMENT, "name a node only to a router"),
+    ]
+    for fields, code, words in cases:
+        with pytest.raises(grpc.RpcError) as e:
+            admin(b).SetRole(admin_pb2.SetRoleRequest(**fields), timeout=30)
+        assert e.value.code() == code and words in e.value.details(), fields
+    epoch = model_info(b).role_epoch
+    assert (model_info(b).role, health(b)) == ("decode", GENERATION_UP)  # nothing changed
+    # the same role: nothing to do, at once
+    assert model_info(b).role_epoch == epoch
+    same = set_role(a, "prefill")
+    assert (same.old_role, same.role, same.switch_s) == ("prefill", "prefill", 0.0)
+
+
+def test_a_switch_asked_during_a_switch_is_aborted_and_the_first_finishes(pair):
+    a, b = pair["a"].address, pair["b"].address
+    prompt = list(range(3, 40))
+    # a long request on b (decode), so that b's switch waits for it
+    slow = threading.Thread(target=lambda: results.append(pd_generate(a, b, token_prompt(prompt), 400)))
+    results: list = []
+    slow.start()
+    deadline = time.monotonic() + 30
+    while admin(b).GetStatus(admin_pb2.GetStatusRequest(), timeout=10).requests_in_flight == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    first: list = []
+    switching = threading.Thread(target=lambda: first.append(set_role(b, "prefill", wait_s=60)))
+    switching.start()
+    while admin(b).GetStatus(admin_pb2.GetStatusRequest(), timeout=10).switching_to != "prefill":
+        time.sleep(0.01)
+    with pytest.raises(grpc.RpcError) as e:
+        set_role(b, "colocated")
+    assert e.value.code() == grpc.StatusCode.ABORTED
+    assert "a switch from decode to prefill is in progress" in e.value.details()
+    assert health(b)[""] == "NOT_SERVING"
+    switching.join(60)
+    slow.join(60)
+    tokens, _, prefill = results[0]
+    assert len(tokens) == 400 and not isinstance(prefill, grpc.RpcError)  # it finished, whole
+    assert first[0].role == "prefill" and first[0].drain_s > 0
+    assert set_role(b, "decode").role == "decode"
+
+
+def test_a_fixed_node_refuses_to_switch(colocated_node):
+    with pytest.raises(grpc.RpcError) as e:
+        set_role(colocated_node.address, "prefill")
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "was not started with --elastic: its role is fixed" in e.value.details()
