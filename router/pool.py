@@ -8,16 +8,8 @@ later report says SERVING. Among eligible nodes the routing policy picks one (ro
 cache_aware, least_loaded, round_robin), from the outstanding requests and pending prompt tokens
 counted here, by the router, and the node's cached blocks.
 
-Beside the health watch, a KV-event watch (`kvbridge.v1.KVEvents/Watch`, on the same channel)
-keeps each node's `BlockIndex` (router/kv_index.py): the first batch of a stream is a snapshot, then
-changes in seq order. A change batch out of sequence (a gap) clears the index and re-opens the
-stream at once (its snapshot resyncs); a failed or ended stream clears it (the node's state is
-unknown) and is re-opened after health_retry_s; a snapshot on a stream already open (the node
-dropped changes this watcher was too slow for) replaces the set; each is counted by `on_resync`
-("gap", "error" when the index was synced, "lagged", "overflow" past its bound). The stream is
-re-opened every KV_WATCH_DEADLINE_S (a fresh snapshot, not counted). A node that answers
-UNIMPLEMENTED has no KV events: it is not watched again, and it caches nothing as far as routing
-knows.
+Beside the health watch, a KV-event watch on the same channel (router/kv_watch.py) keeps each
+node's `BlockIndex` (router/kv_index.py) of what its prefix cache holds.
 
 The fleet can change at run time: `add` watches a new node at once, `remove` takes one out of
 selection at once. A node's channel is closed only when nothing can use it any more: it was
@@ -44,9 +36,10 @@ from kvbridge.common import rpc
 from kvbridge.common.limits import normalized_address
 from kvbridge.common.rpc import shown
 from kvbridge.common.security import auth_metadata
-from kvbridge.router.kv_index import BlockIndex, batch_from_proto
+from kvbridge.router.kv_index import BlockIndex
+from kvbridge.router.kv_watch import watch_kv
 from kvbridge.router.policy import Policy
-from kvbridge.v1 import generation_pb2, generation_pb2_grpc, kv_events_pb2, kv_events_pb2_grpc
+from kvbridge.v1 import generation_pb2, generation_pb2_grpc
 
 if TYPE_CHECKING:
     from kvbridge.router.prompts import PromptBlocks
@@ -63,8 +56,6 @@ SERVICE_OF_ROLE = {
 }
 ROLES = tuple(SERVICE_OF_ROLE)
 WATCH_DEADLINE_S = 60.0  # a health stream is re-opened this often (every call has a deadline)
-KV_WATCH_DEADLINE_S = 300.0  # a KV-event stream is re-opened this often (and starts with a snapshot)
-INLINE_HASHES = 1 << 14  # KV batches carrying more hashes than this are applied in a worker thread
 MODEL_INFO_DEADLINE_S = 5.0
 MAX_NODES = 1024  # nodes in one pool (AddNode past it: RESOURCE_EXHAUSTED)
 CLOSE_WAIT_S = 5.0  # aclose() waits this long at most for the watchers to end, and again for the channels
@@ -92,7 +83,10 @@ class Node:
     pending_tokens: int = 0  # prompt tokens routed here that it is expected to compute still (released with it)
     blocks: BlockIndex = field(default_factory=BlockIndex, repr=False)  # what its prefix cache holds
     kv_events: bool = True  # it may serve KVEvents (False once it answered UNIMPLEMENTED)
-    model: generation_pb2.ModelInfo | None = None  # GetModelInfo, fetched when it turns healthy (not prefill)
+    model: generation_pb2.ModelInfo | None = None  # GetModelInfo, fetched when it turns healthy
+    elastic: bool = False  # its role can change (its ModelInfo said so): its role is learned from it
+    role_epoch: int = 0  # an elastic node's switches, as last learned
+    switching_to: str = ""  # a switch this router asked for is under way (Admin.SetRole, the planner)
     retired: bool = False  # removed from the pool (or the pool closed): its channel closes once idle
     watching: bool = False  # its watcher is running or about to (and may start RPCs on the channel)
     watcher: asyncio.Task | None = field(default=None, repr=False)  # the health and KV-event watches, on the loop
@@ -421,7 +415,7 @@ class NodePool:
         try:
             async with asyncio.TaskGroup() as watches:
                 watches.create_task(self._watch_health(node))
-                watches.create_task(self._watch_kv(node))
+                watches.create_task(watch_kv(node, self.health_retry_s, self.on_resync))
         finally:
             node.blocks.clear()
             with self._lock:
@@ -429,21 +423,70 @@ class NodePool:
             self._close_if_idle(node)
 
     async def _watch_health(self, node: Node) -> None:
-        """Runs until cancelled (remove, close)."""
+        """Runs until cancelled (remove, close). A node's role service is watched; an elastic node's
+        "" (the node: NOT_SERVING while it switches), and its ModelInfo, fetched on every SERVING
+        report that starts a stream or ends a spell of NOT_SERVING, says which role it has."""
         stub = health_pb2_grpc.HealthStub(node.channel)
-        request = health_pb2.HealthCheckRequest(service=SERVICE_OF_ROLE[node.role])
         while True:
+            watched = node.elastic
+            request = health_pb2.HealthCheckRequest(service="" if watched else SERVICE_OF_ROLE[node.role])
             try:
+                first = True
                 async for resp in stub.Watch(request, timeout=WATCH_DEADLINE_S):
                     serving = resp.status == health_pb2.HealthCheckResponse.SERVING
-                    if serving and not node.healthy and node.role != "prefill":
-                        node.model = await self._model_info(node)  # (re)started: it may serve another model now
+                    if serving and (not node.healthy or (node.elastic and first)):
+                        info = node.model = await self._model_info(node)  # (re)started: another model now?
+                        if info is not None and info.elastic:
+                            node.elastic = True
+                            self.set_role(node, info.role, info.role_epoch)
+                    first = False
+                    if node.elastic != watched:
+                        break
                     self.set_health(node, serving)
+                if node.elastic != watched:
+                    continue  # an elastic node: watch the node itself from now on, not one role's service
             except grpc.aio.AioRpcError as e:
                 if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                     continue  # the stream's own deadline: the last report still holds
                 self.set_health(node, False)
             await asyncio.sleep(self.health_retry_s)
+
+    def set_role(self, node: Node, role: str, epoch: int) -> bool:
+        """An elastic node has `role` since its switch number `epoch` (an older report is ignored);
+        True when that changed its role here."""
+        if role not in SERVICE_OF_ROLE:
+            return False
+        with self._lock:
+            if epoch < node.role_epoch:
+                return False
+            changed, node.role, node.role_epoch = node.role != role, role, epoch
+        if changed:
+            self._notify()
+        return changed
+
+    def begin_switch(self, node: Node, role: str) -> str:
+        """Mark a switch of `node` to `role` as under way (end_switch ends it), or say why it may not
+        switch now: a switch of it is under way, or it is the last healthy node of its role (those
+        switching away count as gone; the last colocated node may go where a P:D pair serves)."""
+        with self._lock:
+            if node.switching_to:
+                return f"a switch of {node.address} to {node.switching_to} is in progress"
+            if role == node.role:
+                return ""
+            others = [n for n in self.nodes if n.healthy and not n.switching_to and n is not node]
+            after = {n.role for n in others} | {role}
+            # a P:D role keeps a node; the colocated role may go when a P:D pair serves instead
+            if node.role not in after and (node.role != "colocated" or not {"prefill", "decode"} <= after):
+                return (
+                    f"{node.address} is the last {node.role} node serving: switching it to {role} leaves the "
+                    f"fleet no {node.role} node"
+                )
+            node.switching_to = role
+            return ""
+
+    def end_switch(self, node: Node) -> None:
+        with self._lock:
+            node.switching_to = ""
 
     async def _model_info(self, node: Node) -> generation_pb2.ModelInfo | None:
         try:
@@ -452,48 +495,3 @@ class NodePool:
             return await stub.GetModelInfo(request, timeout=MODEL_INFO_DEADLINE_S, metadata=self.call_metadata)
         except grpc.aio.AioRpcError:
             return None
-
-    async def _watch_kv(self, node: Node) -> None:
-        """Runs until cancelled, or until the node says it has no KV events."""
-        stub = kv_events_pb2_grpc.KVEventsStub(node.channel)
-        index = node.blocks
-        while True:
-            pause = self.health_retry_s
-            stream = stub.Watch(kv_events_pb2.WatchKVEventsRequest(), timeout=KV_WATCH_DEADLINE_S)
-            try:
-                first = True
-                async for msg in stream:
-                    if msg.snapshot and not first:
-                        self.on_resync("lagged")
-                    first = False
-                    verdict = await self._apply(index, msg)
-                    if verdict is not None:  # cleared: a new stream starts with a snapshot
-                        self.on_resync(verdict)
-                        pause = 0.0 if verdict == "gap" else self.health_retry_s
-                        break
-                else:  # the node ended the stream: what it holds from now on is unknown
-                    self._lost(index)
-            except grpc.aio.AioRpcError as e:
-                if e.code() == grpc.StatusCode.UNIMPLEMENTED:
-                    node.kv_events = False
-                    index.clear()
-                    return
-                if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                    continue  # the stream's own deadline: the next one's snapshot replaces the index
-                self._lost(index)
-            except ValueError:  # a batch that makes no sense
-                self._lost(index)
-            finally:
-                stream.cancel()
-            await asyncio.sleep(pause)
-
-    async def _apply(self, index: BlockIndex, msg: kv_events_pb2.KVEventBatch) -> str | None:
-        if sum(len(e.block_hashes) for e in msg.events) <= INLINE_HASHES:
-            return index.apply(batch_from_proto(msg))
-        return await asyncio.to_thread(lambda: index.apply(batch_from_proto(msg)))
-
-    def _lost(self, index: BlockIndex) -> None:
-        """The stream broke: clear the index; a resync when it was synced."""
-        if index.synced:
-            self.on_resync("error")
-        index.clear()

@@ -16,13 +16,13 @@ import grpc
 
 from kvbridge import __version__
 from kvbridge.common import rpc, security, tracing
-from kvbridge.common.limits import listed_room, room_tag
+from kvbridge.common.limits import listed_room, normalized_address, room_tag
 from kvbridge.common.logs import log_event
 from kvbridge.router.checks import check_generate
 from kvbridge.router.config import RouterConfig
 from kvbridge.router.dispatch import Dispatcher
 from kvbridge.router.failures import RouteError
-from kvbridge.router.pool import Node, PoolFull
+from kvbridge.router.pool import ROLES, Node, PoolFull
 from kvbridge.router.routed import OPERATOR_ABORTED, PHASES, Routed
 from kvbridge.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
 
@@ -30,6 +30,7 @@ SERVICES = ("kvbridge.v1.Generation", "kvbridge.v1.Admin")
 DEFAULT_PAGE = 100  # ListRequests page_size 0
 MAX_PAGE = 1000
 CLEAR_DEADLINE_S = 10.0  # each node's ClearPrefixCache
+SWITCH_WAIT_S = 120.0  # a node's SetRole wait when the caller gives none (elastic_node/service.py's)
 log = logging.getLogger("kvbridge.router")
 
 
@@ -165,6 +166,35 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         log_event(log, "node_removed", role=node.role, address=node.address, outstanding=node.outstanding)
         return node_info(node)
 
+    async def SetRole(self, request, context):
+        """Switch one elastic node's role (with this router's admin key), unless it is the last healthy
+        node of its role; the pool takes the new role from the node's answer at once."""
+        try:
+            address = normalized_address(request.node, "node")
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{e} (the address of the node to switch)")
+        node = next((n for n in self.pool.nodes if n.address == address and n.channel is not None), None)
+        if node is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no node {rpc.shown(address)} in the pool")
+        if request.role not in ROLES:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"role must be one of {', '.join(ROLES)}, got {rpc.shown(request.role)}",
+            )
+        problem = self.pool.begin_switch(node, request.role)
+        if problem:
+            code = grpc.StatusCode.ABORTED if node.switching_to else grpc.StatusCode.FAILED_PRECONDITION
+            await context.abort(code, problem)
+        try:
+            answer = await switch_role(node, request)
+        except grpc.aio.AioRpcError as e:
+            await context.abort(e.code(), f"{node.address}: {e.details()}")
+        finally:
+            self.pool.end_switch(node)
+        self.pool.set_role(node, answer.role, answer.role_epoch)
+        log_event(log, "node_role_set", address=node.address, old=answer.old_role, role=answer.role)
+        return answer
+
     async def ClearPrefixCache(self, request, context):
         """Every node's Admin.ClearPrefixCache at once (with this router's admin key); the pages
         dropped in all. A node that fails it: UNAVAILABLE naming it (the others are cleared)."""
@@ -184,6 +214,14 @@ async def _clear(node: Node) -> admin_pb2.ClearPrefixCacheResponse:
     return await stub.ClearPrefixCache(admin_pb2.ClearPrefixCacheRequest(), timeout=CLEAR_DEADLINE_S, metadata=metadata)
 
 
+async def switch_role(node: Node, request: admin_pb2.SetRoleRequest) -> admin_pb2.SetRoleResponse:
+    """The node's own Admin.SetRole, with this router's admin key (its wait, and some)."""
+    metadata = security.auth_metadata(rpc.security().admin_key)
+    stub = admin_pb2_grpc.AdminStub(node.channel)
+    forwarded = admin_pb2.SetRoleRequest(role=request.role, wait_s=request.wait_s, migrate=request.migrate)
+    return await stub.SetRole(forwarded, timeout=(request.wait_s or SWITCH_WAIT_S) + 30, metadata=metadata)
+
+
 def _why(e: BaseException) -> str:
     if isinstance(e, grpc.aio.AioRpcError):
         return f"{e.code().name}: {rpc.shown(e.details() or '')}"
@@ -199,6 +237,9 @@ def node_info(n: Node) -> admin_pb2.NodeInfo:
         outstanding=n.outstanding,
         routed=n.routed,
         model=n.model.model if n.model is not None else "",
+        elastic=n.elastic,
+        role_epoch=n.role_epoch,
+        switching_to=n.switching_to,
     )
 
 

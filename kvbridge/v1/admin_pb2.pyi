@@ -192,7 +192,7 @@ class Config(_message.Message):
     def __init__(self, role: _Optional[str] = ..., version: _Optional[str] = ..., json: _Optional[str] = ...) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("role", "address", "healthy", "reported", "outstanding", "routed", "model")
+    __slots__ = ("role", "address", "healthy", "reported", "outstanding", "routed", "model", "elastic", "role_epoch", "switching_to")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
@@ -200,6 +200,9 @@ class NodeInfo(_message.Message):
     OUTSTANDING_FIELD_NUMBER: _ClassVar[int]
     ROUTED_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    ELASTIC_FIELD_NUMBER: _ClassVar[int]
+    ROLE_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SWITCHING_TO_FIELD_NUMBER: _ClassVar[int]
     role: str
     address: str
     healthy: bool
@@ -207,7 +210,10 @@ class NodeInfo(_message.Message):
     outstanding: int
     routed: int
     model: str
-    def __init__(self, role: _Optional[str] = ..., address: _Optional[str] = ..., healthy: _Optional[bool] = ..., reported: _Optional[bool] = ..., outstanding: _Optional[int] = ..., routed: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
+    elastic: bool
+    role_epoch: int
+    switching_to: str
+    def __init__(self, role: _Optional[str] = ..., address: _Optional[str] = ..., healthy: _Optional[bool] = ..., reported: _Optional[bool] = ..., outstanding: _Optional[int] = ..., routed: _Optional[int] = ..., model: _Optional[str] = ..., elastic: _Optional[bool] = ..., role_epoch: _Optional[int] = ..., switching_to: _Optional[str] = ...) -> None: ...
 
 class ListNodesRequest(_message.Message):
     __slots__ = ()

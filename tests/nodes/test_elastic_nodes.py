@@ -15,6 +15,8 @@ from kvbridge.common import rpc
 from kvbridge.common.sampling import SamplingParams
 from kvbridge.engine.config import PPConfig
 from kvbridge.nodes import start_node
+from kvbridge.router.config import RouterConfig
+from kvbridge.router.server import start_router
 from kvbridge.serving.config import NodeConfig
 from kvbridge.v1 import admin_pb2, generation_pb2, generation_pb2_grpc
 from tests.conftest import make_llm, make_prompts
@@ -180,3 +182,45 @@ def test_a_fixed_node_refuses_to_switch(colocated_node):
         set_role(colocated_node.address, "prefill")
     assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "was not started with --elastic: its role is fixed" in e.value.details()
+
+
+def test_a_router_learns_roles_switched_at_the_nodes(pair, reference):
+    """Switched at the nodes themselves (not through the router): the router sees each go NOT_SERVING
+    and come back, reads its role from GetModelInfo, and routes by the new split."""
+    a, b = pair["a"].address, pair["b"].address
+    prompts, expected = reference
+    router = start_router(RouterConfig(port=0, prefill=(a,), decode=(b,), health_retry_s=0.1, startup_wait_s=30))
+    address = f"127.0.0.1:{router.port}"
+    try:
+        stub = generation_pb2_grpc.GenerationStub(rpc.make_channel(address))
+
+        def generate(ids):
+            req = generation_pb2.GenerateRequest(
+                prompt=token_prompt(ids), sampling={"max_new_tokens": MAX_NEW, "ignore_eos": True}
+            )
+            return [t for r in stub.Generate(req, timeout=60) for t in r.token_ids]
+
+        def learned():
+            listed = admin(address).ListNodes(admin_pb2.ListNodesRequest(), timeout=10).nodes
+            return {n.address: (n.role, n.healthy, n.elastic, n.role_epoch) for n in listed}
+
+        def wait_learned(want):
+            deadline = time.monotonic() + 30
+            while learned() != want:
+                assert time.monotonic() < deadline, learned()
+                time.sleep(0.05)
+
+        ea, eb = model_info(a).role_epoch, model_info(b).role_epoch  # (earlier tests switched them)
+        wait_learned({a: ("prefill", True, True, ea), b: ("decode", True, True, eb)})
+        assert [generate(p) for p in prompts] == expected
+        set_role(b, "prefill")
+        set_role(a, "decode")
+        wait_learned({a: ("decode", True, True, ea + 1), b: ("prefill", True, True, eb + 1)})
+        assert [generate(p) for p in prompts] == expected
+        served = admin(a).GetStatus(admin_pb2.GetStatusRequest(), timeout=10).requests_served
+        assert generate(prompts[0]) == expected[0]
+        assert admin(a).GetStatus(admin_pb2.GetStatusRequest(), timeout=10).requests_served == served + 1
+    finally:
+        router.stop(grace_s=0)
+        set_role(a, "prefill")
+        set_role(b, "decode")
