@@ -237,6 +237,12 @@ class RouterMetrics:
             ["computed_by"],
             registry=r,
         )
+        self.planner_switches = Counter(
+            "kvbridge_planner_switches",
+            "Elastic nodes the SLO planner moved, by their role before and after and the SLO missed (ttft, itl)",
+            ["from", "to", "reason"],
+            registry=r,
+        )
         self.kv_resyncs = Counter(
             "kvbridge_router_kv_event_resyncs",
             "KV event streams re-opened for a fresh snapshot, by why",

@@ -17,6 +17,8 @@ A switch, on the server's loop:
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import logging
 import math
 import time
@@ -30,7 +32,7 @@ from kvbridge.elastic_node.role import ROLE_NAMES
 from kvbridge.pipeline.messages import Preallocated
 from kvbridge.prefill_node.service import BootstrapService, PrefillService
 from kvbridge.serving.colocated import ColocatedGeneration
-from kvbridge.serving.server import NodeServer
+from kvbridge.serving.server import WATCH_S, NodeServer
 from kvbridge.v1 import admin_pb2, generation_pb2_grpc, prefill_pb2_grpc
 
 GENERATION, PREFILL, BOOTSTRAP = "kvbridge.v1.Generation", "kvbridge.v1.Prefill", "kvbridge.v1.Bootstrap"
@@ -179,25 +181,38 @@ class ElasticServer(NodeServer):
         self.switching = role
         self._update_health()  # NOT_SERVING: routers stop picking it
         log_event(log, "role_switch_begin", old=old, role=role, address=self.address, migrate=request.migrate)
-        try:
-            wait_s = request.wait_s or DEFAULT_WAIT_S
-            try:
-                done = await self.node.front.set_role(role, wait_s, request.migrate)
-            except TimeoutError:
-                done = {"code": "UNAVAILABLE", "error": f"rank 0 did not answer within {wait_s + 5:g} s"}
-            if done["code"]:
-                log_event(log, "role_switch_failed", logging.WARNING, old=old, role=role, error=done["error"])
-                await context.abort(getattr(grpc.StatusCode, done["code"]), done["error"])
-            self.role = self.node.role = role
-            self.node.front.kv_events.role = role
-            self.role_epoch = done["epoch"]
-        finally:
-            self.switching = ""
-            self._set_health(self.serving)  # (the role's services, even if `serving` did not change)
+        wait_s = request.wait_s or DEFAULT_WAIT_S
+        # (the switch goes on if the caller goes away: its end, whenever, sets the role and health)
+        asked = asyncio.ensure_future(self.node.front.set_role(role, wait_s, request.migrate))
+        asked.add_done_callback(functools.partial(self._switch_done, role))
+        done = await self._answer_of(asked, wait_s)
+        if done["code"]:
+            log_event(log, "role_switch_failed", logging.WARNING, old=old, role=role, error=done["error"])
+            await context.abort(getattr(grpc.StatusCode, done["code"]), done["error"])
         switch_s = time.monotonic() - began
-        answer.role_epoch, answer.drain_s, answer.switch_s = self.role_epoch, done["waited_s"], switch_s
+        answer.role_epoch, answer.drain_s, answer.switch_s = done["epoch"], done["waited_s"], switch_s
         log_event(
-            log, "role_switch", old=old, role=role, epoch=self.role_epoch, address=self.address,
+            log, "role_switch", old=old, role=role, epoch=done["epoch"], address=self.address,
             drain_s=round(done["waited_s"], 3), switch_s=round(switch_s, 3),
         )  # fmt: skip
         return answer
+
+    async def _answer_of(self, asked: asyncio.Future, wait_s: float) -> dict:
+        """Rank 0's answer to the switch, or why there is none (a rank died, it did not answer)."""
+        while not asked.done():
+            await asyncio.wait({asked}, timeout=WATCH_S)
+            if self.dead and not asked.done():
+                asked.cancel()
+                return {"code": "UNAVAILABLE", "error": f"the node lost pipeline rank {self.dead[0]} while switching"}
+        if asked.cancelled() or asked.exception() is not None:  # (TimeoutError; the front closed)
+            return {"code": "UNAVAILABLE", "error": f"rank 0 did not answer the switch within {wait_s + 5:g} s"}
+        return asked.result()
+
+    def _switch_done(self, role: str, asked: asyncio.Future) -> None:
+        done = None if asked.cancelled() or asked.exception() else asked.result()
+        if done is not None and not done["code"]:
+            self.role = self.node.role = role
+            self.node.front.kv_events.role = role
+            self.role_epoch = done["epoch"]
+        self.switching = ""
+        self._set_health(self.serving)  # (the role's services, even if `serving` did not change)

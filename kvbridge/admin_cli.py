@@ -88,7 +88,10 @@ def render_nodes(nodes: list[admin_pb2.NodeInfo]) -> str:
     def health(n):
         return "unknown" if not n.reported else yes_no(n.healthy)
 
-    rows = [[n.role, n.address, health(n), n.outstanding, n.routed, n.model or "-"] for n in nodes]
+    def role(n):
+        return f"{n.role} -> {n.switching_to}" if n.switching_to else n.role
+
+    rows = [[role(n), n.address, health(n), n.outstanding, n.routed, n.model or "-"] for n in nodes]
     return table(["ROLE", "ADDRESS", "HEALTHY", "OUTSTANDING", "ROUTED", "MODEL"], rows)
 
 
@@ -137,6 +140,8 @@ def render_status(st: admin_pb2.Status) -> str:
         lines.append(table(["RANK", "ALIVE", "KV PAGES USED", "KV PAGES TOTAL"], rows))
     if st.role == "router":
         lines.append(render_nodes(st.nodes))
+    if st.planner_moves:
+        lines.append("\n".join(["PLANNER MOVES", *st.planner_moves]))
     return "\n\n".join(lines)
 
 

@@ -121,6 +121,21 @@ class RouterConfig:
         "-1: Admin is served on --port; 0: a free one, printed when ready",
     )
 
+    planner: str = setting(
+        "off",
+        "slo: move elastic nodes (--elastic) between prefill and decode, one at a time, when the TTFT or ITL "
+        "SLO is missed (router/planner.py); off: roles change only by Admin.SetRole",
+    )
+    slo_ttft_ms: float = setting(500.0, "the planner's time-to-first-token SLO (p90 over an interval), milliseconds")
+    slo_itl_ms: float = setting(50.0, "the planner's inter-token latency SLO (p90 over an interval), milliseconds")
+    planner_interval_s: float = setting(5.0, "how often the planner reads the figures and may move a node, seconds")
+    planner_patience: int = setting(2, "intervals in a row an SLO must be missed the same way before a move")
+    planner_min_dwell_s: float = setting(30.0, "the least time a node stays in a role the planner gave it, seconds")
+    planner_migrate: bool = setting(
+        False,
+        "a decode node the planner moves hands its streams back to be resumed elsewhere instead of finishing them",
+    )
+
     def __post_init__(self) -> None:
         if not -1 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535] (or -1: no gRPC), got {self.port}")
@@ -177,6 +192,15 @@ class RouterConfig:
             raise ValueError(f"balance_abs_threshold must be >= 0, got {self.balance_abs_threshold}")
         if not 1 <= self.balance_rel_threshold < float("inf"):
             raise ValueError(f"balance_rel_threshold must be >= 1 and finite, got {self.balance_rel_threshold}")
+        if self.planner not in ("off", "slo"):
+            raise ValueError(f"planner must be off or slo, got {self.planner!r}")
+        for name in ("slo_ttft_ms", "slo_itl_ms", "planner_interval_s"):
+            if not 0 < getattr(self, name) < float("inf"):
+                raise ValueError(f"{name} must be > 0 and finite, got {getattr(self, name)}")
+        if self.planner_patience < 1:
+            raise ValueError(f"planner_patience must be >= 1, got {self.planner_patience}")
+        if not 0 <= self.planner_min_dwell_s < float("inf"):
+            raise ValueError(f"planner_min_dwell_s must be >= 0 and finite, got {self.planner_min_dwell_s}")
         if self.http_keep_alive_s > self.http_header_timeout_s:  # the header timeout would cut it short
             raise ValueError(
                 f"http_keep_alive_s ({self.http_keep_alive_s}) must not exceed http_header_timeout_s "

@@ -36,6 +36,7 @@ class Dispatcher:
         self.pool = pool
         self.config = config
         self.requests_served = 0  # requests that ended here, any outcome
+        self.planner = None  # router/planner.py PlannerLoop, with --planner slo
         self.draining = False  # new requests are refused with UNAVAILABLE; those in flight finish
         self.started_at = time.time()  # wall clock, for `created` fields
         self.metrics = Recorder(pool, lambda: self.draining, self.num_in_flight)

@@ -14,6 +14,7 @@ process). The series are defined in common.metrics.RouterMetrics; here they are 
                                                     (router/policy.py REASONS)
     kvbridge_router_kv_event_resyncs_total{reason}  KV indexes cleared to resync from a snapshot: gap | error |
                                                     lagged | overflow (router/pool.py)
+    kvbridge_planner_switches_total{from,to,reason} elastic nodes the SLO planner moved (router/planner.py)
     kvbridge_time_to_first_token_seconds            router received the request -> first token handed to the client
     kvbridge_inter_token_latency_seconds            gaps between consecutive token-bearing responses to a client
     kvbridge_request_duration_seconds               router received the request -> its end, any outcome
@@ -70,12 +71,20 @@ class Recorder:
         for reason in RESYNC_REASONS:
             self.kv_resyncs.labels(reason)
         self.registry.register(NodeCollector(pool, draining, in_flight))
+        self.window = None  # the SLO planner's (router/planner.py Window), when it runs
 
     def first_token(self, seconds: float) -> None:
         self.series.ttft.observe(seconds)
+        if self.window is not None:
+            self.window.add("ttft", seconds)
 
     def token_gap(self, seconds: float) -> None:
         self.series.itl.observe(seconds)
+        if self.window is not None:
+            self.window.add("itl", seconds)
+
+    def planner_switched(self, old: str, role: str, reason: str) -> None:
+        self.series.planner_switches.labels(old, role, reason).inc()
 
     def retry(self, reason: str) -> None:
         self.retries.labels(reason).inc()

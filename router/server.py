@@ -20,6 +20,7 @@ from kvbridge.router.config import RouterConfig
 from kvbridge.router.discovery import Discovery, parse_target
 from kvbridge.router.dispatch import Dispatcher
 from kvbridge.router.http import HTTPFront
+from kvbridge.router.planner import Planner, PlannerLoop, Window
 from kvbridge.router.pool import NodePool
 from kvbridge.router.routed import ROUTER_STOPPING
 from kvbridge.router.service import SERVICES, AdminService, GenerationService
@@ -50,6 +51,9 @@ class Router:
             self.discovery = Discovery(self.pool, targets) if targets else None
             self._discovering: asyncio.Task | None = None
             self.dispatcher = Dispatcher(self.pool, config)
+            if config.planner == "slo":
+                self.dispatcher.planner = self._planner(config)
+            self._planning: asyncio.Task | None = None
             # HTTP first: a bad host fails here with a clean message (gRPC's core also logs its own)
             self.http = HTTPFront(config, self.dispatcher)
             generation = (generation_pb2_grpc.add_GenerationServicer_to_server, GenerationService(self.dispatcher))
@@ -92,7 +96,21 @@ class Router:
             every = self.config.discover_interval_s
             self._discovering = self.loop.invoke(lambda: asyncio.ensure_future(self.discovery.run(every)))
         self.pool.wait_reported(self.config.startup_wait_s)
+        if self.dispatcher.planner is not None:
+            self._planning = self.loop.invoke(lambda: asyncio.ensure_future(self.dispatcher.planner.run()))
         self.loop.run(self.http.start(), timeout=10)
+
+    def _planner(self, config: RouterConfig) -> PlannerLoop:
+        """The SLO planner, fed by the router's own latencies (its metrics' window)."""
+        window = self.dispatcher.metrics.window = Window()
+        planner = Planner(
+            config.slo_ttft_ms / 1000, config.slo_itl_ms / 1000, config.planner_patience, config.planner_min_dwell_s
+        )
+        metrics = self.dispatcher.metrics
+        return PlannerLoop(
+            self.pool, planner, window, config.planner_interval_s, config.planner_migrate,
+            on_move=lambda m: metrics.planner_switched(m.old, m.role, m.reason),
+        )  # fmt: skip
 
     def stop(self, grace_s: float = 2.0) -> None:
         """Stop taking requests, give those in flight (gRPC and HTTP) `grace_s` to finish, then
@@ -116,8 +134,9 @@ class Router:
         await self.http.stop()
         await grpc_stopped
         await self.dispatcher.aclose()
-        if self._discovering is not None:
-            self._discovering.cancel()
+        for task in (self._discovering, self._planning):
+            if task is not None:
+                task.cancel()
         await self.pool.aclose()
 
     def _abandon(self) -> None:

@@ -22,6 +22,7 @@ from kvbridge.router.checks import check_generate
 from kvbridge.router.config import RouterConfig
 from kvbridge.router.dispatch import Dispatcher
 from kvbridge.router.failures import RouteError
+from kvbridge.router.planner import SwitchRefused, switch
 from kvbridge.router.pool import ROLES, Node, PoolFull
 from kvbridge.router.routed import OPERATOR_ABORTED, PHASES, Routed
 from kvbridge.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
@@ -30,7 +31,6 @@ SERVICES = ("kvbridge.v1.Generation", "kvbridge.v1.Admin")
 DEFAULT_PAGE = 100  # ListRequests page_size 0
 MAX_PAGE = 1000
 CLEAR_DEADLINE_S = 10.0  # each node's ClearPrefixCache
-SWITCH_WAIT_S = 120.0  # a node's SetRole wait when the caller gives none (elastic_node/service.py's)
 log = logging.getLogger("kvbridge.router")
 
 
@@ -87,6 +87,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
             version=__version__,
             uptime_s=time.monotonic() - self.started,
             nodes=[node_info(n) for n in self.pool.nodes],
+            planner_moves=list(d.planner.moves) if d.planner is not None else [],
         )
 
     async def ListRequests(self, request, context):
@@ -181,17 +182,12 @@ class AdminService(admin_pb2_grpc.AdminServicer):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"role must be one of {', '.join(ROLES)}, got {rpc.shown(request.role)}",
             )
-        problem = self.pool.begin_switch(node, request.role)
-        if problem:
-            code = grpc.StatusCode.ABORTED if node.switching_to else grpc.StatusCode.FAILED_PRECONDITION
-            await context.abort(code, problem)
         try:
-            answer = await switch_role(node, request)
+            answer = await switch(self.pool, node, request.role, request.wait_s, request.migrate)
+        except SwitchRefused as e:
+            await context.abort(e.code, str(e))
         except grpc.aio.AioRpcError as e:
             await context.abort(e.code(), f"{node.address}: {e.details()}")
-        finally:
-            self.pool.end_switch(node)
-        self.pool.set_role(node, answer.role, answer.role_epoch)
         log_event(log, "node_role_set", address=node.address, old=answer.old_role, role=answer.role)
         return answer
 
@@ -212,14 +208,6 @@ async def _clear(node: Node) -> admin_pb2.ClearPrefixCacheResponse:
     metadata = security.auth_metadata(rpc.security().admin_key)
     stub = admin_pb2_grpc.AdminStub(node.channel)
     return await stub.ClearPrefixCache(admin_pb2.ClearPrefixCacheRequest(), timeout=CLEAR_DEADLINE_S, metadata=metadata)
-
-
-async def switch_role(node: Node, request: admin_pb2.SetRoleRequest) -> admin_pb2.SetRoleResponse:
-    """The node's own Admin.SetRole, with this router's admin key (its wait, and some)."""
-    metadata = security.auth_metadata(rpc.security().admin_key)
-    stub = admin_pb2_grpc.AdminStub(node.channel)
-    forwarded = admin_pb2.SetRoleRequest(role=request.role, wait_s=request.wait_s, migrate=request.migrate)
-    return await stub.SetRole(forwarded, timeout=(request.wait_s or SWITCH_WAIT_S) + 30, metadata=metadata)
 
 
 def _why(e: BaseException) -> str:

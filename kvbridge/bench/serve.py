@@ -11,6 +11,7 @@ the metric definitions of `vllm bench serve`.
     kvbridge bench serve --mode interference [--cores 0,1] [--itf-streams 4] [--itf-long-prompts 8] ...
     kvbridge bench serve --mode handoff [--num-prompts 100] [--random-input-len 32] [--random-output-len 4] ...
     kvbridge bench serve --mode tracing [--num-prompts 100] [--max-concurrency 16] ...
+    kvbridge bench serve --mode shift [--shift-nodes 4] [--shift-phase-s 30] [--slo-ttft-ms 1000] ...
 
 Sweep mode (default): every stack of `--stacks` is started in this process (the nodes' fronts and
 the router here, their ranks in child processes), then for each rate in turn each stack gets the
@@ -45,6 +46,10 @@ median, p99) and a summary with the median of the paired differences (`ttft_over
 Tracing mode (kvbridge/bench/serve_tracing.py): the disaggregated stack as child processes, the
 same load four times (tracing off, on, on, off; on = every span exported over OTLP to a receiver in
 this process); one JSON line per run and a summary of output tokens/s on over off.
+
+Shift mode (kvbridge/bench/serve_shift.py): a fleet of elastic nodes under traffic that moves from
+prefill-heavy to decode-heavy and back; goodput at the SLO of every static P:D split and of the SLO
+planner, in one run, and the planner's moves.
 
 Every request is streamed with ignore_eos and max_tokens (and min_tokens, with --min-tokens on,
 or auto when a probe request carrying it is accepted), so output lengths are the dataset's.
@@ -110,6 +115,12 @@ def _names(text: str) -> list[str]:
     return names
 
 
+def _mix(text: str):
+    from kvbridge.bench.serve_shift import parse_mix
+
+    return parse_mix(text)
+
+
 def _cores(text: str) -> list[int]:
     try:
         cores = [int(t) for t in text.split(",")]
@@ -123,7 +134,7 @@ def _cores(text: str) -> list[int]:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="kvbridge bench serve", description=__doc__.split("\n")[0])
-    ap.add_argument("--mode", default="sweep", choices=["sweep", "interference", "handoff", "tracing"])
+    ap.add_argument("--mode", default="sweep", choices=["sweep", "interference", "handoff", "tracing", "shift"])
     ap.add_argument("--stacks", type=_names, default=list(STACKS), help="default: colocated,disaggregated")
     ap.add_argument("--model", default="tiny-random", help="tiny-random (default) | smollm2-135m-instruct | ...")
     ap.add_argument("--pp", type=int, default=1, help="pipeline ranks of the colocated node")
@@ -164,6 +175,18 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--itf-long-output-len", type=int, default=4)
     ap.add_argument("--itf-long-rate", type=float, default=0.5, help="long prompts per second (Poisson)")
     ap.add_argument("--itf-quiet-s", type=float, default=3.0, help="streams alone before the long prompts")
+    ap.add_argument("--shift-nodes", type=int, default=4, help="shift: elastic nodes in the fleet")
+    ap.add_argument("--shift-phase-s", type=float, default=30.0, help="shift: seconds of each of the 3 phases")
+    ap.add_argument("--shift-prefill-heavy", type=_mix, default=_mix("384,8,18"), help="shift: IN,OUT,RATE")
+    ap.add_argument("--shift-decode-heavy", type=_mix, default=_mix("32,128,14"), help="shift: IN,OUT,RATE")
+    ap.add_argument("--shift-step-delay-ms", type=float, default=25.0, help="shift: added to every node's step")
+    ap.add_argument("--shift-kv-tokens", type=int, default=2048, help="shift: KV pool of each node, tokens")
+    ap.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="shift: the TTFT SLO (goodput, planner)")
+    ap.add_argument("--slo-itl-ms", type=float, default=100.0, help="shift: the time-per-token SLO (goodput, planner)")
+    ap.add_argument("--planner-interval-s", type=float, default=2.0, help="shift: the planner's interval")
+    ap.add_argument("--planner-patience", type=int, default=2, help="shift: intervals an SLO miss must hold")
+    ap.add_argument("--planner-min-dwell-s", type=float, default=10.0, help="shift: least time a node keeps a role")
+    ap.add_argument("--planner-migrate", action="store_true", help="shift: a moved decode node hands its streams on")
     ap.add_argument("--base-url", default=None, help="drive this OpenAI-compatible server instead of starting stacks")
     ap.add_argument("--served-model", default=None, help="with --base-url: the model name its requests carry")
     ap.add_argument("--label", default="external", help="with --base-url: the stack name in the JSON rows")
@@ -203,6 +226,10 @@ def check(args: argparse.Namespace) -> None:
         raise BenchUsageError(f"--base-url drives a sweep; --mode {args.mode} starts its own stacks")
     if args.base_url is not None and not args.base_url.startswith(("http://", "https://")):
         raise BenchUsageError(f"--base-url must start with http:// or https://, got {args.base_url!r}")
+    if args.mode == "shift" and args.shift_nodes < 2:
+        raise BenchUsageError(f"--shift-nodes must be >= 2 (a prefill and a decode node), got {args.shift_nodes}")
+    if args.mode == "shift" and not 0 < args.shift_phase_s < float("inf"):
+        raise BenchUsageError(f"--shift-phase-s must be > 0, got {args.shift_phase_s}")
     if args.mode == "interference" and args.cores is None:
         allowed = sorted(os.sched_getaffinity(0))
         if len(allowed) < 2:
@@ -415,7 +442,8 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         check(args)
         tokenizer, vocab, max_context = load_tokenizer(args)
-        samples, dataset = build_dataset(args, tokenizer, vocab) if args.mode != "interference" else (None, None)
+        own_data = args.mode in ("interference", "shift")  # (each builds its own requests)
+        samples, dataset = build_dataset(args, tokenizer, vocab) if not own_data else (None, None)
         if samples is not None:
             check_context(samples, max_context)
     except BenchUsageError as e:
@@ -437,6 +465,10 @@ def main(argv: list[str] | None = None) -> int:
             from kvbridge.bench.serve_tracing import tracing_runs
 
             return tracing_runs(args, pool, samples, dataset)
+        if args.mode == "shift":
+            from kvbridge.bench.serve_shift import shift
+
+            return shift(args, pool, tokenizer, vocab)
         from kvbridge.bench.serve_interference import interference
 
         try:

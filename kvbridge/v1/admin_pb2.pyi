@@ -23,7 +23,7 @@ class RankStatus(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., alive: _Optional[bool] = ..., kv_pages_used: _Optional[int] = ..., kv_pages_total: _Optional[int] = ...) -> None: ...
 
 class Status(_message.Message):
-    __slots__ = ("role", "model_fingerprint", "pp_size", "ranks", "queues", "requests_served", "version", "uptime_s", "draining", "transfers_in_flight", "requests_in_flight", "model", "serving", "nodes", "prefix_cache", "elastic", "role_epoch", "switching_to")
+    __slots__ = ("role", "model_fingerprint", "pp_size", "ranks", "queues", "requests_served", "version", "uptime_s", "draining", "transfers_in_flight", "requests_in_flight", "model", "serving", "nodes", "prefix_cache", "elastic", "role_epoch", "switching_to", "planner_moves")
     class QueuesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -49,6 +49,7 @@ class Status(_message.Message):
     ELASTIC_FIELD_NUMBER: _ClassVar[int]
     ROLE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     SWITCHING_TO_FIELD_NUMBER: _ClassVar[int]
+    PLANNER_MOVES_FIELD_NUMBER: _ClassVar[int]
     role: str
     model_fingerprint: str
     pp_size: int
@@ -67,7 +68,8 @@ class Status(_message.Message):
     elastic: bool
     role_epoch: int
     switching_to: str
-    def __init__(self, role: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., pp_size: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., queues: _Optional[_Mapping[str, int]] = ..., requests_served: _Optional[int] = ..., version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., draining: _Optional[bool] = ..., transfers_in_flight: _Optional[int] = ..., requests_in_flight: _Optional[int] = ..., model: _Optional[str] = ..., serving: _Optional[bool] = ..., nodes: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ..., prefix_cache: _Optional[_Union[PrefixCacheStatus, _Mapping]] = ..., elastic: _Optional[bool] = ..., role_epoch: _Optional[int] = ..., switching_to: _Optional[str] = ...) -> None: ...
+    planner_moves: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, role: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., pp_size: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., queues: _Optional[_Mapping[str, int]] = ..., requests_served: _Optional[int] = ..., version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., draining: _Optional[bool] = ..., transfers_in_flight: _Optional[int] = ..., requests_in_flight: _Optional[int] = ..., model: _Optional[str] = ..., serving: _Optional[bool] = ..., nodes: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ..., prefix_cache: _Optional[_Union[PrefixCacheStatus, _Mapping]] = ..., elastic: _Optional[bool] = ..., role_epoch: _Optional[int] = ..., switching_to: _Optional[str] = ..., planner_moves: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PrefixCacheStatus(_message.Message):
     __slots__ = ("enabled", "cached_pages", "idle_pages", "hit_tokens", "query_tokens", "evicted_pages")

@@ -135,6 +135,10 @@ def test_status_of_a_node():
             "query_tokens": 120,
             "evicted_pages": 2,
         },
+        "elastic": False,
+        "role_epoch": 0,
+        "switching_to": "",
+        "planner_moves": [],
     }
 
 
@@ -165,6 +169,9 @@ def test_status_of_the_router_lists_its_nodes():
         "outstanding": 1,
         "routed": 20,
         "model": "tiny-random",
+        "elastic": False,
+        "role_epoch": 0,
+        "switching_to": "",
     }
 
 
@@ -433,3 +440,17 @@ def test_status_of_a_real_colocated_node(capsys, node, tiny_model):
     assert admin(capsys, "clear-cache", "--target", node.address) == (0, "dropped 0 cached pages\n", "")
     code, out, _ = admin(capsys, "clear-cache", "--json", "--target", node.address)
     assert (code, json.loads(out)) == (0, {"pages_dropped": 0})
+
+
+def test_set_role_and_an_elastic_node_and_the_planner_moves_render():
+    moved = admin_pb2.SetRoleResponse(old_role="decode", role="prefill", role_epoch=3, drain_s=1.25, switch_s=1.5,
+                                      node="10.0.0.2:50051")  # fmt: skip
+    assert admin_cli.render_set_role(moved) == (
+        "10.0.0.2:50051: decode -> prefill (switch 3) in 1.500 s, 1.250 s of it waiting for its requests to end"
+    )
+    same = admin_pb2.SetRoleResponse(old_role="decode", role="decode", node="10.0.0.2:50051")
+    assert admin_cli.render_set_role(same) == "10.0.0.2:50051 is a decode node already"
+    st = admin_pb2.Status(role="decode", elastic=True, role_epoch=2, switching_to="prefill")
+    assert "elastic      yes, 2 switches, switching to prefill" in admin_cli.render_status(st).splitlines()
+    router = admin_pb2.Status(role="router", planner_moves=["a:1 decode -> prefill (ttft ...) in 2.0 s"])
+    assert admin_cli.render_status(router).endswith("PLANNER MOVES\na:1 decode -> prefill (ttft ...) in 2.0 s")

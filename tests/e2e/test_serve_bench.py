@@ -159,6 +159,26 @@ def test_tracing_mode_serves_the_same_load_with_tracing_off_on_on_off(capsys):
     assert summary["within_5_percent"] == (on / off >= 0.95)  # (the figure itself is bench/'s, not a test's)
 
 
+@pytest.mark.long
+def test_shift_mode_runs_every_static_split_and_the_planner_on_one_fleet(capsys):
+    argv = ["--mode", "shift", "--shift-nodes", "3", "--shift-phase-s", "3", "--shift-prefill-heavy", "64,4,3",
+            "--shift-decode-heavy", "16,12,3", "--shift-step-delay-ms", "5", "--endpoint", "completions",
+            "--warmups", "1", "--json"]  # fmt: skip
+    rows = run_bench(capsys, argv)
+    runs, summary = rows[:-1], rows[-1]
+    assert [(r["run"], r["split"]) for r in runs] == [("static", "1P:2D"), ("static", "2P:1D"), ("planner", "1P:2D")]
+    for r in runs:  # 3 s of each phase at 3 requests/s: 9 + 9 + 9
+        assert (r["completed"], r["failed"], r["total_output_tokens"]) == (27, 0, 9 * 4 + 9 * 12 + 9 * 4), r
+        assert [p["requests"] for p in r["phases"]] == [9, 9, 9]
+    static = {r["split"]: r["request_goodput"] for r in runs if r["run"] == "static"}
+    assert summary["goodput"] == static | {"planner": runs[2]["request_goodput"]}
+    assert summary["best_static"] == max(static, key=static.get)
+    assert summary["worst_static"] == min(static, key=static.get)
+    best = static[summary["best_static"]]
+    assert summary["planner_over_best"] == (round(runs[2]["request_goodput"] / best, 3) if best else None)
+    assert summary["planner_moves"] == runs[2]["moves"]
+
+
 def test_pinned_nodes_and_their_ranks_run_on_their_cores():
     from kvbridge.bench.serve_stacks import start_pinned
 
@@ -185,6 +205,8 @@ def test_pinned_nodes_and_their_ranks_run_on_their_cores():
         (["--goodput", "ttft:abc"], "'abc'"),
         (["--goodput", "latency:5"], "'latency:5'"),
         (["--random-range-ratio", "1.5"], "1.5"),
+        (["--mode", "shift", "--shift-nodes", "1"], "got 1"),
+        (["--mode", "shift", "--shift-prefill-heavy", "512,8"], "'512,8'"),
         (["--num-prompts", "0"], "got 0"),
         (["--max-concurrency", "0"], "got 0"),
         (["--threads", "-1"], "got -1"),

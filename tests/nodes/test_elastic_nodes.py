@@ -16,6 +16,7 @@ from kvbridge.common.sampling import SamplingParams
 from kvbridge.engine.config import PPConfig
 from kvbridge.nodes import start_node
 from kvbridge.router.config import RouterConfig
+from kvbridge.router.planner import Move, Signals
 from kvbridge.router.server import start_router
 from kvbridge.serving.config import NodeConfig
 from kvbridge.v1 import admin_pb2, generation_pb2, generation_pb2_grpc
@@ -28,13 +29,14 @@ SERVICES = ("kvbridge.v1.Generation", "kvbridge.v1.Prefill", "kvbridge.v1.Bootst
 
 @pytest.fixture(scope="module")
 def pair(hard_timeout):
-    """An elastic node that starts as prefill (pp 2) and one that starts as decode (pp 1)."""
+    """An elastic node that starts as prefill (pp 2) and two that start as decode (pp 1)."""
     nodes = {}
 
     def start(name, role, pp):
         nodes[name] = start_node(role, NodeConfig(TINY, PPConfig(pp_size=pp), elastic=True))
 
-    threads = [threading.Thread(target=start, args=a) for a in (("a", "prefill", 2), ("b", "decode", 1))]
+    specs = (("a", "prefill", 2), ("b", "decode", 1), ("c", "decode", 1))
+    threads = [threading.Thread(target=start, args=a) for a in specs]
     for t in threads:
         t.start()
     for t in threads:
@@ -224,3 +226,51 @@ def test_a_router_learns_roles_switched_at_the_nodes(pair, reference):
         router.stop(grace_s=0)
         set_role(a, "prefill")
         set_role(b, "decode")
+
+
+def test_the_planner_loop_moves_a_node_counts_and_lists_the_move(pair):
+    """PlannerLoop on real nodes, its decision made for it: the move goes through the same switch
+    as Admin.SetRole; the pool, the counter and the router's Admin status show it."""
+    a, b, c = (pair[n].address for n in "abc")
+    config = RouterConfig(
+        port=0, prefill=(a,), decode=(b, c), health_retry_s=0.1, startup_wait_s=30, planner="slo",
+        planner_interval_s=0.1,
+    )  # fmt: skip
+    router = start_router(config)
+    loop = router.dispatcher.planner
+    signals = Signals(2.0, 0.01, prefill_queue=7, decode_queue=0)
+    loop.planner = Told(Move(c, "decode", "prefill", "ttft", signals))
+    try:
+        deadline = time.monotonic() + 30
+        while not loop.moves:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert model_info(c).role == "prefill"
+        assert {n.address: n.role for n in router.pool.nodes} == {a: "prefill", b: "decode", c: "prefill"}
+        [line] = loop.moves
+        assert line.startswith(
+            f"{c} decode -> prefill (ttft over its SLO; ttft_p90_ms=2000.0 itl_p90_ms=10.0 prefill_queue=7 "
+            "decode_queue=0) in "
+        )
+        registry = router.dispatcher.metrics.registry
+        labels = {"from": "decode", "to": "prefill", "reason": "ttft"}
+        assert registry.get_sample_value("kvbridge_planner_switches_total", labels) == 1.0
+        status = admin(f"127.0.0.1:{router.port}").GetStatus(admin_pb2.GetStatusRequest(), timeout=10)
+        assert list(status.planner_moves) == [line]
+    finally:
+        router.stop(grace_s=0)
+        set_role(c, "decode")
+
+
+class Told:
+    """A planner that makes one move it was told to (the loop's mechanics under test, not its choice)."""
+
+    def __init__(self, move):
+        self.move = move
+
+    def want(self, signals):
+        return None
+
+    def decide(self, signals, nodes, now):
+        move, self.move = self.move, None
+        return move

@@ -404,5 +404,12 @@ def test_status_and_config_describe_the_router_and_its_fleet(nodes, make_router)
         "balance_rel_threshold": 1.5,
         "client_cert_reqs": "required",
         "admin_port": -1,
+        "planner": "off",
+        "slo_ttft_ms": 500.0,
+        "slo_itl_ms": 50.0,
+        "planner_interval_s": 5.0,
+        "planner_patience": 2,
+        "planner_min_dwell_s": 30.0,
+        "planner_migrate": False,
         "nodes": [{"role": "colocated", "address": c1.address}],
     }
