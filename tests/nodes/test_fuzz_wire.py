@@ -43,11 +43,13 @@ from kvbridge.pipeline.log import (
     ROUTE,
     SHUTDOWN,
     STEP,
+    SWITCH,
     Admitted,
     Appended,
     LogEntry,
     Message,
     Pages,
+    Switched,
 )
 from kvbridge.v1 import prefill_pb2
 from tests.nodes.fuzz_fleet import SCALES, say, summary
@@ -183,6 +185,8 @@ def records(draw, kind: str):
         return Pages(draw(IDS))
     if kind == APPEND:
         return Appended(draw(IDS))
+    if kind == SWITCH:
+        return Switched(draw(TEXT), draw(U31))
     return None
 
 
