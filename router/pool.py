@@ -200,7 +200,8 @@ class NodePool:
         "gateway"), or any when none of them is eligible."""
         cached = self._cached(roles, exclude, prompt)  # (outside the lock: indexes have their own)
         with self._lock:
-            live = [n for n in self.nodes if n.role in roles and n.healthy and n not in exclude]
+            # (a node switching role refuses new requests: it turns NOT_SERVING a moment later)
+            live = [n for n in self.nodes if n.role in roles and n.healthy and not n.switching_to and n not in exclude]
             chosen = [n for n in live if n in among]
             live = chosen or live
             if not live:

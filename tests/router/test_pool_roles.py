@@ -35,6 +35,8 @@ def test_the_last_node_of_a_role_may_not_switch_and_switching_nodes_count_as_gon
         "h:1 is the last prefill node serving: switching it to decode leaves the fleet no prefill node"
     )
     assert pool.begin_switch(d2, "prefill") == "" and d2.switching_to == "prefill"
+    # a node the router is switching gets no new request (it refuses them until its health says so)
+    assert [pool.pick(("decode",)).node.address for _ in range(3)] == ["h:3"] * 3
     assert pool.begin_switch(d2, "colocated") == "a switch of h:2 to prefill is in progress"
     assert pool.begin_switch(d3, "prefill").startswith("h:3 is the last decode node serving")
     pool.end_switch(d2)
