@@ -73,6 +73,9 @@ class DecodeAgent(KVAgent):
                 self.receiver.fail(room, "aborted by the decode node")
             self.receiver.forget(room)
 
+    def holding(self) -> int:
+        return len(self.rooms) + len(self.offloaded) + len(self.expected)
+
     def on_change(self, change: StatusChange) -> None:
         """The receiver's callback (its threads): a room's state changed on this rank."""
         if change.state == KVPoll.SUCCESS:

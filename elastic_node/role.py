@@ -49,7 +49,7 @@ class ElasticAgent(KVAgent):
             return
         # every rank checks what rank 0 checked: a rank that still held a request would compute (or
         # move) its KV under the wrong role; stopping loudly beats that
-        held = self.live() + sum(holding(a) for a in self.agents.values())
+        held = self.live() + sum(a.holding() for a in self.agents.values())
         if held:
             raise AssertionError(f"SWITCH at log entry {d.seq} with {held} requests live or moving on this rank")
         self.role, self.current = d.info.role, self.agents[d.info.role]
@@ -59,12 +59,6 @@ class ElasticAgent(KVAgent):
 
     def on_sampled(self, batch: ForwardBatch, tokens: list[int], logprobs: list) -> None:
         self.current.on_sampled(batch, tokens, logprobs)
-
-
-def holding(agent: KVAgent) -> int:
-    """Requests an agent still moves KV for (a prefill agent's routes, a decode agent's rooms)."""
-    parts = ("routes", "unrouted", "rooms", "offloaded", "expected")
-    return sum(len(getattr(agent, part, ())) for part in parts)
 
 
 class ElasticRole:

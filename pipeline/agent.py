@@ -17,6 +17,10 @@ class KVAgent:
     def after_forward(self, batch: ForwardBatch) -> None:
         """This rank just computed `batch` for its layers: their new K/V are in its pool."""
 
+    def holding(self) -> int:
+        """Requests whose KV this rank still moves (an elastic node switches only when none is)."""
+        return 0
+
     def on_sampled(self, batch: ForwardBatch, tokens: list[int], logprobs: list) -> None:
         """The last rank sampled `tokens`, one per sampled request of `batch`, in order, with their
         engine.logits.Logprob (None where a request asked for none)."""

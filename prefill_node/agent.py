@@ -183,6 +183,9 @@ class PrefillAgent(KVAgent):
             self.recorder.transfer_failed(self.rank, change.reason)
             self.chan.set_local(Stream.PREFILL_TRANSFERRED, rid, LocalStatus.FAILED)
 
+    def holding(self) -> int:
+        return len(self.routes) + len(self.unrouted)
+
     def close(self) -> None:
         for sender in self.senders.values():
             sender.close()

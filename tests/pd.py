@@ -41,16 +41,21 @@ def signed_route(room: int, prefill_addr: str) -> generation_pb2.PrefillRoute:
     return fleet_signed(generation_pb2.PrefillRoute(room=room, prefill_addr=prefill_addr))
 
 
-def start_nodes(specs: dict[str, tuple], config: EngineConfig = TINY) -> dict:
-    """specs: name -> ("prefill", pp) or ("decode", pp, backend); started in parallel."""
+def start_nodes(specs: dict[str, tuple], config: EngineConfig = TINY, elastic: bool = False) -> dict:
+    """specs: name -> ("prefill", pp) or ("decode", pp, backend); started in parallel (elastic: with
+    --elastic, each in the role it is named with)."""
 
     def start(spec):
         if spec[0] == "prefill":
-            return start_node("prefill", NodeConfig(config if len(spec) < 3 else spec[2], PPConfig(pp_size=spec[1])))
+            engine = config if len(spec) < 3 else spec[2]
+            return start_node("prefill", NodeConfig(engine, PPConfig(pp_size=spec[1]), elastic=elastic))
         return start_node(
             "decode",
-            NodeConfig(config if len(spec) < 4 else spec[3], PPConfig(pp_size=spec[1]), transfer_backend=spec[2]),
-        )
+            NodeConfig(
+                config if len(spec) < 4 else spec[3], PPConfig(pp_size=spec[1]), transfer_backend=spec[2],
+                elastic=elastic,
+            ),
+        )  # fmt: skip
 
     with ThreadPoolExecutor(len(specs)) as pool:
         futures = {name: pool.submit(start, spec) for name, spec in specs.items()}

@@ -46,10 +46,12 @@ def sampling(i: int) -> common_pb2.SamplingParams:
 class Stream:
     """A Generate call through the router, read in a thread: token ids, text, usage, error."""
 
-    def __init__(self, port: int, i: int, rid: str):
+    def __init__(self, port: int, i: int, rid: str, ids: list[int] | None = None, params=None):
+        """Prompt i and its sampling of this module, or `ids` and `params` (a SamplingParams message)."""
         stub = generation_pb2_grpc.GenerationStub(rpc.make_channel(f"127.0.0.1:{port}"))
-        prompt = common_pb2.Prompt(token_ids=common_pb2.TokenIds(ids=PROMPTS[i]))
-        request = generation_pb2.GenerateRequest(rid=rid, prompt=prompt, sampling=sampling(i))
+        prompt = common_pb2.Prompt(token_ids=common_pb2.TokenIds(ids=PROMPTS[i] if ids is None else ids))
+        params = sampling(i) if params is None else params
+        request = generation_pb2.GenerateRequest(rid=rid, prompt=prompt, sampling=params)
         self.call = stub.Generate(request, timeout=120)
         self.rid, self.tokens, self.text = rid, [], ""
         self.finish_reason, self.usage, self.error = "", None, None

@@ -13,15 +13,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvbridge.common import rpc
 from kvbridge.common.sampling import SamplingParams
-from kvbridge.engine.config import PPConfig
-from kvbridge.nodes import start_node
 from kvbridge.router.config import RouterConfig
 from kvbridge.router.planner import Move, Signals
 from kvbridge.router.server import start_router
-from kvbridge.serving.config import NodeConfig
 from kvbridge.v1 import admin_pb2, generation_pb2, generation_pb2_grpc
 from tests.conftest import make_llm, make_prompts
-from tests.pd import TINY, admin, in_parallel, pd_generate, stop_nodes, token_prompt, wait_idle
+from tests.pd import TINY, admin, in_parallel, pd_generate, start_nodes, stop_nodes, token_prompt, wait_idle
 
 MAX_NEW = 10
 SERVICES = ("kvbridge.v1.Generation", "kvbridge.v1.Prefill", "kvbridge.v1.Bootstrap")
@@ -30,17 +27,7 @@ SERVICES = ("kvbridge.v1.Generation", "kvbridge.v1.Prefill", "kvbridge.v1.Bootst
 @pytest.fixture(scope="module")
 def pair(hard_timeout):
     """An elastic node that starts as prefill (pp 2) and two that start as decode (pp 1)."""
-    nodes = {}
-
-    def start(name, role, pp):
-        nodes[name] = start_node(role, NodeConfig(TINY, PPConfig(pp_size=pp), elastic=True))
-
-    specs = (("a", "prefill", 2), ("b", "decode", 1), ("c", "decode", 1))
-    threads = [threading.Thread(target=start, args=a) for a in specs]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    nodes = start_nodes({"a": ("prefill", 2), "b": ("decode", 1, "auto"), "c": ("decode", 1, "auto")}, elastic=True)
     yield nodes
     stop_nodes(nodes)
 

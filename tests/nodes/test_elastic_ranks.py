@@ -13,7 +13,7 @@ from kvbridge.common.sampling import SamplingParams
 from kvbridge.elastic_node.node import elastic_rank
 from kvbridge.engine.config import EngineConfig, PPConfig
 from kvbridge.pipeline.group import RankGroup
-from kvbridge.pipeline.log import SWITCH, Message, Switched
+from kvbridge.pipeline.log import SWITCH, LogEntry, Message, Switched
 from kvbridge.pipeline.messages import Answer, Ask, Finish, SetRole
 
 TOKENS = itertools.count(1000)
@@ -115,10 +115,6 @@ def test_a_switch_that_cannot_happen_in_time_or_is_bad_is_answered():
 
 
 def test_a_switch_entry_rides_the_pipeline_as_data():
-    raw = Message("control", (), None).encode()
-    assert Message.decode(raw).decisions == ()
-    from kvbridge.pipeline.log import LogEntry
-
     entry = LogEntry(7, SWITCH, "", None, Switched("decode", 2))
     back = Message.decode(Message("control", (entry,)).encode()).decisions[0]
     assert back == entry
