@@ -176,13 +176,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--itf-long-rate", type=float, default=0.5, help="long prompts per second (Poisson)")
     ap.add_argument("--itf-quiet-s", type=float, default=3.0, help="streams alone before the long prompts")
     ap.add_argument("--shift-nodes", type=int, default=4, help="shift: elastic nodes in the fleet")
-    ap.add_argument("--shift-phase-s", type=float, default=30.0, help="shift: seconds of each of the 3 phases")
-    ap.add_argument("--shift-prefill-heavy", type=_mix, default=_mix("384,8,18"), help="shift: IN,OUT,RATE")
-    ap.add_argument("--shift-decode-heavy", type=_mix, default=_mix("32,128,14"), help="shift: IN,OUT,RATE")
-    ap.add_argument("--shift-step-delay-ms", type=float, default=25.0, help="shift: added to every node's step")
+    ap.add_argument("--shift-phase-s", type=float, default=60.0, help="shift: seconds of each of the 3 phases")
+    ap.add_argument("--shift-prefill-heavy", type=_mix, default=_mix("256,8,4.5"), help="shift: IN,OUT,RATE")
+    ap.add_argument("--shift-decode-heavy", type=_mix, default=_mix("32,64,6"), help="shift: IN,OUT,RATE")
+    ap.add_argument("--shift-step-delay-ms", type=float, default=100.0, help="shift: added to every node's step")
     ap.add_argument("--shift-kv-tokens", type=int, default=2048, help="shift: KV pool of each node, tokens")
-    ap.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="shift: the TTFT SLO (goodput, planner)")
-    ap.add_argument("--slo-itl-ms", type=float, default=100.0, help="shift: the time-per-token SLO (goodput, planner)")
+    ap.add_argument("--shift-chunk-tokens", type=int, default=64, help="shift: prompt tokens per prefill step")
+    ap.add_argument("--slo-ttft-ms", type=float, default=1500.0, help="shift: the TTFT SLO (goodput, planner)")
+    ap.add_argument("--slo-itl-ms", type=float, default=150.0, help="shift: the time-per-token SLO (goodput, planner)")
     ap.add_argument("--planner-interval-s", type=float, default=2.0, help="shift: the planner's interval")
     ap.add_argument("--planner-patience", type=int, default=2, help="shift: intervals an SLO miss must hold")
     ap.add_argument("--planner-min-dwell-s", type=float, default=10.0, help="shift: least time a node keeps a role")
@@ -199,7 +200,8 @@ def check(args: argparse.Namespace) -> None:
     at_least_1 = (
         "num_prompts", "pp", "prefill_pp", "decode_pp", "random_input_len", "random_output_len", "conv_system_len",
         "conv_max_turns", "conv_user_len", "conv_output_len", "itf_streams", "itf_stream_input_len",
-        "itf_stream_output_len", "itf_long_prompts", "itf_long_input_len", "itf_long_output_len", *ENGINE_FLAGS,
+        "itf_stream_output_len", "itf_long_prompts", "itf_long_input_len", "itf_long_output_len", "shift_chunk_tokens",
+        "shift_kv_tokens", *ENGINE_FLAGS,
     )  # fmt: skip
     for name in at_least_1:
         if getattr(args, name) < 1:

@@ -9,9 +9,14 @@ decode-heavy (--shift-decode-heavy), and prefill-heavy again, Poisson arrivals.
 
 Capacity is made comparable across nodes, on a host of two cores shared by every node: tiny-random
 with every forward step made --shift-step-delay-ms longer (the step's wait, not its compute, sets a
-node's speed), and a KV pool of --shift-kv-tokens per node, which bounds how many streams a decode
-node holds at once. A prefill node then takes about ceil(IN / chunk) steps per prompt; a decode node
-holds kv_tokens / (IN + OUT) streams for OUT steps each.
+node's speed), --shift-chunk-tokens prompt tokens per prefill step, and a KV pool of
+--shift-kv-tokens per node, which bounds how many streams a decode node holds at once. A prefill
+node then takes about ceil(IN / chunk) steps per prompt; a decode node holds kv_tokens / (IN + OUT)
+streams for OUT steps each. With the defaults (steps of ~0.1 s): a prefill node serves ~2.4
+prefill-heavy prompts/s (256 tokens, 4 steps), a decode node ~3.3 decode-heavy streams/s (21 at
+once, 64 steps each). So 4.5/s prefill-heavy wants 2 prefill nodes at least (3 to keep TTFT low)
+and 6/s decode-heavy 2 decode nodes (3 likewise): 3P:1D suits the first phase, 1P:3D the second,
+2P:2D runs near saturation in both, and the splits of 1 swamp.
 
 One JSON line per run (goodput: requests per second meeting both SLOs, TTFT <= --slo-ttft-ms and
 time per output token <= --slo-itl-ms; per phase too), then a summary: the planner's goodput over the
@@ -73,7 +78,7 @@ def shift(args: argparse.Namespace, pool, tokenizer, vocab: int) -> int:
     n = args.shift_nodes
     flags = [
         "--elastic", "--model", args.model, "--threads", "1", "--log-level", "error", "--quiet",
-        "--page-size", str(args.page_size), "--chunked-prefill-size", str(args.chunked_prefill_size),
+        "--page-size", str(args.page_size), "--chunked-prefill-size", str(args.shift_chunk_tokens),
         "--kv-cache-tokens", str(args.shift_kv_tokens), "--max-pending-requests", "4096",
         "--fault-inject", f"step_delay_ms={args.shift_step_delay_ms}",
     ]  # fmt: skip
