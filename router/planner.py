@@ -11,16 +11,13 @@ Every --planner-interval-s it reads two kinds of figures:
   it is counted in the share of decode pages that decoding requests hold (`running` over `running`
   + `transfer`), the part of it that more decode nodes would serve.
 
-`Planner.decide` (figures in, a move or none out) wants a node more on one side when an SLO is
-missed by more than --planner-margin: TTFT, on the side whose queue per node is longer (a first token
-waits for prefill, or for a decode node's pages); ITL, on the decode side. A side whose queue shrank
-over the last --planner-patience intervals fast enough to be empty within the dwell wants nothing:
-it clears its backlog by itself, and a node moved to it would be wanted back. It moves one node once
-the same want held for --planner-patience intervals in a row, and only a node that may go: elastic,
-healthy, switched no sooner than --planner-min-dwell-s ago (nor any node), of a role that keeps
-another healthy node, and only when the move evens the queues out (the donors' queue per node after
-it stays below the takers'); the donor is the one with the fewest requests outstanding. No move
-while one is under way.
+`Planner.decide` (pure: figures in, a move or none out) wants a node more on one side when an SLO
+is missed by more than --planner-margin: TTFT, on the side whose queue per node is longer (a first
+token waits for prefill, or for a decode node's pages); ITL, on the decode side. It moves one node
+once the same want held for --planner-patience intervals in a row, and only a node that may go:
+elastic, healthy, switched no sooner than --planner-min-dwell-s ago (nor any node), of a role that keeps another
+healthy node, and only when the move evens the queues out (the donors' queue per node after it stays
+below the takers'); the donor is the one with the fewest requests outstanding. No move while one is under way.
 
 The move is Admin.SetRole on the node (router/planner.py `switch`, as the router's Admin.SetRole
 does): the node drains (or, with --planner-migrate, hands its streams back to be resumed
@@ -164,7 +161,6 @@ class Planner:
     _want: tuple[str, str] | None = field(default=None, init=False)
     _streak: int = field(default=0, init=False)
     _moved_s: float = field(default=float("-inf"), init=False)  # when the last move was decided
-    _past: deque = field(default_factory=deque, init=False)  # (when, Signals) of the last turns
 
     def want(self, s: Signals) -> tuple[str, str] | None:
         """(the role that needs a node more, the SLO missed), or None."""
@@ -179,27 +175,8 @@ class Planner:
             return "decode", "itl"
         return None
 
-    def draining(self, role: str, s: Signals, now: float) -> bool:
-        """Whether the role's queue shrank over the last `patience` turns fast enough to be gone
-        within the dwell: a backlog the role clears by itself wants no node (one moved to it would
-        be wanted back)."""
-        if not self._past:
-            return False
-        then, before = self._past[0]
-        was, left = (
-            (before.prefill_queue, s.prefill_queue) if role == "prefill" else (before.decode_queue, s.decode_queue)
-        )
-        if left >= was or now <= then:
-            return False
-        return left / ((was - left) / (now - then)) <= self.min_dwell_s
-
     def decide(self, s: Signals, nodes: list[NodeView], now: float) -> Move | None:
         want = self.want(s)
-        if want is not None and self.draining(want[0], s, now):
-            want = None
-        self._past.append((now, s))
-        while len(self._past) > self.patience:
-            self._past.popleft()
         self._streak = self._streak + 1 if want is not None and want == self._want else int(want is not None)
         self._want = want
         if want is None or self._streak < self.patience or now - self._moved_s < self.min_dwell_s:

@@ -1,15 +1,14 @@
 """The router's view of its nodes: health, outstanding requests, and which node gets the next one.
 
 Each node's health is watched by a task on the router's event loop, holding a
-`grpc.health.v1.Health/Watch` stream (an aio channel) on the service its role needs (Generation
-for colocated and decode nodes, Prefill for prefill nodes). A node is eligible while its last
-report was SERVING; NOT_SERVING, SERVICE_UNKNOWN or an unreachable node make it ineligible until a
-later report says SERVING. Among eligible nodes the routing policy picks one (router/policy.py:
-cache_aware, least_loaded, round_robin), from the outstanding requests and pending prompt tokens
-counted here, by the router, and the node's cached blocks.
+`grpc.health.v1.Health/Watch` stream (an aio channel) on the service its role needs (Generation for
+colocated and decode nodes, Prefill for prefill nodes). A node is eligible while its last report was
+SERVING; NOT_SERVING, SERVICE_UNKNOWN or an unreachable node make it ineligible until a later report
+says SERVING. Among eligible nodes the routing policy picks one (router/policy.py: cache_aware,
+least_loaded, round_robin), from the outstanding requests and pending prompt tokens counted here, by
+the router, and the node's cached blocks.
 
-Beside the health watch, a KV-event watch on the same channel (router/kv_watch.py) keeps each
-node's `BlockIndex` (router/kv_index.py) of what its prefix cache holds.
+Beside it, a KV-event watch (router/kv_watch.py) keeps each node's `BlockIndex` of its prefix cache.
 
 The fleet can change at run time: `add` watches a new node at once, `remove` takes one out of
 selection at once. A node's channel is closed only when nothing can use it any more: it was
@@ -426,7 +425,8 @@ class NodePool:
     async def _watch_health(self, node: Node) -> None:
         """Runs until cancelled (remove, close). A node's role service is watched; an elastic node's
         "" (the node: NOT_SERVING while it switches), and its ModelInfo, fetched on every SERVING
-        report that starts a stream or ends a spell of NOT_SERVING, says which role it has."""
+        report that starts a stream or ends a spell of NOT_SERVING (or a role service's first
+        NOT_SERVING: a node listed under a role it left), says which role it has."""
         stub = health_pb2_grpc.HealthStub(node.channel)
         while True:
             watched = node.elastic
@@ -435,8 +435,10 @@ class NodePool:
                 first = True
                 async for resp in stub.Watch(request, timeout=WATCH_DEADLINE_S):
                     serving = resp.status == health_pb2.HealthCheckResponse.SERVING
-                    if serving and (not node.healthy or (node.elastic and first)):
-                        info = node.model = await self._model_info(node)  # (re)started: another model now?
+                    probe = first and not serving and not node.elastic  # elastic, and now in another role?
+                    if probe or (serving and (not node.healthy or (node.elastic and first))):
+                        info = await self._model_info(node)  # (re)started: another model now?
+                        node.model = node.model if probe else info
                         if info is not None and info.elastic:
                             node.elastic = True
                             self.set_role(node, info.role, info.role_epoch)

@@ -14,9 +14,9 @@ node's speed), --shift-chunk-tokens prompt tokens per prefill step, and a KV poo
 node then takes about ceil(IN / chunk) steps per prompt; a decode node holds kv_tokens / (IN + OUT)
 streams for OUT steps each. With the defaults (steps of ~0.1 s): a prefill node serves ~2.4
 prefill-heavy prompts/s (256 tokens, 4 steps), a decode node ~3.3 decode-heavy streams/s (21 at
-once, 64 steps each). So 4.5/s prefill-heavy wants 2 prefill nodes at least (3 to keep TTFT low)
-and 6/s decode-heavy 2 decode nodes (3 likewise): 3P:1D suits the first phase, 1P:3D the second,
-2P:2D runs near saturation in both, and the splits of 1 swamp.
+once, 64 steps each). So 4.5/s prefill-heavy wants 3 prefill nodes (2 fall behind, TTFT over
+the SLO), and 6/s decode-heavy 2 decode nodes: 3P:1D serves the first phase and swamps in the
+second, 2P:2D the reverse, and 1P:3D swamps in the first.
 
 One JSON line per run (goodput: requests per second meeting both SLOs, TTFT <= --slo-ttft-ms and
 time per output token <= --slo-itl-ms; per phase too), then a summary: the planner's goodput over the

@@ -215,6 +215,40 @@ def test_a_router_learns_roles_switched_at_the_nodes(pair, reference):
         set_role(b, "decode")
 
 
+def test_a_router_started_with_the_old_roles_learns_the_new_ones(pair, reference):
+    """A router (re)started with its nodes listed as they were before a switch (a planner moved
+    them, then the router restarted): each one's listed role service says NOT_SERVING, the router
+    reads its ModelInfo, finds it elastic in another role, and routes by the split it has."""
+    a, b = pair["a"].address, pair["b"].address
+    prompts, expected = reference
+    set_role(a, "decode")
+    set_role(b, "prefill")
+    ea, eb = model_info(a).role_epoch, model_info(b).role_epoch
+    router = start_router(RouterConfig(port=0, prefill=(a,), decode=(b,), health_retry_s=0.1, startup_wait_s=30))
+    try:
+        address = f"127.0.0.1:{router.port}"
+        deadline = time.monotonic() + 30
+        while True:
+            listed = admin(address).ListNodes(admin_pb2.ListNodesRequest(), timeout=10).nodes
+            learned = {n.address: (n.role, n.healthy, n.elastic, n.role_epoch) for n in listed}
+            if learned == {a: ("decode", True, True, ea), b: ("prefill", True, True, eb)}:
+                break
+            assert time.monotonic() < deadline, learned
+            time.sleep(0.05)
+        stub = generation_pb2_grpc.GenerationStub(rpc.make_channel(address))
+        served = admin(a).GetStatus(admin_pb2.GetStatusRequest(), timeout=10).requests_served
+        for ids, want in zip(prompts, expected):
+            req = generation_pb2.GenerateRequest(
+                prompt=token_prompt(ids), sampling={"max_new_tokens": MAX_NEW, "ignore_eos": True}
+            )
+            assert [t for r in stub.Generate(req, timeout=60) for t in r.token_ids] == want
+        assert admin(a).GetStatus(admin_pb2.GetStatusRequest(), timeout=10).requests_served == served + len(prompts)
+    finally:
+        router.stop(grace_s=0)
+        set_role(a, "prefill")
+        set_role(b, "decode")
+
+
 def test_the_planner_loop_moves_a_node_counts_and_lists_the_move(pair):
     """PlannerLoop on real nodes, its decision made for it: the move goes through the same switch
     as Admin.SetRole; the pool, the counter and the router's Admin status show it."""

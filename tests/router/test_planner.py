@@ -1,6 +1,5 @@
 """The SLO planner's decisions (router/planner.py), figures in, a move or none out: which side needs
-a node, patience, dwell, never a role emptied, never a donor side that queues, no node for a backlog
-that clears by itself; its latency window."""
+a node, patience, dwell, never a role emptied, never a donor side that queues; its latency window."""
 
 from __future__ import annotations
 
@@ -68,25 +67,6 @@ def test_no_role_is_emptied_no_donor_too_fresh_or_fixed_and_only_a_move_that_eve
     # no less than 3 queued on each of 2 D spread over 3 (2): no move; with 4 on each D (8/3): a move
     assert planner(patience=1).decide(Signals(0.9, 0.02, 1, 3), fleet, now=0) is None
     assert planner(patience=1).decide(Signals(0.9, 0.02, 1, 4), fleet, now=0).address == "p1"
-
-
-def test_a_backlog_that_drains_within_the_dwell_wants_no_node():
-    fleet = [*FLEET, NodeView("p2", "prefill")]
-
-    def prompts_wait(queue: float) -> Signals:
-        return Signals(0.9, 0.02, prefill_queue=queue, decode_queue=0)
-
-    # 2 s turns, patience 2, dwell 30 s: the queue is judged against the one 2 turns back
-    plan = planner()
-    assert [plan.decide(prompts_wait(q), fleet, now=t) for q, t in ((12, 0), (10, 2), (8, 4), (6, 6))] == [None] * 4
-    assert plan.want(prompts_wait(6)) == ("prefill", "ttft")  # (its SLO is missed all along)
-    # 12 -> 10 -> 8 -> 6: 1 a second, gone in <= 30 s. Slower (0.1 a second) is a want again: 2 in a row
-    slow = [plan.decide(prompts_wait(q), fleet, now=t) for q, t in ((5.8, 8), (5.6, 10), (5.4, 12))]
-    assert slow[:2] == [None, None] and (slow[2].address, slow[2].role) == ("d2", "prefill")
-    # a queue that grows, or holds, is no drain
-    plan = planner()
-    assert plan.decide(prompts_wait(4), fleet, now=0) is None
-    assert plan.decide(prompts_wait(4), fleet, now=2).role == "prefill"
 
 
 def test_the_decode_queue_counts_in_the_share_of_pages_decoding_requests_hold():
