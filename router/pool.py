@@ -11,13 +11,13 @@ the router, and the node's cached blocks.
 Beside it, a KV-event watch (router/kv_watch.py) keeps each node's `BlockIndex` of its prefix cache.
 
 The fleet can change at run time: `add` watches a new node at once, `remove` takes one out of
-selection at once. A node's channel is closed only when nothing can use it any more: it was
-removed (or the pool closed), its watcher has ended, and every request routed to it was released.
+selection at once. A node's channel is closed only when nothing can use it any more: it was removed
+(or the pool closed), its watcher has ended, and every request routed to it was released.
 
 Selection and accounting hold one lock, briefly and never across an await, so any thread may use
 them (the metrics scrape reads the pool from its own thread; selection tests drive a pool made with
-connect=False from theirs). Channels, watchers and channel closing live on the loop: a thread other
-than the loop's hands that work to it.
+connect=False from theirs). Channels, watchers and channel closing live on the loop (other threads
+hand that work to it).
 """
 
 from __future__ import annotations
@@ -423,10 +423,9 @@ class NodePool:
             self._close_if_idle(node)
 
     async def _watch_health(self, node: Node) -> None:
-        """Runs until cancelled (remove, close). A node's role service is watched; an elastic node's
-        "" (the node: NOT_SERVING while it switches), and its ModelInfo, fetched on every SERVING
-        report that starts a stream or ends a spell of NOT_SERVING (or a role service's first
-        NOT_SERVING: a node listed under a role it left), says which role it has."""
+        """Until cancelled: a node's role service, or an elastic node's "" (NOT_SERVING while it switches)
+        and its ModelInfo (its role), read on each SERVING that starts a stream or ends NOT_SERVING,
+        and on a role service's first NOT_SERVING (a node listed under a role it has left)."""
         stub = health_pb2_grpc.HealthStub(node.channel)
         while True:
             watched = node.elastic
@@ -437,8 +436,9 @@ class NodePool:
                     serving = resp.status == health_pb2.HealthCheckResponse.SERVING
                     probe = first and not serving and not node.elastic  # elastic, and now in another role?
                     if probe or (serving and (not node.healthy or (node.elastic and first))):
-                        info = await self._model_info(node)  # (re)started: another model now?
-                        node.model = node.model if probe else info
+                        info = await self._model_info(node)
+                        if not probe:
+                            node.model = info  # (re)started: another model now?
                         if info is not None and info.elastic:
                             node.elastic = True
                             self.set_role(node, info.role, info.role_epoch)

@@ -173,6 +173,31 @@ def test_a_fixed_node_refuses_to_switch(colocated_node):
     assert "was not started with --elastic: its role is fixed" in e.value.details()
 
 
+def router_generate(address: str, ids: list[int]) -> list[int]:
+    stub = generation_pb2_grpc.GenerationStub(rpc.make_channel(address))
+    req = generation_pb2.GenerateRequest(
+        prompt=token_prompt(ids), sampling={"max_new_tokens": MAX_NEW, "ignore_eos": True}
+    )
+    return [t for r in stub.Generate(req, timeout=60) for t in r.token_ids]
+
+
+def wait_learned(router_address: str, want: dict) -> None:
+    """Until the router lists its nodes as `want`: address -> (role, healthy, elastic, role_epoch)."""
+
+    def learned():
+        listed = admin(router_address).ListNodes(admin_pb2.ListNodesRequest(), timeout=10).nodes
+        return {n.address: (n.role, n.healthy, n.elastic, n.role_epoch) for n in listed}
+
+    deadline = time.monotonic() + 30
+    while learned() != want:
+        assert time.monotonic() < deadline, learned()
+        time.sleep(0.05)
+
+
+def served(address: str) -> int:
+    return admin(address).GetStatus(admin_pb2.GetStatusRequest(), timeout=10).requests_served
+
+
 def test_a_router_learns_roles_switched_at_the_nodes(pair, reference):
     """Switched at the nodes themselves (not through the router): the router sees each go NOT_SERVING
     and come back, reads its role from GetModelInfo, and routes by the new split."""
@@ -181,34 +206,16 @@ def test_a_router_learns_roles_switched_at_the_nodes(pair, reference):
     router = start_router(RouterConfig(port=0, prefill=(a,), decode=(b,), health_retry_s=0.1, startup_wait_s=30))
     address = f"127.0.0.1:{router.port}"
     try:
-        stub = generation_pb2_grpc.GenerationStub(rpc.make_channel(address))
-
-        def generate(ids):
-            req = generation_pb2.GenerateRequest(
-                prompt=token_prompt(ids), sampling={"max_new_tokens": MAX_NEW, "ignore_eos": True}
-            )
-            return [t for r in stub.Generate(req, timeout=60) for t in r.token_ids]
-
-        def learned():
-            listed = admin(address).ListNodes(admin_pb2.ListNodesRequest(), timeout=10).nodes
-            return {n.address: (n.role, n.healthy, n.elastic, n.role_epoch) for n in listed}
-
-        def wait_learned(want):
-            deadline = time.monotonic() + 30
-            while learned() != want:
-                assert time.monotonic() < deadline, learned()
-                time.sleep(0.05)
-
         ea, eb = model_info(a).role_epoch, model_info(b).role_epoch  # (earlier tests switched them)
-        wait_learned({a: ("prefill", True, True, ea), b: ("decode", True, True, eb)})
-        assert [generate(p) for p in prompts] == expected
+        wait_learned(address, {a: ("prefill", True, True, ea), b: ("decode", True, True, eb)})
+        assert [router_generate(address, p) for p in prompts] == expected
         set_role(b, "prefill")
         set_role(a, "decode")
-        wait_learned({a: ("decode", True, True, ea + 1), b: ("prefill", True, True, eb + 1)})
-        assert [generate(p) for p in prompts] == expected
-        served = admin(a).GetStatus(admin_pb2.GetStatusRequest(), timeout=10).requests_served
-        assert generate(prompts[0]) == expected[0]
-        assert admin(a).GetStatus(admin_pb2.GetStatusRequest(), timeout=10).requests_served == served + 1
+        wait_learned(address, {a: ("decode", True, True, ea + 1), b: ("prefill", True, True, eb + 1)})
+        assert [router_generate(address, p) for p in prompts] == expected
+        before = served(a)
+        assert router_generate(address, prompts[0]) == expected[0]
+        assert served(a) == before + 1
     finally:
         router.stop(grace_s=0)
         set_role(a, "prefill")
@@ -225,24 +232,12 @@ def test_a_router_started_with_the_old_roles_learns_the_new_ones(pair, reference
     set_role(b, "prefill")
     ea, eb = model_info(a).role_epoch, model_info(b).role_epoch
     router = start_router(RouterConfig(port=0, prefill=(a,), decode=(b,), health_retry_s=0.1, startup_wait_s=30))
+    address = f"127.0.0.1:{router.port}"
     try:
-        address = f"127.0.0.1:{router.port}"
-        deadline = time.monotonic() + 30
-        while True:
-            listed = admin(address).ListNodes(admin_pb2.ListNodesRequest(), timeout=10).nodes
-            learned = {n.address: (n.role, n.healthy, n.elastic, n.role_epoch) for n in listed}
-            if learned == {a: ("decode", True, True, ea), b: ("prefill", True, True, eb)}:
-                break
-            assert time.monotonic() < deadline, learned
-            time.sleep(0.05)
-        stub = generation_pb2_grpc.GenerationStub(rpc.make_channel(address))
-        served = admin(a).GetStatus(admin_pb2.GetStatusRequest(), timeout=10).requests_served
-        for ids, want in zip(prompts, expected):
-            req = generation_pb2.GenerateRequest(
-                prompt=token_prompt(ids), sampling={"max_new_tokens": MAX_NEW, "ignore_eos": True}
-            )
-            assert [t for r in stub.Generate(req, timeout=60) for t in r.token_ids] == want
-        assert admin(a).GetStatus(admin_pb2.GetStatusRequest(), timeout=10).requests_served == served + len(prompts)
+        wait_learned(address, {a: ("decode", True, True, ea), b: ("prefill", True, True, eb)})
+        before = served(a)
+        assert [router_generate(address, p) for p in prompts] == expected
+        assert served(a) == before + len(prompts)
     finally:
         router.stop(grace_s=0)
         set_role(a, "prefill")
