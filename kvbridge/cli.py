@@ -216,6 +216,10 @@ def cmd_node(args: argparse.Namespace) -> int:
         load_node(server, role, config, progress)
     except (ValueError, FileNotFoundError) as e:
         raise UsageError(str(e)) from None
+    except RuntimeError as e:  # a rank failed or died while starting: exit non-zero, as on a death later
+        print(f"kvbridge {args.command}: error: {e}", file=sys.stderr, flush=True)
+        tracing.shutdown()
+        return 1
     http = None
     if http_port >= 0:
         from kvbridge.router.cli import start_http_api

@@ -46,6 +46,8 @@ from kvbridge.pipeline import dist as pp_dist
 from kvbridge.pipeline.messages import Abort, Add, CacheEvents, Finish, Pairing, Shutdown, Token
 from kvbridge.pipeline.metrics import RankRecorder
 
+READY_POLL_S = 0.25  # while ranks start: how often the front looks for one that died
+
 
 @dataclass(frozen=True)
 class RankReport:
@@ -127,15 +129,31 @@ class RankGroup:
             raise
 
     def _wait_ready(self, progress: bool, timeout_s: float) -> None:
+        """Until every rank reports ready; RuntimeError naming the rank when one reports an error,
+        dies without a report, or none is ready within timeout_s."""
         deadline = time.monotonic() + timeout_s
         with Progress(f"starting {len(self.procs)} pipeline ranks", len(self.procs), enabled=progress) as bar:
-            for _ in self.procs:
-                msg = self.reports.get(timeout=max(0.1, deadline - time.monotonic()))
+            while len(self.endpoints) < len(self.procs):
+                try:
+                    msg = self.reports.get(timeout=READY_POLL_S)
+                except queue.Empty:
+                    self._check_starting(deadline, timeout_s)
+                    continue
                 if msg.get("error"):
                     self.kill()
                     raise RuntimeError(f"pipeline rank {msg['rank']} failed to start: {msg['error']}")
                 self.endpoints[msg["rank"]] = msg.get("endpoint", {})
                 bar.advance()
+
+    def _check_starting(self, deadline: float, timeout_s: float) -> None:
+        """Raise if a rank exited before every rank was ready, or the wait is over. (A rank whose
+        start failed in rank_main reports why and exits 0: that report is on its way.)"""
+        for rank, p in zip(self.pp.local_ranks, self.procs):
+            if p.exitcode is not None and (p.exitcode != 0 or rank in self.endpoints):
+                raise RuntimeError(f"pipeline rank {rank} exited with status {p.exitcode} while the node started")
+        if time.monotonic() > deadline:
+            waiting = sorted(set(self.pp.local_ranks) - set(self.endpoints))
+            raise RuntimeError(f"pipeline ranks {waiting} not ready within {timeout_s:g} s")
 
     # ------------------------------------------------------------------ requests
 
@@ -394,12 +412,12 @@ def rank_main(
     rpc.configure(Security(**security))  # the front's TLS: KV receivers and senders are servers and channels
     config, pp = EngineConfig(**config), PPConfig(**pp)
     faults.init(config.fault_inject, rank)
-    if threads:
-        torch.set_num_threads(threads)
-    else:
-        cores.join()
-        closers.append(cores.leave)
     try:
+        if threads:
+            torch.set_num_threads(threads)
+        else:
+            cores.join()
+            closers.append(cores.leave)
         model = load_model(config.model, progress=False)
         device = resolve_device(config.device)
         if device.type == "cuda":
@@ -411,6 +429,7 @@ def rank_main(
         built: RankSetup = build(ctx)
     except Exception as e:
         reports.put({"rank": rank, "error": f"{type(e).__name__}: {e}"})
+        cores.leave()
         return
     built.loop.log.position = position
     closers.append(built.close)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from kvbridge.common.pids import alive, parse_pid
 from kvbridge.kv_transfer.backends.base import Backend, Receiving
 from kvbridge.kv_transfer.blocks import copy_pages
 from kvbridge.kv_transfer.layout import NodeLayout, RankInfo, dtype_from_name
@@ -81,7 +82,7 @@ def remove_segments_of(pid: int) -> list[str]:
     whose rank process died without close(). Returns the names removed."""
     removed = []
     for path in SHM_DIR.glob(f"{NAME_PREFIX}{pid}-*"):
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(OSError):  # gone already, or another user's (/dev/shm is sticky)
             path.unlink()
             removed.append(path.name)
     return removed
@@ -89,23 +90,14 @@ def remove_segments_of(pid: int) -> list[str]:
 
 def remove_stale_segments() -> list[str]:
     """Unlink every kvbridge segment whose creating process is gone (killed before it could clean
-    up); run by a starting decode node. Returns the names removed."""
+    up); run by a starting decode node. Returns the names removed. Any local user can create
+    /dev/shm/kvbridge-*: a name without a pid in the kernel's range is left alone."""
     removed = []
     for path in SHM_DIR.glob(f"{NAME_PREFIX}*"):
-        pid = path.name.removeprefix(NAME_PREFIX).split("-", 1)[0]
-        if pid.isdigit() and not _alive(int(pid)):
-            removed += remove_segments_of(int(pid))
+        pid = parse_pid(path.name.removeprefix(NAME_PREFIX).split("-", 1)[0])
+        if pid is not None and not alive(pid):
+            removed += remove_segments_of(pid)
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process
-        return True
-    return True
 
 
 def check(data: bytes) -> str:

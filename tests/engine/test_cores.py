@@ -1,11 +1,16 @@
 """pipeline/cores.py: the host's cores split over the busy kvbridge ranks registered on it (alive,
 computed lately); dead registrations are removed; a rank takes a changed share at its next refresh;
-cores that other processes keep busy are left to them."""
+cores that other processes keep busy are left to them. The registry is this user's own: anything
+else there, or a name in it that is no pid, leaves a rank computing as if alone, with one warning
+and no error. (tests/nodes/test_hostile_dev_shm.py plants the same under a real /dev/shm.)"""
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import logging
 import os
+import stat
 import subprocess
 import sys
 import time
@@ -13,6 +18,7 @@ import time
 import pytest
 import torch
 
+from kvbridge.common.pids import parse_pid
 from kvbridge.pipeline import cores
 
 
@@ -25,12 +31,34 @@ class Quiet:
         return Quiet.load
 
 
+class Warnings(logging.Handler):
+    """The warnings pipeline/cores.py logs, as their event names."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.events: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.events.append(record.msg)
+
+
+@pytest.fixture
+def warnings():
+    handler, level = Warnings(), cores.log.level
+    cores.log.setLevel(logging.WARNING)
+    cores.log.addHandler(handler)
+    yield handler.events
+    cores.log.removeHandler(handler)
+    cores.log.setLevel(level)
+
+
 @pytest.fixture
 def registry(tmp_path, monkeypatch):
     monkeypatch.setattr(cores, "directory", lambda: tmp_path / "ranks")
     monkeypatch.setattr(cores, "host_cores", lambda: 4)
     monkeypatch.setattr(cores, "OtherLoad", Quiet)
     monkeypatch.setattr(Quiet, "load", 0.0)
+    monkeypatch.setattr(cores, "_warned", False)
     threads = torch.get_num_threads()
     yield tmp_path / "ranks"
     cores.leave()
@@ -143,3 +171,106 @@ def test_other_load_reads_what_another_process_burns_and_not_this_ones():
     # the burner had a core for most of the second (on a loaded host, at least half of one); what
     # this process used is left out of the host's busy time
     assert 0.5 <= other <= cores.host_cores() - own + 0.1, (other, own)
+
+
+# ---------------------------------------------------------------- what another local user can plant
+
+NOT_PIDS = ["99999999999999999999", "²", "٣", "-1", "+7", "0", "007", " 12", "12 ", "12\n", "4194304", "1e3", ""]
+
+
+@pytest.mark.parametrize("name", NOT_PIDS)
+def test_a_name_is_a_pid_only_as_ascii_digits_in_the_kernels_range(name):
+    assert parse_pid(name) is None
+
+
+@pytest.mark.parametrize(("name", "pid"), [("1", 1), ("42", 42), ("4194303", 4194303)])
+def test_a_pid_name_is_read_as_its_pid(name, pid, monkeypatch):
+    monkeypatch.setattr("kvbridge.common.pids.pid_max", lambda: 4194304)
+    assert parse_pid(name) == pid
+
+
+def test_the_registry_is_this_users_own_and_made_private(registry, warnings):
+    assert cores.join() == 4
+    st = registry.lstat()
+    assert stat.S_ISDIR(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o700 and st.st_uid == os.geteuid()
+    assert warnings == []
+
+
+def test_the_real_registry_is_named_by_the_effective_user():
+    assert cores.directory().name == f"kvbridge-ranks-{os.geteuid()}"
+
+
+def test_entries_that_are_no_pid_are_ignored_and_left(registry, warnings, monkeypatch):
+    registry.mkdir(mode=0o700)
+    for name in NOT_PIDS[:-1]:
+        (registry / name).touch()
+    assert cores.join() == 4 and cores.busy_ranks() == 1
+    with ranks(registry, 1):
+        assert cores.busy_ranks() == 2  # a real one beside them still counts
+    monkeypatch.setattr(cores, "_next_check", 0.0)
+    cores.refresh()
+    assert torch.get_num_threads() == 4 and warnings == []
+    assert sorted(p.name for p in registry.iterdir()) == sorted([*NOT_PIDS[:-1], str(os.getpid())])
+
+
+def plant_file(path, elsewhere):
+    path.write_text("planted")
+
+
+def plant_symlink(path, elsewhere):
+    elsewhere.mkdir(mode=0o700)
+    path.symlink_to(elsewhere)
+
+
+def plant_foreign(path, elsewhere):
+    path.mkdir(mode=0o700)
+    os.chown(path, 65534, 65534)
+
+
+def plant_open(path, elsewhere):
+    path.mkdir(mode=0o700)
+    path.chmod(0o777)  # anyone could add entries
+
+
+@pytest.mark.parametrize("plant", [plant_file, plant_symlink, plant_foreign, plant_open])
+def test_a_registry_that_is_not_this_users_own_directory_is_refused_with_one_warning(
+    plant, registry, warnings, monkeypatch, tmp_path
+):
+    if plant is plant_foreign and os.geteuid() != 0:
+        pytest.skip("chown to another user needs root")
+    plant(registry, tmp_path / "elsewhere")
+    target = registry.resolve() if registry.is_dir() else None  # what a rank would read through it
+    with ranks(target, 2) if target else contextlib.nullcontext():  # 3 ranks, were they counted
+        assert cores.join() == 4 and cores.busy_ranks() == 1
+        for _ in range(3):
+            monkeypatch.setattr(cores, "_next_check", 0.0)
+            cores.refresh()
+            assert torch.get_num_threads() == 4
+        cores.leave()
+    assert warnings == ["rank_registry_refused"]  # once, not at every look
+    if target is not None:
+        assert str(os.getpid()) not in os.listdir(target)  # nothing registered in it
+
+
+def test_our_entry_is_not_written_through_a_symlink_planted_in_the_registry(registry, warnings, tmp_path):
+    registry.mkdir(mode=0o700)
+    (registry / str(os.getpid())).symlink_to(tmp_path / "victim")
+    assert cores.join() == 4
+    assert not (tmp_path / "victim").exists() and warnings == ["rank_registry_refused"]
+
+
+@pytest.mark.parametrize(
+    "error", [OSError(errno.EIO, "I/O error"), PermissionError(errno.EPERM, "no"), ValueError("x"), OverflowError("x")]
+)
+def test_no_error_reading_the_registry_reaches_the_compute_loop(error, registry, warnings, monkeypatch):
+    def fail(pid):
+        raise error
+
+    assert cores.join() == 4
+    with ranks(registry, 1):
+        monkeypatch.setattr(cores, "alive", fail)  # (as os.kill did on a name like 99999999999999999999)
+        for _ in range(3):
+            monkeypatch.setattr(cores, "_next_check", 0.0)
+            cores.refresh()
+            assert cores.busy_ranks() == 1 and torch.get_num_threads() == 4
+    assert warnings == ["rank_registry_refused"]
