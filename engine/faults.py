@@ -12,9 +12,10 @@ failure can hit one rank of a pipeline and not the others. Keys:
   fail their pushes; decode ranks fail the arrival), with reason "injected transfer failure";
 - drop_notice: probability that a prefill rank never sends a request's "all pages sent"
   notice (a lost message: the hand-off hangs until the transfer timeout ends it);
-- consensus_fail_after: the rank's consensus channel fails at its first round after this many
-  status changes of the rank's own (a broken control ring: the rank ends, so the node fails
-  its streams and exits);
+- consensus_fail_after: the rank's consensus channel breaks at its N-th status change of its own:
+  that change and every later one never reach the ring, and the channel fails at its next round
+  (a broken control ring: the rank ends, so the node fails its streams and exits; a request
+  that needed the change cannot complete first, however fast the host);
 - seed: the random stream of the probabilities (per rank: seed + rank).
 
 Rank processes call `init(spec, rank)` once; the code paths ask `current()`.

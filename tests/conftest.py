@@ -9,6 +9,7 @@ import faulthandler
 import logging
 import os
 import random
+import sys
 import threading
 import time
 
@@ -17,6 +18,12 @@ import pytest
 from kvbridge.engine.config import EngineConfig
 from kvbridge.engine.llm import LLM
 from kvbridge.engine.weights import load_model, tiny_random
+
+# Bytecode caches are written even where PYTHONDONTWRITEBYTECODE is set (some CI images set it):
+# without them every process a test starts (a node's front, each rank) compiles kvbridge's sources
+# again, 1-3 s a process on 2 cores, and pytest rewrites every test module's asserts on every run.
+sys.dont_write_bytecode = False
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
 
 @pytest.fixture(scope="session")

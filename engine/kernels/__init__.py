@@ -12,6 +12,11 @@ with streaming stores (stream_copy.cpp: KV hand-offs into another process's pool
 source, the flags and this CPU); later starts load it in well under a second. Where it cannot
 be built (no compiler) or KVBRIDGE_KERNELS=0, `available()` is False and the engine uses torch's
 ops (slower, same results within float rounding).
+
+KVBRIDGE_ISA=avx2 forces the AVX2 path on any x86 host: the CPU's AVX-512 and AMX flags are
+ignored (so `--dtype auto` means what it means on an AVX2-only CPU) and the kernels are built with
+`-mno-avx512f -mno-amx-tile` (a build of their own), so an AVX-512 host measures what an AVX2 host
+runs. `isa()` names the level in use.
 """
 
 from __future__ import annotations
@@ -39,23 +44,51 @@ HEADERS = [Path(__file__).with_name(n) for n in ("vec.h", "kernels.h")]
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros"]
 CFLAGS += ["-fno-trapping-math"]
 LDFLAGS = ["-fopenmp"]
+ISA_LEVELS = ("native", "avx2")  # KVBRIDGE_ISA: this CPU's own level, or AVX2 forced
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "ok": bool once tried, "error": why not
 
 
+def forced_isa() -> str:
+    """KVBRIDGE_ISA: "native" (the default) or "avx2"; ValueError naming anything else."""
+    level = os.environ.get("KVBRIDGE_ISA", "native").strip().lower() or "native"
+    if level not in ISA_LEVELS:
+        raise ValueError(f"KVBRIDGE_ISA must be one of {', '.join(ISA_LEVELS)}, got {level[:32]!r}")
+    return level
+
+
 def _cpu_flags() -> str:
+    """/proc/cpuinfo's flags line (without the AVX-512 and AMX flags when KVBRIDGE_ISA=avx2)."""
+    line = platform.processor()
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
+        for row in Path("/proc/cpuinfo").read_text().splitlines():
+            if row.startswith("flags"):
+                line = row
+                break
     except OSError:
         pass
-    return platform.processor()
+    if forced_isa() == "avx2":
+        line = " ".join(f for f in line.split() if not f.startswith(("avx512", "amx")))
+    return line
+
+
+def _cflags() -> list[str]:
+    return CFLAGS + (["-mno-avx512f", "-mno-amx-tile"] if forced_isa() == "avx2" else [])
+
+
+def isa() -> str:
+    """The x86 level the kernels and `--dtype auto` use here: "amx", "avx512", "avx2" or "generic"."""
+    flags = set(_cpu_flags().split())
+    if "amx_tile" in flags:
+        return "amx"
+    if "avx512f" in flags:
+        return "avx512"
+    return "avx2" if {"avx2", "fma"} <= flags else "generic"
 
 
 def _build_name() -> str:
-    key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS) + " ".join(CFLAGS + LDFLAGS).encode())
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS) + " ".join(_cflags() + LDFLAGS).encode())
     key.update(_cpu_flags().encode())
     key.update(torch.__version__.encode())
     return f"kvbridge_kernels_{key.hexdigest()[:16]}"
@@ -83,7 +116,7 @@ def _load() -> bool:
     try:
         if not built.exists():  # (a built one is loaded as it is: no compiler, no build lock)
             log.warning("building the CPU kernels (engine/kernels, once per machine, ~30 s)")
-            flags = {"extra_cflags": CFLAGS, "extra_ldflags": LDFLAGS}
+            flags = {"extra_cflags": _cflags(), "extra_ldflags": LDFLAGS}
             cpp_extension.load(name, [str(p) for p in SOURCES], **flags, is_python_module=False)
         torch.ops.load_library(str(built))
     except Exception as e:  # (no compiler, no ninja, headers missing): torch's ops serve instead
