@@ -175,6 +175,20 @@ class RankMetrics:
             "Decode node: prompt pages not moved because its prefix cache held them",
             **kw,
         )
+        self.rooms_revoked = Counter(
+            "kvbridge_kv_rooms_revoked",
+            "Prefill node: rooms of requests that ended early dropped by a rank's sender, by rank (no write "
+            "into them was under way any more)",
+            ["rank"],
+            **kw,
+        )
+        self.quarantine_releases = Counter(
+            "kvbridge_kv_quarantine_releases",
+            "Decode node: failed hand-offs whose pages left the quarantine, by reason (revoked: by the prefill "
+            "node; prefill_gone: its process died; timeout: it never confirmed, see logs; shutdown)",
+            ["reason"],
+            **kw,
+        )
 
 
 class RouterMetrics:

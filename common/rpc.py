@@ -39,10 +39,21 @@ from grpc_reflection.v1alpha import reflection
 
 from kvbridge.common.rpc_parse import parse_checked
 from kvbridge.common.security import Security, bearer
+from kvbridge.common.shown import shown as shown  # (where servers have imported it from)
 
 MAX_MESSAGE_BYTES = 8 << 20  # every request and answer but KV pages stays far below
 KV_MESSAGE_BYTES = 64 << 20  # the KV plane (KVReceiver): page chunks of up to SenderConfig.grpc_chunk_bytes
 DEFAULT_DEADLINE_S = 30.0  # unary calls between kvbridge processes
+# trailing metadata of a status whose fault its code does not say: a decode node that refuses the
+# prefill node it was paired with (their layouts differ) answers FAILED_PRECONDITION, which to a direct
+# caller is right, but it is the pair's fault, not the request's: a router tries another pair
+FAULT_KEY = "kvbridge-fault"
+PAIR_FAULT = ((FAULT_KEY, "pair"),)
+
+
+def fault_of(e: grpc.aio.AioRpcError) -> str:
+    """The fault an upstream status names in its trailing metadata ("pair"), or ""."""
+    return next((value for key, value in e.trailing_metadata() or () if key == FAULT_KEY), "")
 
 
 class _HealthServicer(health.HealthServicer):
@@ -423,13 +434,6 @@ def make_aio_channel(addr: str) -> grpc.aio.Channel:
     if _security.tls:
         return grpc.aio.secure_channel(addr, _channel_credentials(), options=channel_options())
     return grpc.aio.insecure_channel(addr, options=channel_options())
-
-
-def shown(value: object, limit: int = 80) -> str:
-    """A client-supplied value for an error message: repr, cut to `limit` characters (a status
-    message over gRPC's 8-16 KiB limit is dropped, and the client would see another code)."""
-    text = repr(value)
-    return text if len(text) <= limit else f"{text[:limit]}...({len(text)} chars)"
 
 
 def peer_host(peer: str) -> str:

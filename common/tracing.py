@@ -14,7 +14,10 @@ the loops measured (`record`), so a rank's hot path never waits on the tracer; w
 every call here returns at once.
 
 A process that cannot reach the collector serves on; it says so once (and once more when the
-collector answers again), and the SDK's own per-batch complaints are muted.
+collector answers again), and the SDK's own per-batch complaints are muted. Nor does it wait on
+the collector to exit: `shutdown` gives what is queued SHUTDOWN_S to go out, then drops the rest
+(the export under way too: gRPC's is cancelled with its channel, an HTTP one is left to time out in
+a daemon thread) and says in one line how many spans it dropped.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import logging
 import os
 import threading
 from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING
 
 from opentelemetry import trace
 from opentelemetry.context import Context, attach
@@ -36,6 +40,9 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from kvbridge import __version__
 from kvbridge.common.logs import log_event
 
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import ReadableSpan
+
 ENV_ENDPOINT = "KVBRIDGE_OTLP_TRACES_ENDPOINT"  # rank processes inherit the front's settings
 ENV_RATIO = "KVBRIDGE_OTLP_TRACES_SAMPLE_RATIO"
 ENV_SERVICE = "KVBRIDGE_OTLP_SERVICE"
@@ -44,6 +51,8 @@ MAX_HEADER = 512  # a traceparent or tracestate longer than this is ignored (W3C
 EXPORT_TIMEOUT_S = 5.0  # one export's wait on the collector
 QUEUE_SPANS = 16384  # spans a process holds for export at most (then drops): bursts of thousands fit
 EXPORT_DELAY_MS = 500  # spans leave a process at most this long after they end (the SDK's default: 5 s)
+SHUTDOWN_S = 1.0  # at exit, what is queued gets this long to go out; the rest is dropped
+GIVE_UP_S = 0.5  # then this long at most for the rest to be passed through (and counted), once dropped
 # the SDK's loggers that complain once per failed batch (or dropped span): reported once here instead
 _NOISY = ("opentelemetry.exporter.otlp", "opentelemetry.sdk._shared_internal", "opentelemetry.sdk.trace.export")
 log = logging.getLogger("kvbridge.tracing")
@@ -86,7 +95,6 @@ def setup(service: str, endpoint: str = "", ratio: float = 1.0) -> bool:
     os.environ[ENV_ENDPOINT], os.environ[ENV_RATIO], os.environ[ENV_SERVICE] = endpoint, repr(ratio), service
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor
     from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 
     with _lock:
@@ -96,9 +104,7 @@ def setup(service: str, endpoint: str = "", ratio: float = 1.0) -> bool:
             logging.getLogger(name).setLevel(logging.CRITICAL)
         resource = Resource.create({"service.name": service, "service.version": __version__})
         _provider = TracerProvider(resource=resource, sampler=ParentBased(TraceIdRatioBased(ratio)))
-        exporter = _Reported(_exporter(endpoint), endpoint, service)
-        processor = BatchSpanProcessor(exporter, max_queue_size=QUEUE_SPANS, schedule_delay_millis=EXPORT_DELAY_MS)
-        _provider.add_span_processor(processor)
+        _provider.add_span_processor(_batches()(_Reported(_exporter(endpoint), endpoint, service)))
         _tracer = _provider.get_tracer("kvbridge", __version__)
     log_event(log, "tracing", service=service, endpoint=endpoint, sample_ratio=ratio)
     return True
@@ -115,7 +121,8 @@ def setup_from_env(suffix: str) -> bool:
 
 
 def shutdown() -> None:
-    """Send what is queued (a process about to exit), and stop tracing here and in children started later."""
+    """Send what is queued within SHUTDOWN_S, drop the rest (a process about to exit), and stop
+    tracing here and in children started later."""
     global _tracer, _provider
     with _lock:
         if _provider is not None:
@@ -140,21 +147,76 @@ def _exporter(endpoint: str):
     return GRPCExporter(endpoint=host, insecure=endpoint.startswith("http://"), timeout=EXPORT_TIMEOUT_S)
 
 
+@functools.cache
+def _batches():
+    """The SDK's BatchSpanProcessor, counting the spans it takes, with a shutdown bounded by SHUTDOWN_S
+    (a class made on first use: the SDK is imported only when tracing is on)."""
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    class Batches(BatchSpanProcessor):
+        def __init__(self, exporter: _Reported):
+            super().__init__(exporter, max_queue_size=QUEUE_SPANS, schedule_delay_millis=EXPORT_DELAY_MS)
+            self.exporter = exporter
+            self.taken = 0  # sampled spans handed to the queue
+            self._counting = threading.Lock()
+
+        def on_end(self, span: ReadableSpan) -> None:
+            if span.context.trace_flags.sampled:
+                with self._counting:
+                    self.taken += 1
+            super().on_end(span)
+
+        def shutdown(self) -> None:
+            """The SDK's shutdown (what is queued exported, then the exporter shut down), given
+            SHUTDOWN_S; past it the exporter drops what is left. One line says how many spans never
+            went out (those that failed before were said when the collector was found unreachable)."""
+            exporter = self.exporter
+            failed_before = exporter.failed
+            ending = threading.Thread(target=super().shutdown, name="kvbridge-tracing-shutdown", daemon=True)
+            ending.start()
+            ending.join(SHUTDOWN_S)
+            if ending.is_alive():
+                exporter.give_up()
+                ending.join(GIVE_UP_S)
+            with self._counting:
+                dropped = self.taken - exporter.sent - failed_before
+            if dropped > 0:
+                log_event(
+                    log, "tracing_dropped", logging.WARNING, service=exporter.service, endpoint=exporter.endpoint,
+                    spans=dropped, reason=f"the collector did not take them within {SHUTDOWN_S:g} s of the exit",
+                )  # fmt: skip
+
+    return Batches
+
+
 class _Reported:
-    """An exporter that says once that the collector is unreachable (and once that it is back)."""
+    """An exporter that says once that the collector is unreachable (and once that it is back),
+    counts the spans sent and failed, and refuses every export once told to give up."""
 
     def __init__(self, inner, endpoint: str, service: str):
         self.inner, self.endpoint, self.service, self.failing = inner, endpoint, service, False
+        self.sent = self.failed = 0  # spans of exports that succeeded, and of those that did not
+        self.dropping = False  # give_up() was called: nothing more goes out
+        self._shut = False
 
     def export(self, spans):
         from opentelemetry.sdk.trace.export import SpanExportResult
 
+        if self.dropping:
+            self.failed += len(spans)
+            return SpanExportResult.FAILURE
         try:
             result = self.inner.export(spans)
         except Exception as e:  # (the SDK would log each batch's exception)
             result, why = SpanExportResult.FAILURE, f"{type(e).__name__}: {e}"
         else:
             why = "the export failed (unreachable, or refused)"
+        if result == SpanExportResult.SUCCESS:
+            self.sent += len(spans)
+        else:
+            self.failed += len(spans)
+        if self.dropping:  # (cancelled by give_up: tracing_dropped says it)
+            return result
         if result == SpanExportResult.FAILURE and not self.failing:
             self.failing = True
             log_event(
@@ -166,8 +228,16 @@ class _Reported:
             log_event(log, "tracing_reachable", service=self.service, endpoint=self.endpoint)
         return result
 
+    def give_up(self) -> None:
+        """Refuse every export from now on, and end the one under way: the gRPC exporter's shutdown
+        closes its channel, which cancels its call (an HTTP one runs until its timeout)."""
+        self.dropping = True
+        self.shutdown()
+
     def shutdown(self) -> None:
-        self.inner.shutdown()
+        if not self._shut:
+            self._shut = True
+            self.inner.shutdown()
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         return self.inner.force_flush(timeout_millis)

@@ -8,10 +8,13 @@
     running --(out of pages: retracted, its KV copied to host memory)--> retracted
     --(pages again: RESUME, copied back; consensus DECODE_RETRACTED)--> running
 
-Pages of a hand-off that failed while the KV may still have been landing rest in the quarantine.
+Pages of a hand-off that failed while the KV may still have been landing rest in the quarantine,
+until the prefill node revoked the room on every rank (or its process died, or it never answered).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from kvbridge.consensus import Ruling, Verdict
 from kvbridge.consensus import Stream as S
@@ -54,26 +57,50 @@ class RetractedQueue(PhaseQueue):
         return done and self.remove(req)
 
 
+@dataclass
+class Resting:
+    """A failed hand-off's pages in the quarantine."""
+
+    req: Request  # the request (ended), owner of the pages
+    until: float  # perf_counter time they are released at the latest
+    why: str = "timeout"  # the release's reason if `until` comes first: "timeout", or "prefill_gone"
+
+
 class Quarantine:
-    """Pages of failed hand-offs, each request's held until its time: a prefill rank may still be
-    writing into them (shared memory, GPU IPC), so they are handed out again only once every push
-    that had started has landed."""
+    """Pages of failed hand-offs, each request's held until the prefill node revoked its room: a
+    prefill rank may still be writing into them (shared memory, GPU IPC), so they are handed out
+    again only once no prefill rank writes into them (`revoked`), or once the prefill node's process
+    is gone (`prefill_gone`: a short grace for its ranks to exit), or at the latest at their `until`."""
 
     def __init__(self) -> None:
-        self._until: dict[str, tuple[float, Request]] = {}  # rid -> (free at, the request)
+        self._resting: dict[str, Resting] = {}  # rid -> its pages' rest
 
-    def add(self, req: Request, until: float) -> None:
-        self._until[req.rid] = (until, req)
+    def add(self, req: Request, until: float, why: str = "timeout") -> None:
+        self._resting[req.rid] = Resting(req, until, why)
 
-    def due(self, now: float) -> list[Request]:
-        """The requests whose time is up (no longer held here): free their pages."""
-        out = [req for at, req in self._until.values() if now >= at]
-        for req in out:
-            del self._until[req.rid]
+    def revoked(self, rid: str, room: int) -> Request | None:
+        """The prefill node revoked `room`: its request, no longer held here (None: released already)."""
+        rest = self._resting.get(rid)
+        if rest is None or rest.req.handoff.room != room:
+            return None
+        del self._resting[rid]
+        return rest.req
+
+    def prefill_gone(self, peer: str, until: float) -> None:
+        """The prefill node at `peer` died: its requests' pages are released by `until` (its ranks exit)."""
+        for rest in self._resting.values():
+            if rest.req.handoff.peer == peer and until < rest.until:
+                rest.until, rest.why = until, "prefill_gone"
+
+    def due(self, now: float) -> list[Resting]:
+        """The rests whose time is up (no longer held here): free their pages."""
+        out = [rest for rest in self._resting.values() if now >= rest.until]
+        for rest in out:
+            del self._resting[rest.req.rid]
         return out
 
     def requests(self) -> list[Request]:
-        return [req for _, req in self._until.values()]
+        return [rest.req for rest in self._resting.values()]
 
     def rids(self) -> set[str]:
-        return set(self._until)
+        return set(self._resting)

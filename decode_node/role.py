@@ -10,13 +10,18 @@ cache: those are shared, not preallocated, and the prefill node moves only the p
 Out of pages, the scheduler retracts instead of recomputing: the newest running request's KV goes
 to host memory on every rank and comes back when pages free up. A failure on any rank (consensus
 FAILED), a failed registration, a prefill node gone, or an abort ends the request on every rank
-and frees its pages.
+and frees its pages: at once, unless the prefill node may be writing into them (the hand-off was
+under way). Those rest in the quarantine until the prefill node says that no rank of it writes
+there any more: the front asks it (Quarantined; Bootstrap.Revoke) and tells rank 0 (Revoked).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 
+from kvbridge.common.limits import room_tag
+from kvbridge.common.logs import log_event
 from kvbridge.consensus import Stream as S
 from kvbridge.consensus import Verdict
 from kvbridge.decode_node.queues import PreallocQueue, Quarantine, RetractedQueue, TransferQueue
@@ -26,12 +31,21 @@ from kvbridge.engine.request import Handoff, Phase, Request
 from kvbridge.kv_transfer.handoff import Destination
 from kvbridge.pipeline.control import ControlChannel
 from kvbridge.pipeline.log import ABORT, APPEND, FINISH, RESUME, RETRACT, Appended, Pages
-from kvbridge.pipeline.messages import Add, Fail, PeerDown, Preallocated, Token
+from kvbridge.pipeline.messages import Add, Fail, PeerDown, Preallocated, Quarantined, Revoked, Token
 from kvbridge.pipeline.rank0 import Rank0Loop
 from kvbridge.pipeline.roles import Deadlines, live_rulings
 
-QUARANTINE_S = 2.0  # pages of a hand-off that failed rest this long before reuse (late writes land harmlessly)
+# A failed hand-off's pages rest until the prefill node revoked the room on every rank. One that is
+# alive but never confirms (a rank stuck, the node unreachable without dying) gets this long, then
+# they are released with an error (event=quarantine_timeout) and counted: well past the prefill
+# node's own transfer timeout (its request ends then, every rank revoking the room) and a sender's
+# longest call (kv_transfer/sender.py SenderConfig.deadline_s).
+QUARANTINE_MAX_S = 300.0
+# The prefill node's process died (PrefillPeers saw its health stream break): a rank whose front is
+# gone drops its rooms and exits within 5 s (pipeline/group.py _exit_with_parent); then nothing writes.
+PREFILL_GONE_GRACE_S = 6.0
 AWAITING_KV = (Phase.PREALLOC, Phase.TRANSFERRING)  # phases that still need the prefill node
+log = logging.getLogger("kvbridge.decode")
 
 
 def destination_problem(alloc: PageAllocator, owner: str, pages: list[int]) -> str:
@@ -89,7 +103,11 @@ class DecodeRole:
             case PeerDown(addr):  # the prefill node died: requests still waiting for its KV cannot get it
                 for req in [r for r in self.loop.requests.values() if r.handoff and r.handoff.peer == addr]:
                     if req.phase in AWAITING_KV:
-                        self.fail(req, f"the prefill node {addr} is unreachable", "UNAVAILABLE")
+                        self._end(req, f"the prefill node {addr} is unreachable", "UNAVAILABLE", ask=False)
+                self.quarantine.prefill_gone(addr, time.perf_counter() + PREFILL_GONE_GRACE_S)
+            case Revoked(rid, room):  # no rank of the prefill node writes into its pages any more
+                if (req := self.quarantine.revoked(rid, room)) is not None:
+                    self._release(req, "revoked")
             case _:
                 return False
         return True
@@ -115,8 +133,8 @@ class DecodeRole:
             elif self.retracted.on_verdict(req, ruling):  # every rank has its KV back
                 self.loop.scheduler.running.append(req)
                 self.loop.move(req, Phase.DECODING)
-        for req in self.quarantine.due(now):
-            self.loop.scheduler.release(req)
+        for rest in self.quarantine.due(now):
+            self._release(rest.req, "shutdown" if self.loop.stopping else rest.why)
         self._resume()
         self._preallocate()
         if self.deadlines.time_to_look(now):
@@ -222,16 +240,39 @@ class DecodeRole:
         return False
 
     def fail(self, req: Request, error: str, code: str, reason: str = "error", **event) -> None:
+        self._end(req, error, code, reason, **event)
+
+    def _end(self, req: Request, error: str, code: str, reason: str = "error", ask: bool = True, **event) -> None:
+        """fail(); `ask`: whether the prefill node is there to revoke the room (not when its process died)."""
         self.prealloc.remove(req)
         self.retracted.remove(req)
         receiving = self.transfer.remove(req)
         self.chan.abort(req.rid)
-        # a prefill rank may be writing into these pages right now (shared memory, GPU IPC): they
-        # are handed out again only after QUARANTINE_S, once every push that started has landed
+        # a prefill rank may be writing into these pages right now (shared memory, GPU IPC): they are
+        # handed out again only once the prefill node revoked the room on every rank (every rank of
+        # this node forgets it on the ABORT: a write through it, grpc or torch, is refused from then)
         resting = receiving and bool(req.page_table.pages)
         if resting:
-            self.quarantine.add(req, time.perf_counter() + QUARANTINE_S)
+            now, h = time.perf_counter(), req.handoff
+            if ask:
+                self.quarantine.add(req, now + QUARANTINE_MAX_S)
+                self.loop.outbox.put(Quarantined(req.rid, h.room, h.peer))
+            else:
+                self.quarantine.add(req, now + PREFILL_GONE_GRACE_S, "prefill_gone")
         self.loop.end(req, error, code, reason, release=not resting, **event)
+
+    def _release(self, req: Request, why: str) -> None:
+        """A failed hand-off's pages leave the quarantine (`why`: Quarantine's reasons, or "shutdown")."""
+        if why == "timeout":
+            h = req.handoff
+            held = round(time.perf_counter() - req.finish_s, 3)
+            log_event(
+                log, "quarantine_timeout", logging.ERROR, rid=req.rid, room=room_tag(h.room), peer=h.peer, held_s=held,
+                error=f"the prefill node never confirmed that no rank of it writes into the room; its pages are "
+                f"reused after {QUARANTINE_MAX_S:g} s",
+            )  # fmt: skip
+        self.loop.recorder.quarantine_released(why)
+        self.loop.scheduler.release(req)
 
     # ---------------------------------------------------------------- what the loop and checks see
 

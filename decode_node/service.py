@@ -1,11 +1,14 @@
 """The decode node's gRPC front: Generation (the router's half of a disaggregated request),
 Admin, health and reflection on one port. It checks the route (signed by a fleet member) and the
 prefill node's layout (signed over a nonce of its own: a prefill node of the fleet), picks the
-transfer backend, and registers each preallocated room with the prefill node, signed."""
+transfer backend, registers each preallocated room with the prefill node, signed, and revokes the
+room of each hand-off that failed under way (Bootstrap.Revoke, signed), after its registration:
+rank 0 keeps the room's pages out of use until the prefill node confirms."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
 import uuid
 from collections.abc import Callable
@@ -15,12 +18,14 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvbridge.common import rpc, sampling, tracing
-from kvbridge.common.limits import normalized_address
+from kvbridge.common.limits import normalized_address, room_tag
+from kvbridge.common.logs import log_event
 from kvbridge.common.security import message_proof, message_proof_ok
 from kvbridge.decode_node.node import DecodeNode
+from kvbridge.decode_node.role import QUARANTINE_MAX_S
 from kvbridge.kv_transfer import NodeLayout, choose_backend, incompatibility
 from kvbridge.kv_transfer import adapters as kv_wire
-from kvbridge.pipeline.messages import Pairing, PeerDown, Preallocated
+from kvbridge.pipeline.messages import Pairing, PeerDown, Preallocated, Quarantined, Revoked
 from kvbridge.serving.front import Overloaded
 from kvbridge.serving.server import NodeServer
 from kvbridge.v1 import (
@@ -37,6 +42,9 @@ CALL_DEADLINE_S = 10.0  # GetLayout on the prefill node
 WATCH_DEADLINE_S = 60.0  # a peer's health stream is re-opened this often
 WATCH_RETRY_S = 0.1  # pause before re-opening a health stream the peer cancelled
 NONCE_BYTES = 32  # GetLayout's challenge
+REVOKE_DEADLINE_S = 60.0  # one Revoke call (the prefill node answers within its REVOKE_WAIT_S)
+REVOKE_RETRY_S = (0.1, 5.0)  # pause before asking again after a failed Revoke: first, longest (doubling)
+log = logging.getLogger("kvbridge.decode")
 
 
 class NotInFleet(Exception):
@@ -150,7 +158,8 @@ class DecodeGenerationService(generation_pb2_grpc.GenerationServicer):
         self.server, self.backend = server, backend
         self.peers = PrefillPeers(on_down=self._peer_down)
         self.pending: dict[str, tuple] = {}  # rid -> (bootstrap stub, room, backend, secret) until registered
-        self._registering: set[asyncio.Task] = set()  # Register calls in flight (held: tasks are weakly kept)
+        self._registering: dict[str, asyncio.Task] = {}  # rid -> its Register call in flight (held: weakly kept)
+        self._revoking: dict[asyncio.Task, str] = {}  # Revoke tasks -> the prefill node they ask
 
     @property
     def node(self) -> DecodeNode:
@@ -186,15 +195,18 @@ class DecodeGenerationService(generation_pb2_grpc.GenerationServicer):
         except NotInFleet as e:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
         except ValueError as e:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"prefill node {prefill_addr}: {str(e)[:200]}")
+            why = f"prefill node {prefill_addr}: {str(e)[:200]}"
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, why, rpc.PAIR_FAULT)
+        # the two nodes cannot work together: the pair's fault, not the request's (a router tries another)
         problem = incompatibility(layout, self.node.layout)
         if problem:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem, rpc.PAIR_FAULT)
         backend = self.backend if self.backend != "auto" else choose_backend(layout, self.node.layout, self.node.device)
         if backend not in layout.backends:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"transfer backend {backend!r} is not one the prefill node drives ({', '.join(layout.backends)})",
+                rpc.PAIR_FAULT,
             )
         # the room's write key: only the prefill node it is registered with can write its pages
         secret = secrets.token_bytes(ROOM_SECRET_BYTES)
@@ -244,8 +256,8 @@ class DecodeGenerationService(generation_pb2_grpc.GenerationServicer):
         """Rank 0 preallocated the pages of `rid` (called on the loop): register its room with the
         prefill node, in a task of its own."""
         task = asyncio.ensure_future(self._register(ev))
-        self._registering.add(task)
-        task.add_done_callback(self._registering.discard)
+        self._registering[ev.rid] = task
+        task.add_done_callback(lambda _: self._registering.pop(ev.rid, None))
 
     async def _register(self, ev: Preallocated) -> None:
         rid = ev.rid
@@ -269,9 +281,59 @@ class DecodeGenerationService(generation_pb2_grpc.GenerationServicer):
         except grpc.RpcError as e:
             self.node.fail(rid, e.code().name, f"registration with the prefill node failed: {e.details()}")
 
+    def on_quarantined(self, ev: Quarantined) -> None:
+        """Rank 0 failed a hand-off under way (called on the loop): ask the prefill node to revoke its
+        room, in a task of its own; rank 0 frees the pages once it has (Revoked)."""
+        task = asyncio.ensure_future(self._revoke(ev))
+        self._revoking[task] = ev.peer
+        task.add_done_callback(self._revoking.pop)
+
+    async def _revoke(self, ev: Quarantined) -> None:
+        """Bootstrap.Revoke until the prefill node answers that no rank of it writes into the room (or
+        knows no such room: NOT_FOUND), asked again after a failure, for at most QUARANTINE_MAX_S
+        (rank 0 then releases the pages itself). Never before the room's Register call ended: a
+        registration that came after the revocation would route the KV into pages reused by then."""
+        registering = self._registering.get(ev.rid)
+        if registering is not None:
+            await asyncio.wait([registering])
+        self.pending.pop(ev.rid, None)  # (not preallocated yet: it is never registered now)
+        request = prefill_pb2.RevokeRequest(room=ev.room)
+        request.proof = message_proof(self.peers.fleet_key, request)  # the pages are this node's: only it gives them up
+        loop = asyncio.get_running_loop()
+        give_up, pause = loop.time() + QUARANTINE_MAX_S, REVOKE_RETRY_S[0]
+        while True:
+            try:
+                stub, _ = await self.peers.get(ev.peer)
+                await stub.Revoke(request, timeout=REVOKE_DEADLINE_S)
+                break
+            except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.NOT_FOUND:  # no such room there: nothing of that node writes it
+                    break
+                error = f"{e.code().name}: {(e.details() or '')[:200]}"
+            except (NotInFleet, ValueError) as e:
+                error = str(e)[:200]
+            if loop.time() + pause > give_up:
+                return  # (rank 0 releases the pages at its own bound, with an error)
+            room = room_tag(ev.room)
+            log_event(log, "revoke_retry", logging.WARNING, rid=ev.rid, room=room, peer=ev.peer, error=error)
+            await asyncio.sleep(pause)
+            pause = min(2 * pause, REVOKE_RETRY_S[1])
+        self.node.ranks.inbox.put(Revoked(ev.rid, ev.room))
+
     def _peer_down(self, addr: str) -> None:
+        """The prefill node at `addr` died: its rooms need no revoking (rank 0 frees their pages after
+        a grace for its ranks to exit: decode_node/role.py PREFILL_GONE_GRACE_S)."""
+        for task, peer in list(self._revoking.items()):
+            if peer == addr:
+                task.cancel()
         if self.node is not None:
             self.node.ranks.inbox.put(PeerDown(addr))
+
+    async def close(self) -> None:
+        """At the node's stop: no more revoking, every peer's channel closed."""
+        for task in list(self._revoking):
+            task.cancel()
+        await self.peers.close()
 
     async def GetModelInfo(self, request, context):
         if self.node is None:
@@ -291,10 +353,12 @@ class DecodeServer(NodeServer):
         return [(generation_pb2_grpc.add_GenerationServicer_to_server, self.generation), *super().servicers()]
 
     def loaded(self) -> None:
-        # rank 0 preallocated a request's pages: register its room with the prefill node
+        # rank 0 preallocated a request's pages: register its room with the prefill node; rank 0 failed
+        # a hand-off under way: revoke its room there
         self.node.front.handlers[Preallocated] = self.generation.on_preallocated
+        self.node.front.handlers[Quarantined] = self.generation.on_quarantined
 
     def stop(self, grace_s: float = 2.0):
         if self.loop.running:
-            self.loop.run(self.generation.peers.close(), timeout=10)
+            self.loop.run(self.generation.close(), timeout=10)
         return super().stop(grace_s)

@@ -10,7 +10,9 @@ function of its tokens (and cache salt) whatever role computed or received it.
 
 With `migrate`, the live requests end at once with UNAVAILABLE (a router resumes their streams
 elsewhere, router/routed.py); without it, they finish here first. New requests that reach rank 0
-while a switch waits are refused (UNAVAILABLE), so the wait ends.
+while a switch waits are refused (UNAVAILABLE), so the wait ends. A SetRole back to the role the
+node has, while a switch waits, withdraws it (its asker is told ABORTED); once the switch is made,
+the same SetRole is a switch back like any other.
 """
 
 from __future__ import annotations
@@ -21,11 +23,12 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from kvbridge.common.logs import log_event
+from kvbridge.common.shown import shown
 from kvbridge.engine.batch import ForwardBatch
 from kvbridge.engine.request import Request
 from kvbridge.pipeline.agent import KVAgent
 from kvbridge.pipeline.log import SWITCH, LogEntry, Switched
-from kvbridge.pipeline.messages import Add, Answer, Fail, PeerDown, Register, SetRole
+from kvbridge.pipeline.messages import Add, Answer, Fail, PeerDown, Register, Revoke, Revoked, SetRole
 from kvbridge.pipeline.roles import Role
 
 if TYPE_CHECKING:
@@ -102,8 +105,11 @@ class ElasticRole:
         elif isinstance(msg, Register):  # a decode node late for a room of this node's last role
             why = f"this node serves {self.name} now: it has no room {msg.registration.room}"
             self.loop.outbox.put(Answer(msg.token, {"code": "FAILED_PRECONDITION", "error": why}))
+        elif isinstance(msg, Revoke):  # (a switch waits for every room of a prefill role to be revoked)
+            why = f"this node serves {self.name} now: it has no room {msg.room}"
+            self.loop.outbox.put(Answer(msg.token, {"code": "NOT_FOUND", "error": why}))
         else:
-            return isinstance(msg, (Fail, PeerDown))  # about requests of its last role: none is live
+            return isinstance(msg, (Fail, PeerDown, Revoked))  # about requests of its last role: none is live
         return True
 
     def tick(self, now: float) -> None:
@@ -155,8 +161,14 @@ class ElasticRole:
         if msg.role not in self.make:
             answer = {
                 "code": "INVALID_ARGUMENT",
-                "error": f"role must be one of {', '.join(self.make)}, got {msg.role!r}",
+                "error": f"role must be one of {', '.join(self.make)}, got {shown(msg.role)}",
             }
+        elif self.pending is not None and msg.role == self.name:  # back to the role it has: withdraw the switch
+            withdrawn, self.pending = self.pending, None
+            why = f"the switch to {withdrawn.role} was withdrawn: asked to stay {self.name}"
+            self.loop.outbox.put(Answer(withdrawn.token, {"code": "ABORTED", "error": why, "epoch": self.epoch}))
+            log_event(log, "role_switch_withdrawn", role=self.name, withdrawn=withdrawn.role, epoch=self.epoch)
+            answer = {"code": "", "error": "", "withdrew": withdrawn.role}
         elif self.pending is not None:
             answer = {"code": "ABORTED", "error": f"a switch to {self.pending.role} is in progress"}
         elif msg.role == self.name:

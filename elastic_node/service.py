@@ -13,6 +13,9 @@ A switch, on the server's loop:
 2. rank 0 waits until nothing is live (or ends what is live, with migrate: UNAVAILABLE, resumed
    by the router elsewhere), then every rank switches at one entry of its log;
 3. the node serves in its new role. A switch that cannot finish within wait_s changes nothing.
+A SetRole for the role the node has, while a switch waits, withdraws it: rank 0 drops the switch
+(whose caller is told ABORTED) and the node serves on as before; had rank 0 switched already, it is
+a switch back. A router withdraws its own switch so when the fleet changed under it (router/planner.py).
 """
 
 from __future__ import annotations
@@ -27,9 +30,10 @@ import grpc
 from grpc_health.v1 import health_pb2
 
 from kvbridge.common.logs import log_event
+from kvbridge.common.shown import shown
 from kvbridge.decode_node.service import DecodeGenerationService
 from kvbridge.elastic_node.role import ROLE_NAMES
-from kvbridge.pipeline.messages import Preallocated
+from kvbridge.pipeline.messages import Preallocated, Quarantined
 from kvbridge.prefill_node.service import BootstrapService, PrefillService
 from kvbridge.serving.colocated import ColocatedGeneration
 from kvbridge.serving.server import WATCH_S, NodeServer
@@ -87,6 +91,10 @@ class ElasticBootstrap(prefill_pb2_grpc.BootstrapServicer):
         await self._as_prefill(context)
         return await self.inner.Register(request, context)
 
+    async def Revoke(self, request, context):
+        # in any role: a node that switched away from prefill has no room left (NOT_FOUND, elastic_node/role.py)
+        return await self.inner.Revoke(request, context)
+
     async def _as_prefill(self, context) -> None:
         if self.server.role != "prefill":
             why = f"{self.server.address} is a {self.server.role} node now (an elastic node that switched role)"
@@ -104,7 +112,8 @@ class ElasticServer(NodeServer):
         if self.role not in ROLE_NAMES:
             raise ValueError(f"role must be one of {', '.join(ROLE_NAMES)}, got {self.role!r}")
         self.role_epoch = 0  # switches made
-        self.switching = ""  # the role a switch under way goes to
+        self.switching = ""  # the role a switch under way goes to (its own while a withdrawal is under way)
+        self._asks = 0  # SetRoles sent to rank 0 and not answered yet: 1, or 2 while one withdraws the other
         self._switch_began = 0.0
         super().__init__(host, port, metrics_port, settings)
 
@@ -119,11 +128,13 @@ class ElasticServer(NodeServer):
 
     def loaded(self) -> None:
         # as a decode node: rank 0 preallocated a request's pages; register its room with the prefill node
+        # (and revoke it there if its hand-off fails under way)
         self.node.front.handlers[Preallocated] = self.generation.decode.on_preallocated
+        self.node.front.handlers[Quarantined] = self.generation.decode.on_quarantined
 
     def stop(self, grace_s: float = 2.0):
         if self.loop.running:
-            self.loop.run(self.generation.decode.peers.close(), timeout=10)
+            self.loop.run(self.generation.decode.close(), timeout=10)
         return super().stop(grace_s)
 
     # ------------------------------------------------------------------ admission and health
@@ -160,35 +171,43 @@ class ElasticServer(NodeServer):
         role, old = request.role, self.role
         if role not in ROLE_NAMES:
             await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, f"role must be one of {', '.join(ROLE_NAMES)}, got {role!r}"
+                grpc.StatusCode.INVALID_ARGUMENT, f"role must be one of {', '.join(ROLE_NAMES)}, got {shown(role)}"
             )
         if not (request.wait_s >= 0 and math.isfinite(request.wait_s)):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"wait_s must be >= 0, got {request.wait_s}")
-        if self.switching:
-            ago = time.monotonic() - self._switch_began
+        withdraw = bool(self.switching) and role == old and self._asks == 1  # back to its role: withdraw the switch
+        if self.switching and not withdraw:
+            ago, to = time.monotonic() - self._switch_began, self.switching if self._asks == 1 else "(withdrawn)"
             await context.abort(
                 grpc.StatusCode.ABORTED,
-                f"a switch from {old} to {self.switching} is in progress (asked {ago:.1f} s ago): ask again when "
-                "it is done (Admin GetStatus: switching_to)",
+                f"a switch from {old} to {to} is in progress (asked {ago:.1f} s ago): ask again when "
+                f"it is done (Admin GetStatus: switching_to), or ask for {old} to withdraw it",
             )
-        if self.node is None or self.dead or self.draining:
+        if not withdraw and (self.node is None or self.dead or self.draining):
             state = "still loading" if self.node is None else "lost a rank" if self.dead else "draining"
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"the {old} node is {state}: it cannot switch")
         answer = admin_pb2.SetRoleResponse(old_role=old, role=role, role_epoch=self.role_epoch, node=self.address)
-        if role == old:
+        if role == old and not withdraw:
             return answer
-        began = self._switch_began = time.monotonic()
-        self.switching = role
-        self._update_health()  # NOT_SERVING: routers stop picking it
-        log_event(log, "role_switch_begin", old=old, role=role, address=self.address, migrate=request.migrate)
+        began, withdrawn = time.monotonic(), self.switching
+        self.switching = role  # (withdrawing: its own role; NOT_SERVING still, until both answers are in)
+        if not withdraw:
+            self._switch_began = began
+            self._update_health()  # NOT_SERVING: routers stop picking it
+        event = "role_switch_withdraw" if withdraw else "role_switch_begin"
+        log_event(log, event, old=old, role=role, address=self.address, migrate=request.migrate)
         wait_s = request.wait_s or DEFAULT_WAIT_S
         # (the switch goes on if the caller goes away: its end, whenever, sets the role and health)
         asked = asyncio.ensure_future(self.node.front.set_role(role, wait_s, request.migrate))
+        self._asks += 1
         asked.add_done_callback(functools.partial(self._switch_done, role))
         done = await self._answer_of(asked, wait_s)
         if done["code"]:
             log_event(log, "role_switch_failed", logging.WARNING, old=old, role=role, error=done["error"])
             await context.abort(getattr(grpc.StatusCode, done["code"]), done["error"])
+        if done.get("withdrew"):  # rank 0 had not switched yet: it stays, the switch's asker is told ABORTED
+            log_event(log, "role_switch_withdrawn", role=old, withdrawn=withdrawn, address=self.address)
+            return answer
         switch_s = time.monotonic() - began
         answer.role_epoch, answer.drain_s, answer.switch_s = done["epoch"], done["waited_s"], switch_s
         log_event(
@@ -209,10 +228,15 @@ class ElasticServer(NodeServer):
         return asked.result()
 
     def _switch_done(self, role: str, asked: asyncio.Future) -> None:
+        """A SetRole to rank 0 ended. Two may be out at once (a switch, and the SetRole back that
+        withdraws it or, once it was made, switches back), their answers in either order: the role
+        is the one of the latest switch made (its epoch), and the node serves again once both ended."""
         done = None if asked.cancelled() or asked.exception() else asked.result()
-        if done is not None and not done["code"]:
+        if done is not None and not done["code"] and done["epoch"] > self.role_epoch:  # (a switch made)
             self.role = self.node.role = role
             self.node.front.kv_events.role = role
             self.role_epoch = done["epoch"]
-        self.switching = ""
-        self._set_health(self.serving)  # (the role's services, even if `serving` did not change)
+        self._asks -= 1
+        if not self._asks:
+            self.switching = ""
+            self._set_health(self.serving)  # (the role's services, even if `serving` did not change)

@@ -11,10 +11,16 @@ A file checked once is not hashed again while its inode, size, mtime and ctime a
 checked (the `.verified` stamp beside it): any write to it changes its ctime. Files are
 written under a unique temporary name and renamed into place, so a crash mid-write leaves
 nothing that looks valid and two processes building at once do not mix their bytes.
+
+The cache only spares later loads work: a cache that cannot be written (the directory read-only,
+full, or a file where it should be: any OSError) costs one warning naming the path and the error,
+and the load serves the weights from memory. So does a fingerprint memo (Hugging Face directories)
+that cannot be written; one that cannot be read is computed again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -26,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from kvbridge.common.paths import cache_dir
@@ -161,15 +167,22 @@ def load_gguf(path: Path, *, progress: bool = True, source: str | None = None) -
     key = hashlib.sha256(f"{CACHE_FORMAT}:{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:24]
     cached = cache_dir() / f"{key}.safetensors"
     sidecar = cached.with_suffix(".json")  # config and tokenizer (parsing GGUF metadata takes seconds), digests
-    if cached.exists() or sidecar.exists():
+    if os.path.exists(cached) or os.path.exists(sidecar):  # (False too where they cannot be looked at)
         try:
             return _load_cached(cached, sidecar, source or str(path), progress)
         except _BadCache as e:
             log.warning("weight cache %s %s: rebuilding it from %s", cached, e, path)
     config, weights, tokenizer = _dequantize_gguf(path, progress)
     fingerprint = _file_digest([path])
-    _write_cache(cached, sidecar, weights, config, tokenizer, {"fingerprint": fingerprint, "source": str(path)})
+    try:
+        _write_cache(cached, sidecar, weights, config, tokenizer, {"fingerprint": fingerprint, "source": str(path)})
+    except (OSError, SafetensorError) as e:  # (safetensors reports its I/O errors as SafetensorError)
+        log.warning("weight cache %s cannot be written (%s): serving %s from memory", cached, _why(e), path)
     return LoadedModel(config, weights, tokenizer, fingerprint, source or str(path))
+
+
+def _why(error: Exception) -> str:
+    return f"{type(error).__name__}: {error}"
 
 
 class _BadCache(Exception):
@@ -216,7 +229,10 @@ def _check_file(fh, cached: Path, info: dict, progress: bool) -> None:
     digest = _sha256(fh, st.st_size, f"checking {cached.name}", progress)
     if digest != info["digest"]:
         raise _BadCache(f"does not match the digest recorded when it was written ({digest} != {info['digest']})")
-    _write_atomically(stamp, json.dumps(identity).encode())
+    try:
+        _write_atomically(stamp, json.dumps(identity).encode())
+    except OSError as e:  # (a read-only cache: served all the same, checked again next time)
+        log.warning("weight cache %s cannot be written (%s): %s is hashed again at every load", stamp, _why(e), cached)
 
 
 def _read_stamp(stamp: Path) -> list | None:
@@ -240,7 +256,7 @@ def _write_cache(
             digest = _sha256(fh, size, "", progress=False)
         os.replace(tmp, cached)
     finally:
-        tmp.unlink(missing_ok=True)
+        _remove(tmp)
     info = {"config": config.to_json(), "tokenizer": tokenizer.to_json() if tokenizer else None}
     info |= {"bytes": size, "digest": digest, "info_digest": _info_digest(info)}
     _write_atomically(sidecar, json.dumps(info).encode())
@@ -252,7 +268,13 @@ def _write_atomically(path: Path, data: bytes) -> None:
         tmp.write_bytes(data)
         os.replace(tmp, path)
     finally:
-        tmp.unlink(missing_ok=True)
+        _remove(tmp)
+
+
+def _remove(tmp: Path) -> None:
+    """A temporary file gone, if it was made (an error removing it is not the one to report)."""
+    with contextlib.suppress(OSError):
+        tmp.unlink()
 
 
 def _temporary(path: Path) -> Path:
@@ -347,12 +369,27 @@ def load_hf_dir(path: Path, *, progress: bool = True) -> LoadedModel:
         config = _replace(config, tie_word_embeddings=True)
     digest_key = f"{path.resolve()}:" + ":".join(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files)
     memo = cache_dir() / "fingerprints.json"
-    known = json.loads(memo.read_text()) if memo.exists() else {}
+    known = _read_memo(memo)
     if digest_key not in known:
         known[digest_key] = _file_digest([path / "config.json", *files])
-        memo.parent.mkdir(parents=True, exist_ok=True)
-        memo.write_text(json.dumps(known))
+        try:
+            memo.parent.mkdir(parents=True, exist_ok=True)
+            _write_atomically(memo, json.dumps(known).encode())
+        except OSError as e:
+            log.warning(
+                "fingerprint memo %s cannot be written (%s): %s is hashed again at every load", memo, _why(e), path
+            )
     return LoadedModel(config, weights, Tokenizer.from_hf_dir(path), known[digest_key], str(path))
+
+
+def _read_memo(memo: Path) -> dict[str, str]:
+    """The fingerprints memo (a directory's files' names, sizes and times -> digest); {} when it is
+    missing, unreadable or not such a mapping: computed again, and rewritten."""
+    try:
+        known = json.loads(memo.read_text())
+    except (OSError, ValueError):
+        return {}
+    return known if isinstance(known, dict) and all(isinstance(v, str) for v in known.values()) else {}
 
 
 # ---------------------------------------------------------------- tiny-random

@@ -27,8 +27,9 @@ Decode rank (one KVReceiverEndpoint per rank process; ReceiverConfig):
       on the daemon's own timeout or abort.
   forget(room)
       when the request leaves the transfer queue (joined decoding, failed, aborted): waits for
-      copies into its pages in flight. With shm/cuda_ipc the prefill rank writes directly:
-      reuse an aborted room's pages only after the prefill side reported it terminal.
+      copies into its pages in flight; later writes and notices of the room are refused (NOT_FOUND).
+      With shm/cuda_ipc the prefill rank writes directly: reuse an aborted room's pages only after
+      every prefill rank revoked it (the prefill side's revoke(), below).
   close()
       at shutdown: stops the service, unlinks the pool's segment.
   remove_segments_of(pid)
@@ -53,8 +54,13 @@ Prefill rank (one Sender per backend per rank process; make_sender(name, pool, r
       landed. SUCCESS when all acknowledged (consensus `transferred`: pages may be freed).
   abort(room, reason)
       on abort or timeout: FAILED here and a TransferDone with the error to the decode ranks.
+  revoke(room, then)
+      when the request ends early (abort, timeout, the decode node's Bootstrap.Revoke): no write
+      into the room starts any more, its queued pushes are dropped, and then() runs once no write
+      into it is under way. The decode node hands the room's pages out again only after every
+      prefill rank did this (shm and cuda_ipc write into its pool directly).
   poll(room) / reason(room) / pop_changes() / on_change, forget(room), close()
-      as on the decode side.
+      as on the decode side (forget: revoke without waiting for the report).
 
 KVPoll (poll.py): BOOTSTRAPPING -> WAITING_FOR_INPUT -> TRANSFERRING -> SUCCESS, or FAILED
 from any non-terminal state; moving backwards or out of a terminal state raises.

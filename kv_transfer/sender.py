@@ -3,6 +3,11 @@
 The daemon's calls return at once; the worker runs them in order, so a room's pushes land
 before its TransferDone notices go out. Backends (kv_transfer/backends/) subclass Sender and
 fill in how to open a connection to one decode rank and how to write pages through it.
+
+A revoked room (revoke(): the decode node gave up on it and will hand its pages to other
+requests) is written no more: the worker checks, under the lock revoke() takes, that a room is
+still connected before each write to each decode rank, and revoke() reports the room revoked
+(`then`) only once no write into it is under way.
 """
 
 from __future__ import annotations
@@ -99,6 +104,10 @@ class Sender:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._peers: dict[str, _Peer] = {}  # worker only: backend key -> connection
         self._stubs: dict[str, tuple[grpc.Channel, kv_transfer_pb2_grpc.KVReceiverStub]] = {}  # worker only
+        self._writing: SenderRoom | None = None  # the room a write is copying into now (under _lock)
+        self._after_write: list[Callable[[], None]] = []  # revoke()'s reports waiting for that write (under _lock)
+        self.writes = 0  # writes started (one per decode rank a push reached); worker only
+        self.writes_dropped = 0  # writes not made: their room was revoked (or forgotten) first; worker only
         self._last_maintain = time.monotonic()
         self._scratch_buf = torch.empty(0, dtype=torch.uint8, device=pool.buffer.device)  # worker only
         self._worker = threading.Thread(target=self._run, name=f"kv-sender-{self.name}-{rank}", daemon=True)
@@ -161,14 +170,29 @@ class Sender:
         self.board.flush()
 
     def forget(self, room: int) -> None:
-        """The daemon is done with the room (it is terminal, or abandoned). Its number may be
-        connected again at once: jobs of the old room still queued are skipped (every job carries
-        its SenderRoom), except an error notice, which still goes out."""
+        """The daemon is done with the room (it is terminal): revoke() without waiting. Jobs of the
+        old room still queued are skipped (every job carries its SenderRoom), except an error
+        notice, which still goes out."""
+        self.revoke(room)
+
+    def revoke(self, room: int, then: Callable[[], None] | None = None) -> None:
+        """The decode node gave up on the room (or this node did): drop it, so that no write into its
+        pages starts from now on, and call `then()` once none is under way: at once, or on the worker
+        right after the write it is making into the room ends. Its pushes still queued are dropped
+        (`writes_dropped`); its number may be connected again at once. A room not connected here is
+        revoked already."""
         self.board.remove(room)
         with self._lock:
             r = self._rooms.pop(room, None)
+            if r is not None and then is not None and self._writing is r:
+                self._after_write.append(then)
+                then = None
         if r is not None:
             self._jobs.put(("forget", r))
+        if then is not None:
+            if r is not None:
+                self._settle()
+            then()
 
     def push_seconds(self, room: int) -> float:
         """Time this rank spent writing the room's pages, over every decode rank (0 once forgotten)."""
@@ -186,7 +210,7 @@ class Sender:
         return self.board.pop_changes()
 
     def close(self) -> None:
-        """Stop the worker after the queued jobs, and close every connection."""
+        """Stop the worker after the queued jobs (a revoked room's are dropped), and close every connection."""
         if self._worker.is_alive():
             self._jobs.put(None)
             self._worker.join()
@@ -212,6 +236,10 @@ class Sender:
 
     def _sync(self, conn) -> None:
         """Make every write visible to the decode rank (before its notice goes out)."""
+
+    def _settle(self) -> None:
+        """Make every write issued so far land (revoke(), from the daemon's thread): for a backend
+        whose writes return before their copy ends."""
 
     def _ping(self, conn) -> None:
         """Keep an idle connection alive."""
@@ -270,6 +298,8 @@ class Sender:
             self._notify(r, 0, job[2])
             return
         if not current:
+            if kind == "push":
+                self.writes_dropped += len(r.targets)
             return
         try:
             if room in self.board and not self.board.poll(room).is_terminal:
@@ -297,14 +327,33 @@ class Sender:
                     "kv push", r.trace, attributes=where | {"server.address": t.info.receiver_addr}
                 )
             began = time.perf_counter_ns()
+            with self._lock:  # (revoke() takes it: it drops the room before this, or waits for the write)
+                if self._rooms.get(r.room) is not r:
+                    self.writes_dropped += len(r.targets) - r.targets.index(t)
+                    return
+                self._writing = r
             try:
                 n = self._write(conn, r, t, src, dst)
             except Exception:
                 self._drop_peer(key)  # a broken connection is reopened by the next room
                 raise
+            finally:
+                self._written()
             r.push_ns[rank] = r.push_ns.get(rank, 0) + time.perf_counter_ns() - began
             r.bytes_sent[rank] = r.bytes_sent.get(rank, 0) + n
             self._peers[key].last_used = time.monotonic()
+
+    def _written(self) -> None:
+        """A write ended (or failed): if revoke() waited for it, make it land (an asynchronous copy,
+        cuda_ipc) and report the room revoked."""
+        with self._lock:
+            self._writing = None
+            waiting, self._after_write = self._after_write, []
+        self.writes += 1
+        if waiting:
+            self._settle()
+            for then in waiting:
+                then()
 
     def _do_finish(self, r: SenderRoom, num_tokens: int) -> None:
         for t in r.targets:

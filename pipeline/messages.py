@@ -1,9 +1,10 @@
 """What a node's front and its rank 0 say to each other, over the RankGroup's two queues.
 
-    front -> rank 0 (RankGroup.inbox)     Add, Abort, Ask, Shutdown; Register (prefill node);
-                                       Fail, PeerDown (decode node); SetRole (elastic node);
+    front -> rank 0 (RankGroup.inbox)     Add, Abort, Ask, Shutdown; Register, Revoke (prefill node);
+                                       Fail, PeerDown, Revoked (decode node); SetRole (elastic node);
                                        Wake (rank 0's own consensus thread: decisions arrived)
-    rank 0 -> front (RankGroup.outbox)    Token, Finish, Answer, CacheEvents; Preallocated (decode node)
+    rank 0 -> front (RankGroup.outbox)    Token, Finish, Answer, CacheEvents; Preallocated,
+                                       Quarantined (decode node)
 
 Frozen dataclasses, dispatched by type (`match msg: case Add(): ...`). They cross a local
 multiprocessing queue between the front and the rank process it spawned, never a network
@@ -78,6 +79,15 @@ class Register:
 
 
 @dataclass(frozen=True)
+class Revoke:
+    """Prefill node: a decode node gave up on `room` (Bootstrap.Revoke, checked). Rank 0 answers with
+    an Answer carrying `token` once no rank writes into the room: {"code": "" or "NOT_FOUND", "error"}."""
+
+    room: int
+    token: int
+
+
+@dataclass(frozen=True)
 class Fail:
     """Decode node: the front could not finish the request's hand-off (its registration failed)."""
 
@@ -91,6 +101,15 @@ class PeerDown:
     """Decode node: a prefill node is unreachable; requests waiting for its KV cannot get it."""
 
     addr: str
+
+
+@dataclass(frozen=True)
+class Revoked:
+    """Decode node: the prefill node revoked `room` on every rank (or knows no such room): nothing of
+    it writes into the pages of `rid`, which rest in the quarantine until now."""
+
+    rid: str
+    room: int
 
 
 @dataclass(frozen=True)
@@ -161,11 +180,21 @@ class Preallocated:
 
 
 @dataclass(frozen=True)
+class Quarantined:
+    """Decode node: the hand-off of `rid` failed while its KV may still be landing; its pages rest in
+    the quarantine until the prefill node at `peer` revokes `room` (the front asks it: Revoked)."""
+
+    rid: str
+    room: int
+    peer: str  # the prefill node's address (normalized, as PrefillPeers keys it)
+
+
+@dataclass(frozen=True)
 class CacheEvents:
     """Rank 0's prefix cache changed (engine/prefix_cache.py): (kind, block hashes), in order."""
 
     events: tuple[tuple[str, tuple[int, ...]], ...]
 
 
-ToRank0 = Add | Abort | Ask | Shutdown | Register | Fail | PeerDown | SetRole | Wake
-ToFront = Token | PromptLogprobs | Finish | Answer | Preallocated | CacheEvents
+ToRank0 = Add | Abort | Ask | Shutdown | Register | Revoke | Fail | PeerDown | Revoked | SetRole | Wake
+ToFront = Token | PromptLogprobs | Finish | Answer | Preallocated | Quarantined | CacheEvents

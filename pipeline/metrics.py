@@ -76,6 +76,11 @@ class RankRecorder:
         """Decode node: prompt pages its prefix cache held, so they were not moved."""
         self._m.pages_skipped.inc(pages)
 
+    def quarantine_released(self, reason: str) -> None:
+        """Decode node: a failed hand-off's pages left the quarantine (reason: "revoked", "prefill_gone",
+        "timeout", "shutdown")."""
+        self._m.quarantine_releases.labels(reason).inc()
+
     # rank 0's consensus channel
     def round_done(self, seconds: float) -> None:
         self._m.rounds.inc()
@@ -97,6 +102,11 @@ class RankRecorder:
     def handed_off(self, seconds: float) -> None:
         """Prefill rank 0: a request's hand-off after its prefill (routed and computed, to every push landed)."""
         self._m.handoff.observe(seconds)
+
+    def room_revoked(self, rank: int) -> None:
+        """Prefill node: the rank's sender dropped the room of a request that ended early (no write into it
+        under way any more)."""
+        self._m.rooms_revoked.labels(str(rank)).inc()
 
     def transfer_failed(self, rank: int, reason: str) -> None:
         """reason: the backend's words (bounded to a few labels here) or "injected"."""

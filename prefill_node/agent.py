@@ -11,6 +11,10 @@ chunks computed before it are remembered (`Unrouted`) and pushed the moment it a
 last rank's first token with them. Consensus stream it feeds: PREFILL_TRANSFERRED (PENDING
 from the route on; READY once every push and notice of the request landed; FAILED when a
 connection, push or notice failed). Its sender reports state changes from its own thread.
+
+A routed request that ends early (ABORT) has its room revoked: the sender drops it and reports,
+once no write into it is under way, READY under the room's own key in PREFILL_TRANSFERRED
+(`revocation_key`); rank 0 answers the decode node's Bootstrap.Revoke once every rank did.
 """
 
 from __future__ import annotations
@@ -34,6 +38,12 @@ from kvbridge.pipeline.log import ABORT, FINISH, REUSE, ROUTE, LogEntry
 from kvbridge.pipeline.metrics import RankRecorder
 
 log = logging.getLogger("kvbridge.transfer")
+
+
+def revocation_key(room: int) -> str:
+    """The consensus key (PREFILL_TRANSFERRED) under which every rank reports `room` revoked: never a
+    request's rid (a space is not one of a rid's characters, common/limits.py RID_CHARS)."""
+    return f"revoked {room}"
 
 
 @dataclass
@@ -105,9 +115,12 @@ class PrefillAgent(KVAgent):
             if route is None:
                 return
             sender = self._sender(route.backend)
-            if d.kind == ABORT:
-                sender.abort(route.room, "aborted by the prefill node")
-            sender.forget(route.room)
+            if d.kind == FINISH:  # (every rank's pushes landed: nothing of the room is left to write)
+                sender.forget(route.room)
+                return
+            room = route.room
+            sender.abort(room, "aborted by the prefill node")
+            sender.revoke(room, then=lambda: self._revoked(room))
 
     # ---------------------------------------------------------------- compute
 
@@ -183,10 +196,18 @@ class PrefillAgent(KVAgent):
             self.recorder.transfer_failed(self.rank, change.reason)
             self.chan.set_local(Stream.PREFILL_TRANSFERRED, rid, LocalStatus.FAILED)
 
+    def _revoked(self, room: int) -> None:
+        """No write into `room` is under way on this rank, nor will start (the loop's or the sender's thread)."""
+        self.recorder.room_revoked(self.rank)
+        self.chan.set_local(Stream.PREFILL_TRANSFERRED, revocation_key(room), LocalStatus.READY)
+
     def holding(self) -> int:
         return len(self.routes) + len(self.unrouted)
 
     def close(self) -> None:
+        """Every room dropped first: a rank whose front died writes nothing more while it exits."""
+        for route in list(self.routes.values()):  # (the rank's loop may still run: see pipeline/group.py)
+            self._sender(route.backend).revoke(route.room)
         for sender in self.senders.values():
             sender.close()
 

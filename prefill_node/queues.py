@@ -5,6 +5,9 @@
 
 A request registered before its first token was sampled goes from the scheduler straight to
 inflight. Both queues hold requests whose pages the scheduler keeps (`hold_finished`).
+
+A routed request that ends early leaves its room in the revocations until every rank has dropped
+it (consensus, prefill_node/agent.py revocation_key): only then is a decode node's Revoke answered.
 """
 
 from __future__ import annotations
@@ -65,3 +68,35 @@ class Registrations:
     def drop_oldest(self) -> None:
         if self._by_room:
             del self._by_room[next(iter(self._by_room))]
+
+
+class Revocations:
+    """Rooms of routed requests that ended early, from their ABORT until every rank reported the room
+    revoked under its consensus key (no write into it under way or to come), with the Revoke calls
+    waiting for that."""
+
+    def __init__(self) -> None:
+        self._waiting: dict[int, list[int]] = {}  # room -> tokens of the Revoke messages to answer
+        self.keys: dict[str, int] = {}  # consensus key -> room
+
+    def __contains__(self, room: int) -> bool:
+        return room in self._waiting
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    def begin(self, room: int, key: str) -> None:
+        self._waiting.setdefault(room, [])
+        self.keys[key] = room
+
+    def wait(self, room: int, token: int) -> bool:
+        """Answer `token` once `room` is revoked everywhere; False when it is not being revoked."""
+        if room not in self._waiting:
+            return False
+        self._waiting[room].append(token)
+        return True
+
+    def done(self, key: str) -> tuple[int, list[int]]:
+        """Every rank revoked the room of `key`: (the room, the tokens to answer)."""
+        room = self.keys.pop(key)
+        return room, self._waiting.pop(room)

@@ -7,6 +7,11 @@ becomes a ROUTE entry of the node's log: each rank then pushes what it computed 
 as soon as it learns it, and every later chunk right after its forward; the last rank holds the
 first token until then. A failure on any rank (consensus FAILED) or an abort ends the request on
 every rank.
+
+A decode node that gives up on a room (Bootstrap.Revoke: a Revoke message) ends its request here
+too, and is answered only once no rank writes into the room: a routed request's ABORT makes every
+rank's sender drop the room and report it (prefill_node/agent.py revocation_key), and the
+decode node keeps the room's pages out of use until then.
 """
 
 from __future__ import annotations
@@ -23,10 +28,11 @@ from kvbridge.engine.request import Handoff, Phase, Request
 from kvbridge.kv_transfer.handoff import Registration
 from kvbridge.pipeline.control import ControlChannel
 from kvbridge.pipeline.log import ABORT, FINISH, ROUTE
-from kvbridge.pipeline.messages import Add, Answer, Register
+from kvbridge.pipeline.messages import Add, Answer, Register, Revoke
 from kvbridge.pipeline.rank0 import Rank0Loop
-from kvbridge.pipeline.roles import Deadlines, live_rulings
-from kvbridge.prefill_node.queues import BootstrapQueue, InflightQueue, Registrations
+from kvbridge.pipeline.roles import Deadlines
+from kvbridge.prefill_node.agent import revocation_key
+from kvbridge.prefill_node.queues import BootstrapQueue, InflightQueue, Registrations, Revocations
 
 log = logging.getLogger("kvbridge.prefill")
 
@@ -39,6 +45,7 @@ class PrefillRole:
         self.bootstrap = BootstrapQueue()
         self.inflight = InflightQueue()
         self.rooms: dict[int, str] = {}  # room -> rid of every live request (one request per room)
+        self.revoking = Revocations()  # rooms of routed requests that ended early, until every rank dropped them
         self.deadlines = Deadlines()
 
     def bind(self, loop: Rank0Loop) -> None:
@@ -62,7 +69,7 @@ class PrefillRole:
         req.params = replace(req.params, max_new_tokens=first, min_tokens=min(req.params.min_tokens, first))
         room = add.pairing.room  # (the Prefill service sends every request with its room)
         req.handoff = Handoff(room, caller=add.pairing.caller)
-        if room in self.rooms:  # the registration for it would route this request's KV to another's pages
+        if room in self.rooms or room in self.revoking:  # its registration would route this KV to another's pages
             req.finish_reason = "error"
             error = f"room {room} is in use by another request"
             self.loop.retire(req, ABORT, error=error, code="ALREADY_EXISTS")
@@ -79,8 +86,11 @@ class PrefillRole:
     def handle(self, msg: object) -> bool:
         if isinstance(msg, Register):
             self.loop.outbox.put(Answer(msg.token, self._register(msg.registration)))
-            return True
-        return False
+        elif isinstance(msg, Revoke):
+            self._revoke(msg)
+        else:
+            return False
+        return True
 
     def _register(self, registration: Registration) -> dict:
         """A decode node's registration of a room: routes its request, or waits for it; the verdict."""
@@ -89,7 +99,7 @@ class PrefillRole:
         if rid is not None and not self.loop.requests[rid].handoff.routed:
             if error := self._route(self.loop.requests[rid], registration):
                 return {"code": "FAILED_PRECONDITION", "error": error}
-        elif rid is not None or room in self.registrations:  # a second registration would redirect its KV
+        elif rid is not None or room in self.registrations or room in self.revoking:  # (it would redirect its KV)
             return {"code": "ALREADY_EXISTS", "error": f"room {room} is registered already"}
         elif (verdict := self.ended.pop(room)) is not None:
             return verdict
@@ -98,6 +108,23 @@ class PrefillRole:
         else:
             self.registrations.add(room, registration, time.perf_counter())
         return {"code": "", "error": ""}
+
+    def _revoke(self, msg: Revoke) -> None:
+        """A decode node gave up on a room: its request here ends; answered once no rank writes into
+        the room (at once when no rank was ever told where its KV goes)."""
+        room = msg.room
+        rid = self.rooms.get(room)
+        if rid is not None:
+            why = f"the decode node gave up on room {room} (Bootstrap.Revoke)"
+            self.fail(self.loop.requests[rid], why, "CANCELLED", reason="abort")
+        if self.revoking.wait(room, msg.token):  # routed: every rank drops the room on its ABORT (tick answers)
+            return
+        answer = {"code": "", "error": ""}
+        if rid is None and self.registrations.pop(room) is None:
+            answer = {"code": "NOT_FOUND", "error": f"room {room} is not known here: nothing of this node writes it"}
+            if room not in self.ended:  # a registration of it still on its way is refused
+                self._remember(room, "FAILED_PRECONDITION", f"room {room} was revoked by its decode node")
+        self.loop.outbox.put(Answer(msg.token, answer))
 
     def _route(self, req: Request, registration: Registration) -> str:
         """Every rank learns where the KV goes (a ROUTE entry), connects and pushes what it has. A
@@ -129,7 +156,13 @@ class PrefillRole:
         return self.chan.has_changes
 
     def tick(self, now: float) -> None:
-        for req, ruling in live_rulings(self.chan, self.loop):
+        for ruling in self.chan.take_decisions():
+            if ruling.rid in self.revoking.keys:
+                self._revoked(ruling.rid)
+                continue
+            req = self.loop.requests.get(ruling.rid)
+            if req is None:  # (ended here already)
+                continue
             if ruling.verdict in (Verdict.FAILED, Verdict.ABORTED):
                 self.fail(req, "the KV transfer failed on a prefill rank", "UNAVAILABLE")
             elif self.inflight.on_verdict(req, ruling):
@@ -142,6 +175,13 @@ class PrefillRole:
             self.ended.expire(now)
             for req in self.deadlines.overdue(self.loop, now):
                 self._time_out(req)
+
+    def _revoked(self, key: str) -> None:
+        """Every rank reported the room revoked: no write into it is under way or to come."""
+        room, tokens = self.revoking.done(key)
+        log_event(log, "revoked", room=room_tag(room), waiting=len(tokens))
+        for token in tokens:
+            self.loop.outbox.put(Answer(token, {"code": "", "error": ""}))
 
     def _time_out(self, req: Request) -> None:
         h, config = req.handoff, self.config
@@ -252,6 +292,8 @@ class PrefillRole:
     def fail(self, req: Request, error: str, code: str, reason: str = "error", **event) -> None:
         if not req.handoff.routed:
             self._remember_end(req, error, code)
+        else:  # every rank drops the room on the ABORT below and reports it (tick)
+            self.revoking.begin(req.handoff.room, revocation_key(req.handoff.room))
         self.bootstrap.remove(req)
         self.inflight.remove(req)
         self._release_room(req)
@@ -261,10 +303,14 @@ class PrefillRole:
     def _remember_end(self, req: Request, error: str, code: str) -> None:
         """`req` ends before its decode node registered: a registration of its room (within
         --bootstrap-timeout-s) is answered with this, so the decode node fails the request at once."""
+        why = f"room {req.handoff.room}: its request ended on the prefill node before the registration ({error})"
+        self._remember(req.handoff.room, code, why)
+
+    def _remember(self, room: int, code: str, why: str) -> None:
+        """A registration of `room` within --bootstrap-timeout-s is refused with `code` and `why`."""
         if self.ended.full():
             self.ended.drop_oldest()
-        why = f"room {req.handoff.room}: its request ended on the prefill node before the registration ({error})"
-        self.ended.add(req.handoff.room, {"code": code, "error": why}, time.perf_counter())
+        self.ended.add(room, {"code": code, "error": why}, time.perf_counter())
 
     def evicted(self, req: Request, pages: list[int]) -> None:
         raise AssertionError("a prefill scheduler recomputes what it preempts")
@@ -288,7 +334,8 @@ class PrefillRole:
         return []  # its queues' pages are the scheduler's held ones
 
     def resting(self) -> set[str]:
-        return set()
+        """The keys of rooms being revoked (they hold no page): an elastic node switches only without them."""
+        return set(self.revoking.keys)
 
     def transfers_in_flight(self) -> int:
         return len(self.inflight)

@@ -64,10 +64,14 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         await context.abort(grpc.StatusCode.UNAVAILABLE, "the prefill node stopped")
 
 
+REVOKE_WAIT_S = 30.0  # longest wait for every rank to drop a revoked room (DEADLINE_EXCEEDED: the caller asks again)
+
+
 class BootstrapService(prefill_pb2_grpc.BootstrapServicer):
-    """Served while draining too: the rooms of requests in flight still get registered. Both calls
-    prove the fleet key: GetLayout signs its answer over the caller's nonce, and Register is
-    refused unless signed with it (only a decode node of the fleet names pages to write)."""
+    """Served while draining too: the rooms of requests in flight still get registered (and revoked).
+    Every call proves the fleet key: GetLayout signs its answer over the caller's nonce, and
+    Register and Revoke are refused unless signed with it (only a decode node of the fleet names
+    pages to write, or takes them back)."""
 
     def __init__(self, server: NodeServer):
         self.server = server
@@ -147,6 +151,30 @@ class BootstrapService(prefill_pb2_grpc.BootstrapServicer):
         if verdict["code"]:
             await context.abort(getattr(grpc.StatusCode, verdict["code"]), verdict["error"])
         return prefill_pb2.RegisterResponse()
+
+    async def Revoke(self, request, context):
+        """A decode node gave up on a room: answered once no rank of this node writes into it (its
+        request here ends CANCELLED); NOT_FOUND for a room not known here."""
+        if not message_proof_ok(self.fleet_key, request):  # before anything else: nothing is kept of it
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"room {request.room}: revocation not signed by a fleet member (RevokeRequest.proof is not the "
+                "fleet key's; SECURITY.md)",
+            )
+        if not request.room:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "room is required")
+        if self.node is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the prefill node is still loading")
+        remaining = context.time_remaining()
+        wait_s = REVOKE_WAIT_S if remaining is None else min(REVOKE_WAIT_S, remaining)
+        try:
+            verdict = await self.node.front.revoke(request.room, timeout=wait_s)
+        except TimeoutError:
+            why = f"room {request.room}: not every rank dropped it within {wait_s:g} s"
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, why)
+        if verdict["code"]:
+            await context.abort(getattr(grpc.StatusCode, verdict["code"]), verdict["error"])
+        return prefill_pb2.RevokeResponse()
 
 
 class PrefillServer(NodeServer):

@@ -25,6 +25,8 @@ idle_stream_timeout_s if its host went silent (dispatch.py says why).
                     ClearPrefixCache)
     openai_api.py   OpenAI JSON <-> GenerateRequest / GenerateResponse
     http.py         the HTTP server (Starlette on uvicorn): limits, timeouts, SSE streaming
+    connection.py   one HTTP connection: header timeout, body limit, refusals (then read out and closed)
+    worker.py       one worker thread for large bodies and large answer parts, off the loop
     server.py       start_router(config) -> Router
     cli.py          `kvbridge router`
 """

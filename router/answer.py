@@ -5,6 +5,13 @@ One JSON body once every routed request ended, or an event per response as it co
 true). The status waits for the first response, so a request that fails before any gets its own
 status; one that fails later ends its stream with an error event. A task watches the client
 meanwhile: gone, every routed request is cancelled upstream.
+
+The loop stays free for other requests (and /health) however large the answer: a response whose
+part is made from over INLINE_RESPONSE_BYTES (Reply.cost: a prompt's logprobs, echoed and as
+prompt_logprobs, come again on every choice's first event: a 1,000-token prompt's with 20
+alternatives make a 1.5 MB event, ~0.2 s of work) is made into its part of the answer in the
+router's worker thread (router/worker.py), and a stream lets the loop run after each YIELD_BYTES of
+events sent (Fanout queues responses: several can come without a wait between them).
 """
 
 from __future__ import annotations
@@ -23,9 +30,12 @@ from kvbridge.router.failures import RouteError
 from kvbridge.router.openai_api import error_body
 from kvbridge.router.reply import Reply
 from kvbridge.router.routed import CLIENT_CANCELLED, Routed
+from kvbridge.router.worker import json_pieces, offloaded
 from kvbridge.v1 import generation_pb2
 
 SEND_BYTES = 1 << 20  # a whole answer goes out in writes of about this many bytes
+INLINE_RESPONSE_BYTES = 16 << 10  # a response whose Reply.cost is up to this is added on the loop (~5 ms at most)
+YIELD_BYTES = 1 << 20  # a stream's events sent before the loop runs other tasks, at most (and one event more)
 
 
 class Fanout:
@@ -115,7 +125,11 @@ class HTTPAnswer:
     async def _whole(self, responses: AsyncIterator, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             async for prompt, resp in responses:
-                self.reply.add(resp, prompt)  # (RouteError past --max-answer-bytes: the 400 below)
+                # (RouteError past --max-answer-bytes: the 400 below)
+                if self.reply.cost(resp, prompt) <= INLINE_RESPONSE_BYTES:
+                    self.reply.add(resp, prompt)
+                else:
+                    await offloaded(self.reply.add, resp, prompt)
             self.reply.check_complete()
         except RouteError as e:
             await error(e.code, e.message)(scope, receive, send)
@@ -132,22 +146,47 @@ class HTTPAnswer:
             return
         headers = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
+        unyielded = 0  # bytes of events sent since the loop last ran other tasks
         try:
             if first is not None:
-                await self._event(send, self.reply.add(first[1], first[0]))
+                unyielded += await self._event(send, *first)
             async for prompt, resp in responses:
-                await self._event(send, self.reply.add(resp, prompt))
+                unyielded += await self._event(send, prompt, resp)
+                if unyielded >= YIELD_BYTES:
+                    await asyncio.sleep(0)
+                    unyielded = 0
             self.reply.check_complete()
-            await self._event(send, self.reply.usage_chunk())
+            await _send_event(send, _event_data(self.reply.usage_chunk()))
         except RouteError as e:
-            await self._event(send, error_body(e.code, e.message)[1])
+            await _send_event(send, _event_data(error_body(e.code, e.message)[1]))
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
 
-    @staticmethod
-    async def _event(send: Send, obj: dict | None) -> None:
-        if obj is not None:
-            await send({"type": "http.response.body", "body": b"data: " + json.dumps(obj).encode() + b"\n\n",
-                        "more_body": True})  # fmt: skip
+    async def _event(self, send: Send, prompt: int, resp: generation_pb2.GenerateResponse) -> int:
+        """Send the event a response makes (none when it carries nothing); returns its bytes."""
+        if self.reply.cost(resp, prompt) <= INLINE_RESPONSE_BYTES:
+            data = _event_data(self.reply.add(resp, prompt))
+        else:
+            data = await offloaded(_made_event, self.reply, resp, prompt)
+        await _send_event(send, data)
+        return len(data)
+
+
+def _made_event(reply: Reply, resp: generation_pb2.GenerateResponse, prompt: int) -> bytes:
+    """(in the worker thread) The event of a large response, its JSON encoded in slices."""
+    return _event_data(reply.add(resp, prompt), sliced=True)
+
+
+def _event_data(obj: dict | None, sliced: bool = False) -> bytes:
+    """The server-sent event of a chunk (b"" for None)."""
+    if obj is None:
+        return b""
+    text = "".join(json_pieces(obj)) if sliced else json.dumps(obj)
+    return b"data: " + text.encode() + b"\n\n"
+
+
+async def _send_event(send: Send, data: bytes) -> None:
+    if data:
+        await send({"type": "http.response.body", "body": data, "more_body": True})
 
 
 async def _send_pieces(pieces: list[str], send: Send) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from kvbridge.common import sampling
 from kvbridge.common.blocks import salt_problem
 from kvbridge.common.limits import MAX_CLIENT_RID_CHARS, prompt_size_problem, rid_problem
+from kvbridge.common.shown import shown
 from kvbridge.common.text.prompts import CHAT_ROLES
 from kvbridge.v1 import generation_pb2
 
@@ -40,7 +41,8 @@ def check_prompt(req: generation_pb2.GenerateRequest) -> None:
             raise ValueError(problem)
         for i, m in enumerate(prompt.chat.messages):
             if m.role not in CHAT_ROLES:
-                raise ValueError(f"prompt.chat.messages[{i}].role must be system, user or assistant, got {m.role!r}")
+                why = f"prompt.chat.messages[{i}].role must be system, user or assistant, got {shown(m.role)}"
+                raise ValueError(why)
 
 
 def check_sampling(req: generation_pb2.GenerateRequest) -> None:

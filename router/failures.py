@@ -13,6 +13,14 @@ RETRY_BACKOFF_CAP_S (router/routed.py). When the attempts are used up or no node
 failure's status and message (RESOURCE_EXHAUSTED stays RESOURCE_EXHAUSTED: clients back off on it).
 Retries are counted in kvbridge_router_retries_total{reason}.
 
+Unpaired. A decode node that refuses the prefill node it was paired with (their layouts differ:
+page size, KV dtype, model, kvbridge version; it says so with rpc.PAIR_FAULT beside its
+FAILED_PRECONDITION) has refused the pair, not the request: the client did nothing wrong, so it is not
+told 400. The attempt is retried (or migrated) as if UNAVAILABLE, leaving out that pair rather than
+either node (`Unpaired`: the prefill node for that decode node, and a decode node that no prefill
+node is left for); when no pair is left, the client gets UNAVAILABLE (HTTP 503: the fleet's fault,
+and it may pass) naming both nodes and the mismatch.
+
 Migration. Once a response reached the client, a failure that another pair may not have (MIGRATED:
 the node died, lost a rank or is shutting down (UNAVAILABLE), a broken stream (UNKNOWN, INTERNAL), a
 node timeout, or the router's own idle-stream or first-token timeout) moves the stream: the request
@@ -31,12 +39,16 @@ ends the stream with the upstream status.
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 import grpc
 
+from kvbridge.common import rpc
+
 if TYPE_CHECKING:
-    from kvbridge.router.pool import Node
+    from kvbridge.router.pool import Node, NodePool
+    from kvbridge.router.routed import Routed
 
 RETRIED_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED)
 # after a token reached the client: a broken stream (gRPC reports a transport's end as UNKNOWN or INTERNAL) too
@@ -79,3 +91,62 @@ class TimedOut(Exception):
 class Interrupted(Exception):
     """The upstream call was cancelled by this router (cancel(), or D's stream for P's failure)
     while the attempt waited on it."""
+
+
+class Unpaired:
+    """The (prefill, decode) pairs of one request whose decode node refused its prefill node."""
+
+    def __init__(self):
+        self.pairs: list[tuple[Node, Node]] = []
+
+    def add(self, p: Node, d: Node, details: str) -> str:
+        """Leave the pair out from now on; what the client is told if no other pair serves."""
+        self.pairs.append((p, d))
+        return f"{p.key} and {d.key} cannot serve together: {details}"
+
+    def prefill_of(self, d: Node) -> list[Node]:
+        """The prefill nodes `d` refused."""
+        return [p for p, dd in self.pairs if dd is d]
+
+    def stuck(self, pool: NodePool, excluded: list[Node]) -> list[Node]:
+        """The decode nodes no eligible prefill node is left for."""
+        return [d for _, d in self.pairs if not pool.has_eligible("prefill", [*excluded, *self.prefill_of(d)])]
+
+
+def upstream_error(r: Routed, e: grpc.aio.AioRpcError, nodes: list[Node], pair: tuple | None = None) -> Exception:
+    """What a failed upstream call of `r` means for the client: a RouteError, or a Retry (Migrate)
+    when another node may succeed; `pair`: the attempt's (P, D) when D's call failed."""
+    code, details = e.code(), e.details() or ""
+    if r.cancelled.is_set():
+        return RouteError(grpc.StatusCode.CANCELLED, r.why)
+    where = ", ".join(n.key for n in nodes)
+    error = RouteError(code, f"{details} (from {where})")
+    if pair is not None and rpc.fault_of(e) == "pair":  # D refused P: leave out the pair, not a node
+        code, nodes = grpc.StatusCode.UNAVAILABLE, []
+        error = RouteError(code, r.unpaired.add(*pair, details))
+    own_deadline = code == grpc.StatusCode.DEADLINE_EXCEEDED and time.monotonic() >= r.deadline
+    if code in RETRIED_CODES and r.sent == 0 and not own_deadline:
+        return Retry(nodes, error)
+    if code in MIGRATED_CODES and r.sent and not own_deadline:
+        return migration(r, nodes, error, code.name.lower())
+    return error
+
+
+def migration(r: Routed, nodes: list[Node], error: RouteError, reason: str) -> Exception:
+    """Migrate, for a request that can: one of n > 1 choices cannot (a continuation resumes one)."""
+    if r.request.sampling.n > 1:
+        return RouteError(error.code, f"{error.message}; not migrated: a request of n > 1 choices does not move")
+    return Migrate(nodes, error, reason)
+
+
+def timeout_error(r: Routed, kind: str, nodes: list[Node]) -> Exception:
+    """What the router's own timeout (`kind`) on an upstream call of `r` means for the client."""
+    if r.cancelled.is_set():
+        return RouteError(grpc.StatusCode.CANCELLED, r.why)
+    where = ", ".join(n.key for n in nodes)
+    if kind == "first_token":
+        message = f"no first token within {r.config.first_token_timeout_s:g} s (from {where})"
+    else:
+        message = f"no token for {r.config.idle_stream_timeout_s:g} s (from {where})"
+    error = RouteError(grpc.StatusCode.DEADLINE_EXCEEDED, message)
+    return migration(r, nodes, error, kind) if r.sent else Retry(nodes, error)

@@ -10,16 +10,18 @@ Every answer other than a success is JSON in the OpenAI error format (openai_api
 those the server makes itself: a malformed request (400, or h11's hint: 431 headers too large, 501
 transfer coding), an unknown route (404), another method (405). Malformed framing is refused at
 once and the connection closed: a bad or conflicting Content-Length, a bad chunk size, and what h11
-accepts but RFC 9112 calls faulty (Content-Length beside Transfer-Encoding, Transfer-Encoding in
-HTTP/1.0: `_Connection`). Limits, each answered at once:
+accepts but RFC 9112 calls faulty (router/connection.py: each connection's protocol). Limits, each
+answered at once:
 
 - max_concurrent_requests requests are handled at once; one more gets 503 with Retry-After.
-- A body over max_body_bytes gets 413, counted as it arrives (a chunked body without
-  Content-Length is cut off at the limit too); one not in within http_body_timeout_s of its
-  headers gets 408. Both close the connection (the rest of the body is never read).
+- A body over max_body_bytes gets 413 as soon as its Content-Length or a chunk size says so or its
+  bytes take it over (a chunked body without a size is cut off at the limit too); one not in within
+  http_body_timeout_s of its headers gets 408. Both close the connection, the 413 once the client
+  stops sending the rest (dropped unread: at most connection.LINGER_BYTES, or that timeout), so that
+  a client that sends its whole body before reading gets the 413 rather than a reset.
 - A connection whose request headers are not in within http_header_timeout_s of its opening or of
-  its previous response is closed (uvicorn has no such timeout: _H11Protocol adds it), so a client
-  trickling bytes holds nothing for long; headers over MAX_HEADER_BYTES are refused.
+  its previous response is closed (uvicorn has no such timeout: router/connection.py adds it), so a
+  client trickling bytes holds nothing for long; headers over MAX_HEADER_BYTES are refused.
 - A connection idle for http_keep_alive_s after a response is closed.
 - A prompt that cannot fit the longest context a node serves by its size (common/limits.py: a chat
   over MAX_CHAT_MESSAGES messages, a text or chat over max_context x 32 bytes) gets 400 before it
@@ -37,17 +39,13 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import logging
 import re
 import socket
 import ssl
-import sys
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 import grpc
-import h11
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -55,34 +53,29 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
-from uvicorn.protocols.http.h11_impl import STATUS_PHRASES, H11Protocol
 
-from kvbridge import __version__
 from kvbridge.common import rpc, tracing
-from kvbridge.common.heap import release_freed_heap
 from kvbridge.common.limits import prompt_size_problem
 from kvbridge.common.security import check_bearer
 from kvbridge.router.answer import Fanout, HTTPAnswer
 from kvbridge.router.answer import error as _error
 from kvbridge.router.answer import json_response as _json
 from kvbridge.router.config import RouterConfig
+from kvbridge.router.connection import HEADERS_TOO_LARGE, MAX_HEADER_BYTES, SERVER, FrontProtocol, body_too_large
 from kvbridge.router.dispatch import Dispatcher
 from kvbridge.router.gateway import gateway_prefill
 from kvbridge.router.openai_api import BadRequest, OpenAIRequest, error_body, json_body, parse_request
 from kvbridge.router.reply import Reply
 from kvbridge.router.routed import DRAINING
 from kvbridge.router.tokenize import Refused, detokenize, echo_texts, tokenize, version
+from kvbridge.router.worker import offloaded
 from kvbridge.v1 import generation_pb2
 
-MAX_HEADER_BYTES = 64 << 10  # request line and headers (h11's limit on an incomplete event)
 RETRY_AFTER_S = 1  # what a 503 for the concurrency limit tells the client to wait
 STOP_WAIT_S = 5.0  # past the grace period, requests in flight get this long to end before uvicorn cancels them
 _KEYED = ("/v1/", "/tokenize", "/detokenize")  # paths that need the API key when there is one
 _REQUEST_ID = re.compile(rb"[!-~]{1,128}")  # an X-Request-Id that is echoed
-_HEADERS_TOO_LARGE = error_body(grpc.StatusCode.INVALID_ARGUMENT, f"request headers over {MAX_HEADER_BYTES} bytes")[1]
-SERVER = f"kvbridge-router/{__version__}".encode()
-INLINE_BODY_BYTES = 64 << 10  # a body up to this size is parsed on the loop; a larger one in _parser
-_parser = ThreadPoolExecutor(1, thread_name_prefix="kvbridge-parse")  # larger bodies, one at a time
+INLINE_BODY_BYTES = 64 << 10  # a body up to this size is parsed on the loop; a larger one in the worker thread
 log = logging.getLogger("kvbridge.router")
 
 
@@ -110,8 +103,12 @@ class HTTPFront:
         self.app = app
         self.sock = _bind(config.host, config.http_port)
         self.port = self.sock.getsockname()[1]
-        limits = {"header_timeout_s": config.http_header_timeout_s, "max_body_bytes": config.max_body_bytes}
-        protocol = type("H11Protocol", (_H11Protocol,), limits)
+        limits = {
+            "header_timeout_s": config.http_header_timeout_s,
+            "max_body_bytes": config.max_body_bytes,
+            "linger_s": config.http_body_timeout_s,
+        }
+        protocol = type("H11Protocol", (FrontProtocol,), limits)
         security = rpc.security()
         self.api_key = security.api_key  # "" = the API is open
         tls = {}
@@ -170,7 +167,7 @@ class HTTPFront:
             return
         out = _Outgoing(scope, send)
         if _header_bytes(scope) > MAX_HEADER_BYTES:  # (h11 counts only headers that arrive in pieces)
-            await _json(431, _HEADERS_TOO_LARGE, {"Connection": "close"})(scope, receive, out)
+            await _json(431, HEADERS_TOO_LARGE, {"Connection": "close"})(scope, receive, out)
             return
         if self.api_key and scope["path"].startswith(_KEYED) and (refused := self._refusal(scope)):
             await refused(scope, receive, out)
@@ -264,10 +261,10 @@ class HTTPFront:
         return HTTPAnswer(routed, reply, req.stream)
 
     async def _read_body(self, request: Request) -> bytearray | Response | ASGIApp:
-        """The request body, or the answer instead: 413 over the limit, 408 too slow, none to a
-        client that left."""
+        """The request body, or the answer instead: 413 over the limit (FrontProtocol refuses it
+        first, as it arrives), 408 too slow, none to a client that left."""
         limit = self.config.max_body_bytes
-        too_large = _body_too_large(limit)
+        too_large = body_too_large(limit)
         length = request.headers.get("content-length")  # (h11 checked that it is a number)
         if length is not None and int(length) > limit:
             return _json(413, too_large, {"Connection": "close"})
@@ -297,18 +294,11 @@ class HTTPFront:
 
 async def _parsed(parse: Callable, raw: bytearray, *args):
     """parse(raw, *args): on the loop for a body of up to INLINE_BODY_BYTES (well under a ms), in the
-    one parser thread for a larger one. One at a time: a body's objects take ~10 times its size while
-    they are checked (4 MiB of empty chat messages: ~35 MB, ~0.1 s); the loop runs meanwhile."""
+    router's worker thread for a larger one (4 MiB of empty chat messages: ~0.1 s); the loop runs
+    meanwhile."""
     if len(raw) <= INLINE_BODY_BYTES:
         return parse(raw, *args)
-    return await asyncio.get_running_loop().run_in_executor(_parser, _released, parse, raw, *args)
-
-
-def _released(parse: Callable, raw: bytearray, *args):
-    try:
-        return parse(raw, *args)
-    finally:
-        release_freed_heap()  # (the parse's transient objects)
+    return await offloaded(parse, raw, *args)
 
 
 def _generation(raw: bytearray, chat: bool, max_context: int | None) -> OpenAIRequest:
@@ -340,118 +330,6 @@ class _Outgoing:
         await self.send(message)
 
 
-class _H11Protocol(H11Protocol):
-    """uvicorn's h11 protocol with a header timeout, a chunk declaring more than the body limit
-    refused at once, and its own answers to malformed requests in the OpenAI error format."""
-
-    header_timeout_s: float  # set on the subclass HTTPFront makes
-    max_body_bytes: int  # (likewise)
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.conn = _Connection(h11.SERVER, self.config.h11_max_incomplete_event_size)
-
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
-        self._header_timer: asyncio.TimerHandle | None = None
-        self._await_headers()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if self._header_timer is not None:
-            self._header_timer.cancel()
-        super().connection_lost(exc)
-
-    def data_received(self, data: bytes) -> None:
-        super().data_received(data)
-        # h11 tells no chunk's declared size but keeps what is left of it on its reader: a body
-        # that it takes over the limit is refused now, not once the client sent it (or stalled)
-        pending = getattr(getattr(self.conn, "_reader", None), "_bytes_in_chunk", 0)
-        over = isinstance(pending, int) and self.conn.body_bytes + pending > self.max_body_bytes
-        if over and not self.transport.is_closing():
-            self._refuse(413, _body_too_large(self.max_body_bytes))
-
-    def on_response_complete(self) -> None:
-        self._await_headers()  # before the next request can start (a pipelined one starts in there)
-        super().on_response_complete()
-
-    def _await_headers(self) -> None:
-        """Close the connection unless a request's headers are in within header_timeout_s. uvicorn
-        makes a new cycle per request, so an unchanged cycle means none came."""
-        if self._header_timer is not None:
-            self._header_timer.cancel()
-        waiting_in = self.cycle
-        self._header_timer = self.loop.call_later(self.header_timeout_s, self._headers_late, waiting_in)
-
-    def _headers_late(self, waiting_in: object) -> None:
-        self._header_timer = None
-        if self.cycle is waiting_in and not self.transport.is_closing():
-            self.transport.close()
-
-    def send_400_response(self, msg: str) -> None:
-        # called inside uvicorn's `except h11.RemoteProtocolError`, so the error is at hand
-        error = sys.exc_info()[1]
-        status = getattr(error, "error_status_hint", 400)
-        if status == 431:  # h11's "Receive buffer too long": headers still coming past the cap
-            self._refuse(status, _HEADERS_TOO_LARGE)
-        else:
-            self._refuse(status, error_body(grpc.StatusCode.INVALID_ARGUMENT, f"malformed HTTP request: {error}")[1])
-
-    def _refuse(self, status: int, obj: dict) -> None:
-        """Answer `status` with `obj` and close, whatever the request being handled does."""
-        if self.cycle is not None and not self.cycle.response_complete:
-            # the request being handled ends here: its answer goes nowhere, its reads see http.disconnect
-            self.cycle.disconnected = True
-            self.cycle.message_event.set()
-        if self.conn.our_state not in (h11.IDLE, h11.SEND_RESPONSE):  # an answer is under way: just close
-            self.transport.close()
-            return
-        body = json.dumps(obj).encode()
-        headers = [
-            (b"Content-Type", b"application/json"),
-            (b"Content-Length", str(len(body)).encode()),
-            (b"Connection", b"close"),
-            (b"Server", SERVER),
-        ]
-        for event in (
-            h11.Response(status_code=status, headers=headers, reason=STATUS_PHRASES[status]),
-            h11.Data(data=body),
-            h11.EndOfMessage(),
-        ):
-            self.transport.write(self.conn.send(event))
-        self.transport.close()
-
-
-class _Connection(h11.Connection):
-    """h11's server connection, counting the body bytes of the request being read, and refusing
-    framing that h11 would take but RFC 9112 calls faulty (section 6.1): Content-Length beside
-    Transfer-Encoding (h11 lets Transfer-Encoding win and waited for chunks that a client meaning
-    Content-Length never sends: a hang until the body timeout; a proxy that read it the other way
-    would be smuggling a request past us), and Transfer-Encoding in an HTTP/1.0 request."""
-
-    body_bytes = 0
-
-    def next_event(self):
-        event = super().next_event()
-        if isinstance(event, h11.Request):
-            self.body_bytes = 0
-            if problem := _framing_problem(event):  # (uvicorn answers through send_400_response, and closes)
-                raise h11.RemoteProtocolError(problem, error_status_hint=400)
-        elif isinstance(event, h11.Data):
-            self.body_bytes += len(event.data)
-        return event
-
-
-def _framing_problem(request: h11.Request) -> str | None:
-    names = {name for name, _ in request.headers}  # (lowercase)
-    if b"transfer-encoding" not in names:
-        return None
-    if b"content-length" in names:
-        return "both Content-Length and Transfer-Encoding: send one"
-    if request.http_version == b"1.0":
-        return "Transfer-Encoding in an HTTP/1.0 request"
-    return None
-
-
 def _bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -464,10 +342,6 @@ def _bind(host: str, port: int) -> socket.socket:
         raise ValueError(f"cannot bind {host}:{port} for HTTP: {e.strerror or e}") from None
     sock.setblocking(False)
     return sock
-
-
-def _body_too_large(limit: int) -> dict:
-    return error_body(grpc.StatusCode.INVALID_ARGUMENT, f"body over {limit} bytes")[1]
 
 
 def _header_bytes(scope: Scope) -> int:

@@ -32,6 +32,7 @@ import grpc
 
 from kvbridge.common.limits import MAX_CHAT_MESSAGES, prompt_bytes_limit, text_size_problem
 from kvbridge.common.sampling import MAX_CHOICES
+from kvbridge.common.shown import MAX_SHOWN_CHARS, clipped
 from kvbridge.common.text.prompts import CHAT_ROLES as WIRE_ROLES
 from kvbridge.router.checks import check_cache_salt, check_prompt
 from kvbridge.router.openai_fields import (
@@ -75,9 +76,11 @@ HTTP_OF_CODE = {
 
 
 def error_body(code: grpc.StatusCode, message: str, param: str | None = None) -> tuple[int, dict]:
-    """(HTTP status, OpenAI error object) for a gRPC status."""
+    """(HTTP status, OpenAI error object) for a gRPC status; the message clipped (common/shown.py:
+    every HTTP error of the router is made here, so this is the backstop behind each `show`)."""
     status, kind = HTTP_OF_CODE.get(code, (500, "server_error"))
-    return status, {"error": {"message": message, "type": kind, "param": param, "code": code.name.lower()}}
+    param = param if param is None else clipped(param, MAX_SHOWN_CHARS)
+    return status, {"error": {"message": clipped(message), "type": kind, "param": param, "code": code.name.lower()}}
 
 
 @dataclass(frozen=True)

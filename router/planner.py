@@ -59,18 +59,45 @@ async def switch(pool: NodePool, node: Node, role: str, wait_s: float = 0.0, mig
     """The node's Admin.SetRole with this router's admin key, unless the pool refuses the switch
     (SwitchRefused: ABORTED while one of the node is under way, FAILED_PRECONDITION for the last node
     of a role); the pool takes the node's new role from its answer. Raises grpc.aio.AioRpcError when
-    the node fails it."""
-    problem = pool.begin_switch(node, role)
+    the node fails it.
+
+    While the node waits to switch (for its requests to end), the fleet may change under it: were
+    another node of its role to go (unhealthy, removed, or switched straight at that node, behind
+    this router's back), the switch would leave the role with none. The pool says so (on_stranded),
+    and the switch is withdrawn: a SetRole back to the node's role, which the node takes as
+    withdrawing the switch it waits on or, if it made it already, as a switch back
+    (elastic_node/service.py); SwitchRefused ABORTED saying why."""
+    loop = asyncio.get_running_loop()
+    stranded: asyncio.Future[str] = loop.create_future()
+
+    def on_stranded(why: str) -> None:  # (from whichever thread changed the pool)
+        loop.call_soon_threadsafe(lambda: stranded.done() or stranded.set_result(why))
+
+    old, problem = node.role, pool.begin_switch(node, role, on_stranded)
     if problem:
         code = grpc.StatusCode.ABORTED if node.switching_to else grpc.StatusCode.FAILED_PRECONDITION
         raise SwitchRefused(code, problem)
+    stub = admin_pb2_grpc.AdminStub(node.channel)
+    metadata = security.auth_metadata(rpc.security().admin_key)
+    timeout = (wait_s or SWITCH_WAIT_S) + 30
+    request = admin_pb2.SetRoleRequest(role=role, wait_s=wait_s, migrate=migrate)
+    asked = asyncio.ensure_future(stub.SetRole(request, timeout=timeout, metadata=metadata))
     try:
-        stub = admin_pb2_grpc.AdminStub(node.channel)
-        metadata = security.auth_metadata(rpc.security().admin_key)
-        request = admin_pb2.SetRoleRequest(role=role, wait_s=wait_s, migrate=migrate)
-        answer = await stub.SetRole(request, timeout=(wait_s or SWITCH_WAIT_S) + 30, metadata=metadata)
+        await asyncio.wait({asked, stranded}, return_when=asyncio.FIRST_COMPLETED)
+        if stranded.done():
+            back = admin_pb2.SetRoleRequest(role=old, wait_s=wait_s)
+            answer = await stub.SetRole(back, timeout=timeout, metadata=metadata)
+            await asyncio.wait({asked})  # (ABORTED: withdrawn; or done, and switched back since)
+            pool.set_role(node, answer.role, answer.role_epoch)
+            log_event(log, "switch_withdrawn", logging.WARNING, node=node.address, role=role, why=stranded.result())
+            message = f"the switch of {node.address} to {role} was withdrawn: {stranded.result()}"
+            raise SwitchRefused(grpc.StatusCode.ABORTED, message)
+        answer = asked.result()
     finally:
         pool.end_switch(node)
+        if not asked.done():
+            asked.cancel()  # (the node's switch goes on: a node does not drop one whose caller left)
+        asked.add_done_callback(lambda a: a.cancelled() or a.exception())  # (its error is not ours to raise)
     pool.set_role(node, answer.role, answer.role_epoch)
     return answer
 

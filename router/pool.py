@@ -1,14 +1,21 @@
 """The router's view of its nodes: health, outstanding requests, and which node gets the next one.
 
-Each node's health is watched by a task on the router's event loop, holding a
-`grpc.health.v1.Health/Watch` stream (an aio channel) on the service its role needs (Generation for
-colocated and decode nodes, Prefill for prefill nodes). A node is eligible while its last report was
-SERVING; NOT_SERVING, SERVICE_UNKNOWN or an unreachable node make it ineligible until a later report
-says SERVING. Among eligible nodes the routing policy picks one (router/policy.py: cache_aware,
-least_loaded, round_robin), from the outstanding requests and pending prompt tokens counted here, by
-the router, and the node's cached blocks.
+Each node's health is watched by a task on the router's event loop (router/health_watch.py), holding
+a `grpc.health.v1.Health/Watch` stream (an aio channel) on the service its role needs (Generation for
+colocated and decode nodes, Prefill for prefill nodes; an elastic node's own health, and its role from
+its ModelInfo). A node is eligible while its last report was SERVING; NOT_SERVING, SERVICE_UNKNOWN or
+an unreachable node make it ineligible until a later report says SERVING. Among eligible nodes the
+routing policy picks one (router/policy.py: cache_aware, least_loaded, round_robin), from the
+outstanding requests and pending prompt tokens counted here, by the router, and the node's cached
+blocks.
 
 Beside it, a KV-event watch (router/kv_watch.py) keeps each node's `BlockIndex` of its prefix cache.
+
+Switches of elastic nodes that this router makes (router/planner.py `switch`) never leave a role with
+no healthy node: `begin_switch` refuses the last one (nodes switching away count as gone), and a
+switch under way that comes to leave its role empty all the same (another node of it went away
+meanwhile, or was switched straight at the node, which the node cannot know to refuse) is told so,
+for its caller to withdraw it.
 
 The fleet can change at run time: `add` watches a new node at once, `remove` takes one out of
 selection at once. A node's channel is closed only when nothing can use it any more: it was removed
@@ -29,16 +36,16 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvbridge.common import rpc
 from kvbridge.common.limits import normalized_address
-from kvbridge.common.rpc import shown
 from kvbridge.common.security import auth_metadata
+from kvbridge.common.shown import shown
+from kvbridge.router.health_watch import SERVICE_OF_ROLE, watch_health
 from kvbridge.router.kv_index import BlockIndex
 from kvbridge.router.kv_watch import watch_kv
 from kvbridge.router.policy import Policy
-from kvbridge.v1 import generation_pb2, generation_pb2_grpc
+from kvbridge.v1 import generation_pb2
 
 if TYPE_CHECKING:
     from kvbridge.router.prompts import PromptBlocks
@@ -48,14 +55,7 @@ class PoolFull(ValueError):
     """The pool holds MAX_NODES nodes."""
 
 
-SERVICE_OF_ROLE = {
-    "colocated": "kvbridge.v1.Generation",
-    "prefill": "kvbridge.v1.Prefill",
-    "decode": "kvbridge.v1.Generation",
-}
 ROLES = tuple(SERVICE_OF_ROLE)
-WATCH_DEADLINE_S = 60.0  # a health stream is re-opened this often (every call has a deadline)
-MODEL_INFO_DEADLINE_S = 5.0
 MAX_NODES = 1024  # nodes in one pool (AddNode past it: RESOURCE_EXHAUSTED)
 CLOSE_WAIT_S = 5.0  # aclose() waits this long at most for the watchers to end, and again for the channels
 
@@ -129,6 +129,7 @@ class NodePool:
         self._closed = False
         self._closing: set[asyncio.Task] = set()  # channel.close() calls under way (held: tasks are weakly kept)
         self._listeners: list[Callable[[], None]] = []  # called (outside the lock) after a change
+        self._stranding: dict[Node, Callable[[str], None]] = {}  # switches under way -> on_stranded (begin_switch)
         for role, address in nodes:
             self.add(role, address)
 
@@ -138,7 +139,7 @@ class NodePool:
         """A new node, eligible once its first health report says SERVING. ValueError on a bad
         role or address, or a (role, address) already in the pool."""
         if role not in SERVICE_OF_ROLE:
-            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {shown(role)}")
         address = normalized_address(address, role)
         with self._lock:
             self._check_addable(role, address)
@@ -354,7 +355,7 @@ class NodePool:
         if self._closed:
             raise ValueError("the node pool is closed")
         if any(n.role == role and n.address == address for n in self.nodes):
-            raise ValueError(f"a {role} node {address!r} is already in the pool")
+            raise ValueError(f"a {role} node {shown(address)} is already in the pool")
         if len(self.nodes) >= MAX_NODES:
             raise PoolFull(f"the pool holds {len(self.nodes)} nodes, its limit; remove one first")
 
@@ -369,6 +370,7 @@ class NodePool:
         return nodes
 
     def _notify(self) -> None:
+        self._check_switches()
         for callback in self._listeners:
             callback()
 
@@ -414,45 +416,13 @@ class NodePool:
     async def _watch(self, node: Node) -> None:
         try:
             async with asyncio.TaskGroup() as watches:
-                watches.create_task(self._watch_health(node))
+                watches.create_task(watch_health(self, node))
                 watches.create_task(watch_kv(node, self.health_retry_s, self.on_resync))
         finally:
             node.blocks.clear()
             with self._lock:
                 node.watching = False
             self._close_if_idle(node)
-
-    async def _watch_health(self, node: Node) -> None:
-        """Until cancelled: a node's role service, or an elastic node's "" (NOT_SERVING while it switches)
-        and its ModelInfo (its role), read on each SERVING that starts a stream or ends NOT_SERVING,
-        and on a role service's first NOT_SERVING (a node listed under a role it has left)."""
-        stub = health_pb2_grpc.HealthStub(node.channel)
-        while True:
-            watched = node.elastic
-            request = health_pb2.HealthCheckRequest(service="" if watched else SERVICE_OF_ROLE[node.role])
-            try:
-                first = True
-                async for resp in stub.Watch(request, timeout=WATCH_DEADLINE_S):
-                    serving = resp.status == health_pb2.HealthCheckResponse.SERVING
-                    probe = first and not serving and not node.elastic  # elastic, and now in another role?
-                    if probe or (serving and (not node.healthy or (node.elastic and first))):
-                        info = await self._model_info(node)
-                        if not probe:
-                            node.model = info  # (re)started: another model now?
-                        if info is not None and info.elastic:
-                            node.elastic = True
-                            self.set_role(node, info.role, info.role_epoch)
-                    first = False
-                    if node.elastic != watched:
-                        break
-                    self.set_health(node, serving)
-                if node.elastic != watched:
-                    continue  # an elastic node: watch the node itself from now on, not one role's service
-            except grpc.aio.AioRpcError as e:
-                if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                    continue  # the stream's own deadline: the last report still holds
-                self.set_health(node, False)
-            await asyncio.sleep(self.health_retry_s)
 
     def set_role(self, node: Node, role: str, epoch: int) -> bool:
         """An elastic node has `role` since its switch number `epoch` (an older report is ignored);
@@ -467,34 +437,48 @@ class NodePool:
             self._notify()
         return changed
 
-    def begin_switch(self, node: Node, role: str) -> str:
+    def begin_switch(self, node: Node, role: str, on_stranded: Callable[[str], None] | None = None) -> str:
         """Mark a switch of `node` to `role` as under way (end_switch ends it), or say why it may not
         switch now: a switch of it is under way, or it is the last healthy node of its role (those
-        switching away count as gone; the last colocated node may go where a P:D pair serves)."""
+        switching away count as gone; the last colocated node may go where a P:D pair serves).
+        on_stranded(why): called once (from the thread of the change) if, before end_switch, the
+        switch comes to leave its role with no node after all: another node of the role turned
+        unhealthy, left the pool or changed role meanwhile (switched straight at the node, say)."""
         with self._lock:
             if node.switching_to:
                 return f"a switch of {node.address} to {node.switching_to} is in progress"
             if role == node.role:
                 return ""
-            others = [n for n in self.nodes if n.healthy and not n.switching_to and n is not node]
-            after = {n.role for n in others} | {role}
-            # a P:D role keeps a node; the colocated role may go when a P:D pair serves instead
-            if node.role not in after and (node.role != "colocated" or not {"prefill", "decode"} <= after):
+            if self._strands(node, role):
                 return (
                     f"{node.address} is the last {node.role} node serving: switching it to {role} leaves the "
                     f"fleet no {node.role} node"
                 )
             node.switching_to = role
+            if on_stranded is not None:
+                self._stranding[node] = on_stranded
             return ""
 
     def end_switch(self, node: Node) -> None:
         with self._lock:
             node.switching_to = ""
+            self._stranding.pop(node, None)
 
-    async def _model_info(self, node: Node) -> generation_pb2.ModelInfo | None:
-        try:
-            stub = generation_pb2_grpc.GenerationStub(node.channel)
-            request = generation_pb2.GetModelInfoRequest()
-            return await stub.GetModelInfo(request, timeout=MODEL_INFO_DEADLINE_S, metadata=self.call_metadata)
-        except grpc.aio.AioRpcError:
-            return None
+    def _strands(self, node: Node, role: str) -> bool:
+        """Switching `node` to `role` leaves its role with no healthy node (under the lock)."""
+        others = [n for n in self.nodes if n.healthy and not n.switching_to and n is not node]
+        after = {n.role for n in others} | {role}
+        # a P:D role keeps a node; the colocated role may go when a P:D pair serves instead
+        return node.role not in after and (node.role != "colocated" or not {"prefill", "decode"} <= after)
+
+    def _check_switches(self) -> None:
+        """Tell the switches under way that would now strand their role so (begin_switch's on_stranded)."""
+        with self._lock:
+            stranded = [(n, tell) for n, tell in self._stranding.items() if self._strands(n, n.switching_to)]
+            for n, _ in stranded:
+                del self._stranding[n]
+        for n, tell in stranded:
+            tell(
+                f"{n.address} would be the last {n.role} node serving: another {n.role} node turned unhealthy, "
+                "left the pool or changed role while it waited to switch"
+            )

@@ -64,6 +64,7 @@ class Reply:
         self.choices = [ReplyChoice(i // self.n) for i in range(len(req.prompts) * self.n)]
         # each prompt's TokenLogprob (prompt_logprobs asked; of a non-streamed answer only with echo)
         self.prompt: list[list] = [[] for _ in req.prompts]
+        self.prompt_bytes = [0] * len(req.prompts)  # the protobuf bytes of the responses that brought them
         self.prompt_tokens = [0] * len(req.prompts)
         self.cached_tokens = [0] * len(req.prompts)
         self.ended = 0  # choices whose last response came
@@ -98,6 +99,15 @@ class Reply:
         prefix = "chatcmpl-" if self.req.chat else "cmpl-"
         return {"id": prefix + self.rid, "object": obj, "created": self.created, "model": self.model}
 
+    def cost(self, resp: generation_pb2.GenerateResponse, prompt: int = 0) -> int:
+        """About the bytes that add(resp, prompt) makes JSON of: the response's (protobuf), and on a
+        choice's first response the prompt's logprobs and echo it shows again (every choice shows
+        them). What the caller decides by where to add it (router/answer.py)."""
+        size = resp.ByteSize()
+        if resp.index < self.n and not self.choices[prompt * self.n + resp.index].started:
+            size += self.prompt_bytes[prompt] + len(self.echo[prompt])
+        return size
+
     def add(self, resp: generation_pb2.GenerateResponse, prompt: int = 0) -> dict | None:
         """Record a response of prompt `prompt`'s routed request; returns the stream chunk it makes
         (None when it carries nothing, and for a non-streamed answer: kept in `body` instead)."""
@@ -108,6 +118,7 @@ class Reply:
         c = self.choices[index]
         if self.body is None or self.req.echo:  # (what a stream's first chunks and echo show again)
             self.prompt[prompt] += resp.prompt_logprobs
+            self.prompt_bytes[prompt] += resp.ByteSize() if resp.prompt_logprobs else 0
         if self.body is not None and self.req.prompt_logprobs and resp.prompt_logprobs:
             self.body.keep_prompt_logprobs(prompt, prompt_logprobs(resp.prompt_logprobs))
         text, logprobs = resp.text, list(resp.logprobs)

@@ -66,7 +66,16 @@ from kvbridge.common.logs import log_event
 from kvbridge.common.metrics import outcome_of
 from kvbridge.common.security import message_proof
 from kvbridge.router import traced
-from kvbridge.router.failures import MIGRATED_CODES, RETRIED_CODES, Interrupted, Migrate, Retry, RouteError, TimedOut
+from kvbridge.router.failures import (
+    Interrupted,
+    Migrate,
+    Retry,
+    RouteError,
+    TimedOut,
+    Unpaired,
+    timeout_error,
+    upstream_error,
+)
 from kvbridge.router.pool import Node, Pick
 from kvbridge.router.prompts import PromptBlocks, PromptIds
 from kvbridge.v1 import common_pb2, generation_pb2, generation_pb2_grpc, prefill_pb2, prefill_pb2_grpc
@@ -122,6 +131,7 @@ class Routed:
         self._last_token_at: dict[int, float] = {}
         self._calls: list[grpc.aio.Call] = []  # the current attempt's upstream calls, cancelled by cancel()
         self._last_error: RouteError | None = None  # the failure of the last attempt
+        self.unpaired = Unpaired()  # pairs whose decode node refused the prefill node (left out from now on)
         self._ended = False  # the request is over: cancel() does nothing any more
         self._responses: AsyncIterator[generation_pb2.GenerateResponse] | None = None
 
@@ -204,7 +214,7 @@ class Routed:
                 self.prompt_tokens = self.blocks.tokens
         timeout, picking = self._remaining(), time.time_ns()
         roles = GENERATION_ROLES if self.pool.has_eligible("prefill", excluded) else ("colocated",)
-        picked = self._pick(roles, excluded)
+        picked = self._pick(roles, [*excluded, *self.unpaired.stuck(self.pool, excluded)])
         if picked is None:
             raise self._none_left()
         node = picked.node
@@ -227,7 +237,7 @@ class Routed:
             attempt = traced.picked(self.span, picked, None, self.pool.policy.name, picking, self.migrations)
             served = self._colocated(picked, request, timeout, tracing.metadata(attempt))
         else:
-            prefill = self._pick(("prefill",), excluded, among=self.gateway_prefill)
+            prefill = self._pick(("prefill",), [*excluded, *self.unpaired.prefill_of(node)], among=self.gateway_prefill)
             if prefill is None:  # the last prefill node turned unhealthy just now
                 self.pool.release(node, picked.tokens)
                 raise self._none_left()
@@ -326,11 +336,11 @@ class Routed:
                     yield resp
                 done = True
             except TimedOut as e:
-                raise self._timeout_error(e.kind, [node]) from None
+                raise timeout_error(self, e.kind, [node]) from None
             except Interrupted:
                 raise self._interrupted() from None
             except grpc.aio.AioRpcError as e:
-                raise self._upstream_error(e, [node]) from None
+                raise upstream_error(self, e, [node]) from None
             finally:
                 if not done:  # an error, or the consumer closed this generator: no-op on a finished call
                     stream.cancel()
@@ -397,14 +407,14 @@ class Routed:
                     yield resp
                 done = True  # P may still be finishing (its pushes settle after D has the KV): let it
             except TimedOut as e:
-                raise self._timeout_error(e.kind, [d] if prefilled is not None else [p]) from None
+                raise timeout_error(self, e.kind, [d] if prefilled is not None else [p]) from None
             except (Interrupted, grpc.aio.AioRpcError) as e:
                 if p_failed is not None:  # P's own timeouts wait on D (its registration, its pages taking the KV)
                     waited_on_d = p_failed.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-                    raise self._upstream_error(p_failed, [d] if waited_on_d else [p]) from None
+                    raise upstream_error(self, p_failed, [d] if waited_on_d else [p]) from None
                 if isinstance(e, Interrupted):
                     raise self._interrupted() from None
-                raise self._upstream_error(e, [d]) from None
+                raise upstream_error(self, e, [d], (p, d)) from None
         finally:
             if not done:  # an error, or the consumer closed this generator
                 for call in calls:
@@ -436,38 +446,6 @@ class Routed:
 
     def _interrupted(self) -> RouteError:
         return RouteError(grpc.StatusCode.CANCELLED, self.why or "the upstream call was cancelled")
-
-    def _upstream_error(self, e: grpc.aio.AioRpcError, nodes: list[Node]) -> Exception:
-        """What a failed upstream call means for the client: a RouteError, or a Retry when nothing
-        reached the client yet and another node may succeed."""
-        code, details = e.code(), e.details() or ""
-        if self.cancelled.is_set():
-            return RouteError(grpc.StatusCode.CANCELLED, self.why)
-        where = ", ".join(n.key for n in nodes)
-        error = RouteError(code, f"{details} (from {where})")
-        own_deadline = code == grpc.StatusCode.DEADLINE_EXCEEDED and time.monotonic() >= self.deadline
-        if code in RETRIED_CODES and self.sent == 0 and not own_deadline:
-            return Retry(nodes, error)
-        if code in MIGRATED_CODES and self.sent and not own_deadline:
-            return self._migration(nodes, error, code.name.lower())
-        return error
-
-    def _migration(self, nodes: list[Node], error: RouteError, reason: str) -> Exception:
-        """Migrate, for a request that can: one of n > 1 choices cannot (a continuation resumes one)."""
-        if self.request.sampling.n > 1:
-            return RouteError(error.code, f"{error.message}; not migrated: a request of n > 1 choices does not move")
-        return Migrate(nodes, error, reason)
-
-    def _timeout_error(self, kind: str, nodes: list[Node]) -> Exception:
-        if self.cancelled.is_set():
-            return RouteError(grpc.StatusCode.CANCELLED, self.why)
-        where = ", ".join(n.key for n in nodes)
-        if kind == "first_token":
-            message = f"no first token within {self.config.first_token_timeout_s:g} s (from {where})"
-        else:
-            message = f"no token for {self.config.idle_stream_timeout_s:g} s (from {where})"
-        error = RouteError(grpc.StatusCode.DEADLINE_EXCEEDED, message)
-        return self._migration(nodes, error, kind) if self.sent else Retry(nodes, error)
 
     # ------------------------------------------------------------------ accounting
 

@@ -169,7 +169,8 @@ class AdminService(admin_pb2_grpc.AdminServicer):
 
     async def SetRole(self, request, context):
         """Switch one elastic node's role (with this router's admin key), unless it is the last healthy
-        node of its role; the pool takes the new role from the node's answer at once."""
+        node of its role, or comes to be while it waits (ABORTED: withdrawn, router/planner.py
+        `switch`); the pool takes the new role from the node's answer at once."""
         try:
             address = normalized_address(request.node, "node")
         except ValueError as e:

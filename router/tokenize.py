@@ -26,6 +26,7 @@ import grpc
 
 from kvbridge import __version__
 from kvbridge.common.limits import prompt_size_problem
+from kvbridge.common.shown import shown
 from kvbridge.common.text.prompts import encode, in_worker, prompt_ids
 from kvbridge.common.text.tokenizer import Tokenizer
 from kvbridge.router.openai_api import BadRequest, OpenAIRequest, _messages, _show, _text, error_body
@@ -156,7 +157,7 @@ def _served(pool: NodePool, name: str) -> generation_pb2.ModelInfo:
     if name:
         model = next((m for m in served if m.model == name), None)
         if model is None:
-            raise Refused(grpc.StatusCode.NOT_FOUND, f"model {name!r} is not served here", "model")
+            raise Refused(grpc.StatusCode.NOT_FOUND, f"model {shown(name)} is not served here", "model")
         return model
     model = pool.agreed_model() or (served[0] if len(served) == 1 else None)
     if model is None:

@@ -42,6 +42,7 @@ from kvbridge.pipeline.messages import (
     Pairing,
     PromptLogprobs,
     Register,
+    Revoke,
     SetRole,
     Token,
 )
@@ -358,6 +359,11 @@ class NodeFront:
         """Prefill node: hand a decode node's registration of a room to rank 0; its verdict
         {"code": gRPC status name or "", "error": why} (a room registered twice: ALREADY_EXISTS)."""
         return await self._ask("register", timeout, lambda token: Register(registration, token))
+
+    async def revoke(self, room: int, timeout: float = 10.0) -> dict:
+        """Prefill node: a decode node gave up on `room`; rank 0's answer once no rank writes into it
+        {"code": "" or "NOT_FOUND" (no such room here), "error"}."""
+        return await self._ask("revoke", timeout, lambda token: Revoke(room, token))
 
     async def set_role(self, role: str, wait_s: float, migrate: bool) -> dict:
         """An elastic node: switch every rank to `role` once nothing is live (elastic_node/role.py);

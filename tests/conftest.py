@@ -12,6 +12,7 @@ import random
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -170,3 +171,22 @@ def router_phases():
     yield lines
     logger.removeHandler(handler)
     logger.setLevel(level)
+
+
+LONG_CASES = Path(__file__).with_name("long_cases.txt")
+
+
+def long_cases() -> set[str]:
+    """The node ids tests/long_cases.txt lists (comments and blank lines left out)."""
+    lines = (line.split("#", 1)[0].strip() for line in LONG_CASES.read_text().splitlines())
+    return {line for line in lines if line}
+
+
+@pytest.hookimpl(tryfirst=True)  # (before `-m` deselects by marks)
+def pytest_collection_modifyitems(config, items):
+    """Cases listed in tests/long_cases.txt are `long` as if marked where they are defined: the cases
+    measured over the line on the slowest CPU of our kind (scripts/long_cases.py keeps the list)."""
+    listed = long_cases()
+    for item in items:
+        if item.nodeid in listed:
+            item.add_marker(pytest.mark.long)

@@ -112,6 +112,10 @@ class CudaIpcSender(Sender):
         torch.cuda.synchronize(self.pool.buffer.device)
         torch.cuda.synchronize(conn.pool.device)
 
+    def _settle(self) -> None:
+        for device in range(torch.cuda.device_count()):  # (a copy between two GPUs may run on either)
+            torch.cuda.synchronize(device)
+
     def _close(self, conn: _IpcConn) -> None:
         conn.pool = None
 

@@ -127,3 +127,15 @@ class RegisterRequest(_message.Message):
 class RegisterResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class RevokeRequest(_message.Message):
+    __slots__ = ("room", "proof")
+    ROOM_FIELD_NUMBER: _ClassVar[int]
+    PROOF_FIELD_NUMBER: _ClassVar[int]
+    room: int
+    proof: bytes
+    def __init__(self, room: _Optional[int] = ..., proof: _Optional[bytes] = ...) -> None: ...
+
+class RevokeResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

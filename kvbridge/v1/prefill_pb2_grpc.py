@@ -100,7 +100,7 @@ class Prefill:
 
 
 class BootstrapStub:
-    """Both calls prove the fleet key (SECURITY.md): a proof is HMAC-SHA256 under it of the message's
+    """Every call proves the fleet key (SECURITY.md): a proof is HMAC-SHA256 under it of the message's
     other fields (common/security.py message_proof), so neither side trusts a peer without the key.
     """
 
@@ -120,10 +120,15 @@ class BootstrapStub:
                 request_serializer=kvbridge_dot_v1_dot_prefill__pb2.RegisterRequest.SerializeToString,
                 response_deserializer=kvbridge_dot_v1_dot_prefill__pb2.RegisterResponse.FromString,
                 _registered_method=True)
+        self.Revoke = channel.unary_unary(
+                '/kvbridge.v1.Bootstrap/Revoke',
+                request_serializer=kvbridge_dot_v1_dot_prefill__pb2.RevokeRequest.SerializeToString,
+                response_deserializer=kvbridge_dot_v1_dot_prefill__pb2.RevokeResponse.FromString,
+                _registered_method=True)
 
 
 class BootstrapServicer:
-    """Both calls prove the fleet key (SECURITY.md): a proof is HMAC-SHA256 under it of the message's
+    """Every call proves the fleet key (SECURITY.md): a proof is HMAC-SHA256 under it of the message's
     other fields (common/security.py message_proof), so neither side trusts a peer without the key.
     """
 
@@ -136,6 +141,17 @@ class BootstrapServicer:
 
     def Register(self, request, context):
         """A decode node announces where the pages of `room` go (refused, PERMISSION_DENIED, unless signed).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Revoke(self, request, context):
+        """A decode node gave up on `room` (its transfer timed out, it failed, its client left) and keeps
+        the room's pages out of use until this answers: OK once no rank of this node writes into them
+        any more (every rank dropped the room, a copy under way ended; the room's request here, if
+        live, ends CANCELLED); NOT_FOUND when no room of that number is known here (nothing writes into
+        it; a registration of it that comes later is refused). PERMISSION_DENIED unless signed.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -154,6 +170,11 @@ def add_BootstrapServicer_to_server(servicer, server):
                     request_deserializer=kvbridge_dot_v1_dot_prefill__pb2.RegisterRequest.FromString,
                     response_serializer=kvbridge_dot_v1_dot_prefill__pb2.RegisterResponse.SerializeToString,
             ),
+            'Revoke': grpc.unary_unary_rpc_method_handler(
+                    servicer.Revoke,
+                    request_deserializer=kvbridge_dot_v1_dot_prefill__pb2.RevokeRequest.FromString,
+                    response_serializer=kvbridge_dot_v1_dot_prefill__pb2.RevokeResponse.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'kvbridge.v1.Bootstrap', rpc_method_handlers)
@@ -163,7 +184,7 @@ def add_BootstrapServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Bootstrap:
-    """Both calls prove the fleet key (SECURITY.md): a proof is HMAC-SHA256 under it of the message's
+    """Every call proves the fleet key (SECURITY.md): a proof is HMAC-SHA256 under it of the message's
     other fields (common/security.py message_proof), so neither side trusts a peer without the key.
     """
 
@@ -211,6 +232,33 @@ class Bootstrap:
             '/kvbridge.v1.Bootstrap/Register',
             kvbridge_dot_v1_dot_prefill__pb2.RegisterRequest.SerializeToString,
             kvbridge_dot_v1_dot_prefill__pb2.RegisterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Revoke(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvbridge.v1.Bootstrap/Revoke',
+            kvbridge_dot_v1_dot_prefill__pb2.RevokeRequest.SerializeToString,
+            kvbridge_dot_v1_dot_prefill__pb2.RevokeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -384,7 +384,9 @@ def test_drain_wait_extends_the_deadline(capsys, fake):
     code, out, _ = admin(capsys, "drain", "--wait", "5", "--timeout", "10", "--json", "--target", fake.target)
     assert (code, json.loads(out)) == (0, {"draining": True, "requests_in_flight": 0, "empty": True})
     [(wait_s, remaining)] = fake.calls
-    assert wait_s == 5.0 and 14 < remaining < 16  # --timeout plus --wait (gRPC rounds the deadline up a little)
+    # --timeout plus --wait: more than --timeout alone once the call's way here is taken off (seconds on a
+    # loaded host), at most 15 s (gRPC rounds the deadline up a little)
+    assert wait_s == 5.0 and 10 < remaining < 16
 
 
 def test_nodes_add_and_remove(capsys, fake):

@@ -1,20 +1,27 @@
 """scripts/gpu_check.sh, checked without a GPU: it parses, every test path and bench flag it names
 exists, it refuses to run where no GPU is, and its --cpu mode runs stages, records a failed one and
-goes on, and writes the KV transfer bench's rows. (The stages themselves run on a GPU machine.)"""
+goes on, and writes the KV transfer bench's rows. Its --quick mode's dry run, with the GPU machine's
+python emulated (tests/gpu/image.py), collects every quick case and skips each one for want of CUDA
+and for nothing else; every GPU test has a quick case; the wheels it carries are what that python
+lacks. (The stages themselves run on a GPU machine.)"""
 
 from __future__ import annotations
 
+import functools
+import importlib.metadata
 import json
 import os
 import re
 import subprocess
 import sys
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
 import torch
 
 from kvbridge.bench.kv_transfer import BenchConfig, why_not
+from tests.gpu import image
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
@@ -157,3 +164,131 @@ def test_the_bench_refuses_a_cuda_device_where_there_is_none(capsys):
 
     assert kv_transfer.main(["--device", "cuda", "--json"]) == 2
     assert capsys.readouterr().err == "bench kv_transfer: error: device 'cuda' asked for, but CUDA is not available\n"
+
+
+def test_quick_refuses_cpu_and_the_stages_it_does_not_run():
+    r = gpu_check("--quick", "--cpu", timeout=30)
+    assert r.returncode == 2
+    assert r.stderr.startswith("gpu_check: --quick does not take --cpu (--quick --dry-run is its run on CPU)\n")
+    r = gpu_check("--quick", "--stages", "tests,kv_bench", timeout=30)
+    assert r.returncode == 2
+    assert r.stderr.startswith("gpu_check: unknown stage 'kv_bench'\nThe GPU path in one run")
+
+
+def test_quick_where_no_gpu_is_its_dry_run(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\nexit 9\n")
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    env = os.environ | {"PATH": f"{bin_dir}:/usr/bin:/bin", "OUT": str(tmp_path / "out")}
+    r = gpu_check("--quick", "--stages", "env", env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert re.match(r"gpu_check \[\d+s\] mode dry quick \(no GPU here\), python ", r.stderr), r.stderr
+    assert json.loads((tmp_path / "out" / "env.json").read_text())["mode"] == "dry"
+
+
+@functools.cache
+def collect(marker: str) -> list[str]:
+    """The ids of the tests/gpu cases `marker` selects, as pytest collects them here."""
+    r = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "tests/gpu", "-m", marker],
+        capture_output=True, text=True, timeout=300, cwd=ROOT, env=os.environ | {"CUDA_VISIBLE_DEVICES": ""},
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    return [line for line in r.stdout.splitlines() if "::" in line]
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+    """--quick --dry-run: the quick cases on CPU, the GPU machine's python emulated."""
+    out = tmp_path_factory.mktemp("gpu_check_dry")
+    return gpu_check("--quick", "--dry-run", env=os.environ | {"OUT": str(out)}), out
+
+
+def test_the_dry_run_skips_every_quick_case_for_want_of_cuda_and_for_nothing_else(dry_run):
+    r, out = dry_run
+    assert r.returncode == 0, r.stderr
+    assert [line.split()[:2] for line in (out / "summary.txt").read_text().splitlines()[:3]] == [
+        ["setup", "PASS"],
+        ["env", "PASS"],
+        ["tests", "PASS"],
+    ]
+    quick = collect("gpu and quick")
+    cases = {
+        f"{c.get('classname').replace('.', '/')}.py::{c.get('name')}": [(e.tag, e.get("message", "")) for e in c]
+        for c in ET.parse(out / "pytest_gpu.xml").getroot().iter("testcase")
+    }
+    assert sorted(cases) == sorted(quick)
+    assert {case: why for case, why in cases.items() if why != [("skipped", "no CUDA device")]} == {}
+    # pytest -rs: each skip with its reason, none other
+    log = (out / "pytest_gpu.log").read_text()
+    reasons = re.findall(r"^SKIPPED \[(\d+)\] [\w/.]+:\d+: (.*)$", log, re.M)
+    assert {why for _, why in reasons} == {"no CUDA device"}
+    assert sum(int(n) for n, _ in reasons) == len(quick)
+    assert f"dry run: every one of the {len(quick)} quick cases collected and skipped for want of CUDA" in log
+
+
+def test_every_gpu_test_has_a_quick_case_in_every_module():
+    def functions(ids):
+        return {i.split("[")[0] for i in ids}
+
+    every, quick = collect("gpu"), collect("gpu and quick")
+    paris = "tests/gpu/test_gpu_bf16_parity.py::test_the_first_answer_names_paris"  # (the default model's knowledge)
+    assert functions(every) - functions(quick) == {paris}
+    modules = {str(p.relative_to(ROOT)) for p in (ROOT / "tests" / "gpu").glob("test_*.py")}
+    assert {i.split("::")[0] for i in quick} == modules
+
+
+def test_the_carried_wheels_are_what_the_image_lacks_at_the_versions_here():
+    lacks = image.requirement_closure(["kvbridge"]) - image.requirement_closure(image.IMAGE)
+    assert image.carried() == lacks - {"kvbridge", "ninja"}  # (quick mode builds no CPU kernels)
+    pins = [line.split("#")[0].strip() for line in image.WHEELS.read_text().splitlines()]
+    stale = {}
+    for pin in filter(None, pins):
+        name, version = pin.split("==")
+        if importlib.metadata.version(name) != version:
+            stale[name] = (version, importlib.metadata.version(name))
+    assert stale == {}
+
+
+def make_site(folder: Path, dists: dict[str, list[str]]) -> Path:
+    """A site-packages folder: each distribution's dist-info (its RECORD listing `files`) and files."""
+    for name, files in dists.items():
+        info = folder / f"{name}-1.0.dist-info"
+        info.mkdir(parents=True)
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
+        record = [*files, f"{info.name}/METADATA", f"{info.name}/RECORD"]
+        (info / "RECORD").write_text("".join(f"{f},,\n" for f in record))
+        for f in files:
+            (folder / f).parent.mkdir(parents=True, exist_ok=True)
+            (folder / f).write_text("")
+    return folder
+
+
+def test_the_emulated_image_links_all_but_what_only_hidden_distributions_own(tmp_path):
+    site = make_site(
+        tmp_path / "site",
+        {
+            "kept": ["kept/__init__.py", "shared/a.py"],
+            "hidden": ["hidden/__init__.py", "hidden_module.py", "shared/b.py"],
+        },
+    )
+    (site / "loose.pth").write_text("")
+    into = tmp_path / "into"
+    into.mkdir()
+    left_out = image.link_what_is_kept(site, {"kept"}, into)
+    assert left_out == ["hidden", "hidden-1.0.dist-info", "hidden_module.py"]
+    assert sorted(p.name for p in into.iterdir()) == ["kept", "kept-1.0.dist-info", "loose.pth", "shared"]
+
+
+def test_the_emulated_image_hides_test_extras_and_keeps_the_image_and_the_wheels():
+    code = (
+        "import importlib.util as u\n"
+        "from tests.gpu import image\n"
+        "image.emulate_the_image()\n"
+        "print([u.find_spec(n) is not None for n in ('hypothesis', 'openai', 'accelerate', 'kvbridge.common')])\n"
+        "print([u.find_spec(n) is not None for n in ('torch', 'transformers', 'grpc_health', 'llguidance')])\n"
+    )
+    r = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, timeout=120,
+                       cwd=ROOT, env=os.environ | {"PYTHONPATH": str(ROOT)})  # fmt: skip
+    assert r.stdout.splitlines() == [str([False] * 4), str([True] * 4)], r.stderr

@@ -12,9 +12,11 @@ from __future__ import annotations
 import json
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import threading
+import time
 
 import httpx
 import pytest
@@ -271,3 +273,36 @@ def _holder(router: RouterProcess, nodes: dict) -> NodeProcess | None:
 def _migrated(spans: list[Span]) -> bool:
     root = [s for s in spans if s.name.startswith("chat ")]
     return bool(root) and len([s for s in spans if s.name == "kvbridge.v1.Generation/Generate"]) == 2
+
+
+def test_processes_exit_promptly_on_sigterm_with_a_collector_that_never_answers():
+    """A node and a router exporting to a collector that takes connections and never answers: each
+    took 9-10 s to exit on SIGTERM, waiting on the export under way and then the queue's (5 s each);
+    now the queue gets tracing.SHUTDOWN_S (what it drops is counted: tests/nodes/test_trace_context.py)."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()  # (the kernel takes connections; nobody reads them)
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        node = NodeProcess("serve", "--otlp-traces-endpoint", url, "--shutdown-grace-s", "0.5")
+        router = None
+        try:
+            node.wait_ready()
+            router = RouterProcess("--colocated", node.address, "--otlp-traces-endpoint", url)
+            wait_routable(router)
+            status, _, chunks = chat(router, new_trace()[2], max_tokens=4)  # spans in every process, queued
+            assert (status, chunks[-1]["choices"][0]["finish_reason"]) == (200, "length")
+            took = {}
+            for name, proc in (("router", router.proc), ("serve", node.proc)):
+                started = time.monotonic()
+                proc.send_signal(signal.SIGTERM)
+                assert proc.wait(timeout=60) == 0
+                took[name] = time.monotonic() - started
+        finally:
+            for p in (router, node):
+                if p is not None:
+                    p.stop()
+    assert max(took.values()) < 6.0, took  # (generous: 1.2 s and 2.8 s here; 9-10 s each before)
+    for lines in (router.lines, node.lines):  # each said why its spans went nowhere
+        said = {line.split("event=")[1].split()[0] for line in lines if "logger=kvbridge.tracing" in line}
+        assert said & {"tracing_dropped", "tracing_unreachable"} and said <= {"tracing", "tracing_dropped",
+                                                                             "tracing_unreachable"}, said  # fmt: skip

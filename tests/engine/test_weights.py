@@ -1,12 +1,16 @@
 """Weight sources: GGUF in every supported type (against transformers' own GGUF loader),
 the dequantized cache (read instead of the GGUF; a damaged one rebuilt with a warning, never
-served; written atomically), and the fingerprint."""
+served; written atomically; one that cannot be written costs a warning, never a load), and the
+fingerprint."""
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 
@@ -14,6 +18,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from safetensors import SafetensorError
 
 import kvbridge.engine.weights
 from kvbridge.common.sampling import SamplingParams
@@ -294,16 +299,156 @@ def test_a_build_that_dies_mid_write_leaves_nothing_that_looks_valid(tmp_path, m
     def dies(weights, filename, metadata=None):
         with open(filename, "wb") as f:
             f.write(b"half a file")
-        raise OSError("disk full")
+        raise OSError(errno.ENOSPC, "disk full")
 
     monkeypatch.setattr(kvbridge.engine.weights, "save_file", dies)
-    with pytest.raises(OSError, match="disk full"):
-        load_model(str(path), progress=False)
+    model, warnings = load_logged(path, caplog)  # (served from memory: the cache could not be written)
+    assert len(warnings) == 1 and "cannot be written (OSError: [Errno 28] disk full)" in warnings[0]
     assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == []
     monkeypatch.undo()
     monkeypatch.setenv("KVBRIDGE_CACHE", str(tmp_path / "cache"))
-    _, warnings = load_logged(path, caplog)
+    again, warnings = load_logged(path, caplog)
     assert warnings == [] and len(list((tmp_path / "cache").glob("*.safetensors"))) == 1
+    assert_same_model(model, again)
+
+
+# ---------------------------------------------------------------- a cache that cannot be written
+
+
+def unwritable(cache, kind: str, monkeypatch) -> str:
+    """Make `cache` (KVBRIDGE_CACHE) unwritable as `kind` says; returns the error the warning names."""
+    if kind == "a file where the directory should be":
+        cache.write_text("not a directory")  # (root ignores file modes: this stops root too)
+        return f"FileExistsError: [Errno 17] File exists: '{cache}'"
+    if kind == "disk full writing the weights":  # as safetensors reports it
+
+        def full(weights, filename, metadata=None):
+            with open(filename, "wb") as f:
+                f.write(b"half a file")
+            raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+        monkeypatch.setattr(kvbridge.engine.weights, "save_file", full)
+        return "SafetensorError: Error while serializing: I/O error: No space left on device (os error 28)"
+    write = kvbridge.engine.weights._write_atomically
+
+    def full_for_the_sidecar(path, data):
+        if path.suffix == ".json":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        write(path, data)
+
+    monkeypatch.setattr(kvbridge.engine.weights, "_write_atomically", full_for_the_sidecar)
+    return f"OSError: [Errno 28] No space left on device: '{cache}/"
+
+
+@pytest.mark.parametrize(
+    "kind", ["a file where the directory should be", "disk full writing the weights", "disk full writing the sidecar"]
+)
+def test_a_cache_that_cannot_be_written_costs_one_warning_and_the_model_is_served_from_memory(
+    tmp_path, monkeypatch, hf_llama, caplog, kind
+):
+    path = tmp_path / "m.gguf"
+    write_gguf(path, hf_llama, "Q8_0")
+    monkeypatch.setenv("KVBRIDGE_CACHE", str(tmp_path / "elsewhere"))
+    uncached = load_model(str(path), progress=False)  # (a first load: its cache is written elsewhere)
+    [name] = [p.name for p in (tmp_path / "elsewhere").glob("*.safetensors")]
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("KVBRIDGE_CACHE", str(cache))
+    error = unwritable(cache, kind, monkeypatch)
+    model, warnings = load_logged(path, caplog)
+    assert len(warnings) == 1, warnings
+    assert warnings[0].startswith(f"weight cache {cache / name} cannot be written ({error}")
+    assert warnings[0].endswith(f"): serving {path} from memory")
+    assert_same_model(uncached, model)
+    prompts = make_prompts(2, 256, seed=5)
+    assert greedy(model, prompts) == greedy(uncached, prompts)
+    assert not (cache / name).with_suffix(".json").exists()  # (nothing that a later load would take)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "a file where the cache directory should be"])
+def test_a_fingerprint_memo_that_cannot_be_read_or_written_costs_no_load(
+    tmp_path, monkeypatch, hf_llama, caplog, damage
+):
+    """A Hugging Face directory's fingerprint is remembered in the cache (fingerprints.json): one
+    cut short (it was not written atomically) was a JSONDecodeError at every load."""
+    hf, cache = tmp_path / "hf", tmp_path / "cache"
+    hf_llama.save_pretrained(hf)
+    monkeypatch.setenv("KVBRIDGE_CACHE", str(cache))
+    first, warnings = load_logged(hf, caplog)
+    memo = cache / "fingerprints.json"
+    assert warnings == [] and list(json.loads(memo.read_text()).values()) == [first.fingerprint]
+    if damage == "truncated":
+        memo.write_text(memo.read_text()[:-7])
+    else:
+        shutil.rmtree(cache)
+        cache.write_text("not a directory")
+    model, warnings = load_logged(hf, caplog)
+    assert_same_model(first, model)
+    if damage == "truncated":  # computed again, and written whole
+        assert warnings == [] and list(json.loads(memo.read_text()).values()) == [first.fingerprint]
+    else:
+        assert warnings == [
+            f"fingerprint memo {memo} cannot be written (FileExistsError: [Errno 17] File exists: '{cache}'): "
+            f"{hf} is hashed again at every load"
+        ]
+
+
+def weights_digest(model) -> str:
+    """The SHA-256 of a model's tensors (names and bytes), as READ_ONLY_LOADS computes it."""
+    h = hashlib.sha256()
+    for name, w in sorted(model.weights.items()):
+        h.update(name.encode() + w.contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+READ_ONLY_LOADS = """
+import hashlib, json, logging, sys
+from kvbridge.engine.weights import load_model
+said = []
+handler = logging.Handler()
+handler.emit = lambda record: said.append(record.getMessage())
+logging.getLogger("kvbridge.weights").addHandler(handler)
+out = []
+for spec in sys.argv[1:]:
+    model = load_model(spec, progress=False)
+    h = hashlib.sha256()
+    for name, w in sorted(model.weights.items()):
+        h.update(name.encode() + w.contiguous().numpy().tobytes())
+    out.append([model.fingerprint, h.hexdigest(), said[:]])
+    said.clear()
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare (util-linux)")
+def test_a_read_only_cache_serves_what_it_holds_and_a_model_it_lacks_from_memory(built, tmp_path, hf_llama):
+    """KVBRIDGE_CACHE mounted read-only in a mount namespace of the loads' own (root ignores file
+    modes): the model it holds is served from it, checked but not stamped; one it lacks is served
+    from memory. One warning each."""
+    path, cache, fresh = built  # (the cache holds it, never stamped: the next load hashes it)
+    lacking = tmp_path / "q4.gguf"
+    write_gguf(lacking, hf_llama, "Q4_0")
+    mount = 'mount --bind -o ro "$0" "$0" && exec "$1" -c "$2" "$3" "$4"'
+    argv = ["unshare", "--mount", "--propagation", "private", "sh", "-c", mount, str(cache), sys.executable,
+            READ_ONLY_LOADS, str(path), str(lacking)]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    if done.returncode and "Operation not permitted" in done.stderr and "Traceback" not in done.stderr:
+        pytest.skip("no mount namespace here: " + done.stderr.strip())
+    assert done.returncode == 0, done.stderr
+    [(held, held_digest, held_said), (lack, lack_digest, lack_said)] = json.loads(done.stdout)
+    [weights] = cache.glob("*.safetensors")
+    stamp = weights.with_suffix(".verified")
+    assert (held, held_digest) == (fresh.fingerprint, weights_digest(fresh))
+    assert len(held_said) == 1, held_said
+    assert held_said[0].startswith(f"weight cache {stamp} cannot be written (OSError: [Errno 30] Read-only file system")
+    assert held_said[0].endswith(f"): {weights} is hashed again at every load")
+    assert not stamp.exists()
+    uncached = load_model(str(lacking), progress=False)  # (outside the namespace: its cache is written)
+    [lacking_cached] = set(cache.glob("*.safetensors")) - {weights}
+    assert (lack, lack_digest) == (uncached.fingerprint, weights_digest(uncached))
+    assert len(lack_said) == 1, lack_said
+    assert lack_said[0].startswith(f"weight cache {lacking_cached} cannot be written (SafetensorError: ")
+    assert "Read-only file system (os error 30)" in lack_said[0]  # (safetensors' own words for EROFS)
+    assert lack_said[0].endswith(f"): serving {lacking} from memory")
 
 
 def test_two_processes_building_at_once_leave_one_good_cache(tmp_path, monkeypatch, hf_llama, caplog):

@@ -1,4 +1,5 @@
-"""bf16 against Hugging Face transformers on the same device, the default model.
+"""bf16 against Hugging Face transformers on the same device: the default model, and tiny-random (the
+--quick case, on CUDA).
 
 bf16 logits carry rounding errors of a fraction of a logit, so greedy tokens of two correct bf16
 implementations may part where the top two candidates are that close. The truth is fp32: HF
@@ -29,8 +30,11 @@ from tests.gpu.conftest import on_cuda
 
 transformers = pytest.importorskip("transformers")
 
-NEW_TOKENS = {"cuda": 32, "cpu": 12}
-NUM_PROMPTS = {"cuda": len(CHAT_PROMPTS), "cpu": 2}  # (on CPU: the code path, at a fraction of the cost)
+CASES = {  # case (tests/gpu/conftest.py) -> (device, the session fixture of the model, new tokens, prompts)
+    "cuda": ("cuda", "default_model", 32, len(CHAT_PROMPTS)),
+    "cuda-tiny": ("cuda", "tiny_model", 32, len(CHAT_PROMPTS)),
+    "cpu": ("cpu", "default_model", 12, 2),  # (on CPU: the code path, at a fraction of the cost)
+}
 
 
 def hf_from(model) -> torch.nn.Module:
@@ -52,7 +56,8 @@ def hf_from(model) -> torch.nn.Module:
     )
     hf = transformers.LlamaForCausalLM(config)
     result = hf.load_state_dict(model.weights, strict=False)
-    assert (result.missing_keys, result.unexpected_keys) == (["lm_head.weight"], [])  # tied to the embedding
+    tied = ["lm_head.weight"] if c.tie_word_embeddings else []  # (a tied head is the embedding)
+    assert (result.missing_keys, result.unexpected_keys) == (tied, [])
     hf.tie_weights()
     return hf.eval()
 
@@ -67,12 +72,6 @@ def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
     with torch.no_grad():
         out = hf.generate(ids, max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt) :].tolist()
-
-
-@pytest.fixture(scope="module", params=[on_cuda("cuda"), "cpu"])
-def device(request) -> str:
-    """As tests/gpu/conftest.py's, and the CPU (bf16 is the default dtype on AVX-512 CPUs)."""
-    return request.param
 
 
 @dataclass(frozen=True)
@@ -93,16 +92,17 @@ class Run:
 
 
 @pytest.fixture(scope="module")
-def runs(device, default_model) -> list[Run]:
-    hf32 = hf_from(default_model)
+def runs(case, request) -> list[Run]:
+    device, model_fixture, n, num_prompts = CASES[case]
+    model = request.getfixturevalue(model_fixture)  # (tiny-random alone where the default model is not installed)
+    hf32 = hf_from(model)
     hf16 = copy.deepcopy(hf32).to(device=device, dtype=torch.bfloat16)
     # as from_pretrained(dtype=bfloat16) leaves it: RoPE frequencies in fp32 (.to() cast them too)
     hf16.model.rotary_emb.inv_freq = hf32.model.rotary_emb.inv_freq.to(device)
-    llm = LLM(EngineConfig(device=device, dtype="bfloat16"), model=default_model, progress=False)
+    llm = LLM(EngineConfig(model=model.source, device=device, dtype="bfloat16"), model=model, progress=False)
     tok = llm.tokenizer
-    questions = CHAT_PROMPTS[: NUM_PROMPTS[device]]
+    questions = CHAT_PROMPTS[:num_prompts]
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}])) for q in questions]
-    n = NEW_TOKENS[device]
     out = []
     for prompt, c in zip(prompts, llm.generate(prompts, SamplingParams(max_new_tokens=n, ignore_eos=True))):
         seq = prompt + c.output_ids
@@ -146,5 +146,6 @@ def test_greedy_equals_transformers_bf16_up_to_a_near_tie(runs):
             assert abs(row[r.output[split]] - row[r.theirs[split]]).item() <= r.tie, (split, r.output, r.theirs)
 
 
+@pytest.mark.parametrize("case", [on_cuda("cuda", quick=False), "cpu"], indirect=True)  # the default model's
 def test_the_first_answer_names_paris(runs):
     assert "Paris" in runs[0].text

@@ -239,12 +239,15 @@ def test_forget_waits_for_copies_in_flight():
     done = threading.Event()
     th = threading.Thread(target=lambda: (t.forget(5), done.set()))
     th.start()
-    time.sleep(0.1)
+    deadline = time.monotonic() + 60
+    while t.authentic(5, KEY):  # until forget() took the room off the table (it then waits for the copy)
+        assert time.monotonic() < deadline, "forget() never started"
+        time.sleep(0.01)
     assert not done.is_set()
     with pytest.raises(RoomNotFound):  # no new writes meanwhile
         t.begin_write(5, KEY, 0, 2, 3, [7], BLOCK)
     t.end_write(ticket)
-    th.join(5)
+    th.join(60)
     assert done.is_set() and 5 not in t.board
 
 

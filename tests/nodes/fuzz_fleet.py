@@ -97,12 +97,14 @@ SCALES = pytest.mark.parametrize(
 
 
 class FakePrefill:
-    """A Bootstrap service that answers GetLayout with a prefill layout and records registrations:
-    it stands in for a prefill node so a test can play the prefill side of a transfer."""
+    """A Bootstrap service that answers GetLayout with a prefill layout, records registrations and
+    confirms revocations (the test writes nothing after a hand-off fails): it stands in for a
+    prefill node so a test can play the prefill side of a transfer."""
 
     def __init__(self, layout):
         self.layout = layout
         self.registrations: dict[int, prefill_pb2.RegisterRequest] = {}
+        self.revoked: list[int] = []  # rooms the decode node gave up on, in order
         self._cv = threading.Condition()
         outer = self
 
@@ -116,6 +118,10 @@ class FakePrefill:
                     outer.registrations[request.room] = request
                     outer._cv.notify_all()
                 return prefill_pb2.RegisterResponse()
+
+            def Revoke(self, request, context):
+                outer.revoked.append(request.room)
+                return prefill_pb2.RevokeResponse()
 
         add = prefill_pb2_grpc.add_BootstrapServicer_to_server
         self.server, port, _ = rpc.make_server("127.0.0.1", 0, [(add, Servicer())], ["kvbridge.v1.Bootstrap"])

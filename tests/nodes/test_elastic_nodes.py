@@ -4,6 +4,7 @@ hostile calls get clear statuses and change nothing."""
 
 from __future__ import annotations
 
+import secrets
 import threading
 import time
 
@@ -16,9 +17,19 @@ from kvbridge.common.sampling import SamplingParams
 from kvbridge.router.config import RouterConfig
 from kvbridge.router.planner import Move, Signals
 from kvbridge.router.server import start_router
-from kvbridge.v1 import admin_pb2, generation_pb2, generation_pb2_grpc
+from kvbridge.v1 import admin_pb2, common_pb2, generation_pb2, generation_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from tests.conftest import make_llm, make_prompts
-from tests.pd import TINY, admin, in_parallel, pd_generate, start_nodes, stop_nodes, token_prompt, wait_idle
+from tests.pd import (
+    TINY,
+    admin,
+    in_parallel,
+    pd_generate,
+    signed_route,
+    start_nodes,
+    stop_nodes,
+    token_prompt,
+    wait_idle,
+)
 
 MAX_NEW = 10
 SERVICES = ("kvbridge.v1.Generation", "kvbridge.v1.Prefill", "kvbridge.v1.Bootstrap")
@@ -124,11 +135,13 @@ def test_odd_and_hostile_switches_get_clear_statuses(pair):
         ({"role": "decode", "wait_s": -1}, grpc.StatusCode.INVALID_ARGUMENT, "wait_s must be >= 0"),
         ({"role": "decode", "wait_s": float("nan")}, grpc.StatusCode.INVALID_ARGUMENT, "wait_s must be >= 0"),
         ({"role": "decode", "node": "10.0.0.9:1"}, grpc.StatusCode.INVALID_ARGUMENT, "name a node only to a router"),
+        # 10 KB: shown cut short, so the status is the one meant (not RESOURCE_EXHAUSTED for its size)
+        ({"role": "r" * 10_000}, grpc.StatusCode.INVALID_ARGUMENT, f"got '{'r' * 79}...(10002 chars)"),
     ]
     for fields, code, words in cases:
         with pytest.raises(grpc.RpcError) as e:
             admin(b).SetRole(admin_pb2.SetRoleRequest(**fields), timeout=30)
-        assert e.value.code() == code and words in e.value.details(), fields
+        assert e.value.code() == code and words in e.value.details() and len(e.value.details()) < 200, fields
     epoch = model_info(b).role_epoch
     assert (model_info(b).role, health(b)) == ("decode", GENERATION_UP)  # nothing changed
     # the same role: nothing to do, at once
@@ -137,31 +150,27 @@ def test_odd_and_hostile_switches_get_clear_statuses(pair):
     assert (same.old_role, same.role, same.switch_s) == ("prefill", "prefill", 0.0)
 
 
-def test_a_switch_asked_during_a_switch_is_aborted_and_the_first_finishes(pair):
+def test_a_switch_asked_during_a_switch_is_aborted_and_the_first_finishes(pair, reference):
     a, b = pair["a"].address, pair["b"].address
-    prompt = list(range(3, 40))
-    # a long request on b (decode), so that b's switch waits for it
-    slow = threading.Thread(target=lambda: results.append(pd_generate(a, b, token_prompt(prompt), 400)))
-    results: list = []
-    slow.start()
-    deadline = time.monotonic() + 30
-    while admin(b).GetStatus(admin_pb2.GetStatusRequest(), timeout=10).requests_in_flight == 0:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-    first: list = []
-    switching = threading.Thread(target=lambda: first.append(set_role(b, "prefill", wait_s=60)))
-    switching.start()
-    while admin(b).GetStatus(admin_pb2.GetStatusRequest(), timeout=10).switching_to != "prefill":
-        time.sleep(0.01)
-    with pytest.raises(grpc.RpcError) as e:
-        set_role(b, "colocated")
-    assert e.value.code() == grpc.StatusCode.ABORTED
-    assert "a switch from decode to prefill is in progress" in e.value.details()
-    assert health(b)[""] == "NOT_SERVING"
-    switching.join(60)
-    slow.join(60)
-    tokens, _, prefill = results[0]
-    assert len(tokens) == 400 and not isinstance(prefill, grpc.RpcError)  # it finished, whole
+    prompts, expected = reference
+    held = HeldRequest(a, b, prompts[0])  # live on b (decode) until its prefill half is sent: b's switch waits for it
+    try:
+        first: list = []
+        switching = threading.Thread(target=lambda: first.append(set_role(b, "prefill", wait_s=60)))
+        switching.start()
+        deadline = time.monotonic() + 60
+        while admin(b).GetStatus(admin_pb2.GetStatusRequest(), timeout=10).switching_to != "prefill":
+            assert time.monotonic() < deadline, "b's switch never started"
+            time.sleep(0.01)
+        with pytest.raises(grpc.RpcError) as e:
+            set_role(b, "colocated")
+        assert e.value.code() == grpc.StatusCode.ABORTED
+        assert "a switch from decode to prefill is in progress" in e.value.details()
+        assert health(b)[""] == "NOT_SERVING"
+        assert held.finish() == expected[0]  # it finished, whole
+        switching.join(60)
+    finally:
+        held.close()
     assert first[0].role == "prefill" and first[0].drain_s > 0
     assert set_role(b, "decode").role == "decode"
 
@@ -290,3 +299,103 @@ class Told:
     def decide(self, signals, nodes, now):
         move, self.move = self.move, None
         return move
+
+
+class HeldRequest:
+    """A request whose decode half runs on `d_addr` and waits there, live, for its prefill half, which
+    is sent to `p_addr` only when `finish()` is called: it keeps the decode node busy (a switch of it
+    waits) for exactly as long as a test needs, whatever the machine's speed."""
+
+    def __init__(self, p_addr: str, d_addr: str, ids: list[int]):
+        self.p_addr, self.rid, self.room = p_addr, secrets.token_hex(8), secrets.randbits(63)
+        self.prompt = token_prompt(ids)
+        self.sampling = common_pb2.SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)
+        route = signed_route(self.room, p_addr)
+        req = generation_pb2.GenerateRequest(rid=self.rid, prompt=self.prompt, sampling=self.sampling, prefill=route)
+        self.stream = generation_pb2_grpc.GenerationStub(rpc.make_channel(d_addr)).Generate(req, timeout=120)
+        self.responses: list = []
+        self.thread = threading.Thread(target=self._read)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not any(r.rid == self.rid for r in admin(d_addr).ListRequests(admin_pb2.ListRequestsRequest()).requests):
+            assert time.monotonic() < deadline, "the held request never reached the decode node"
+            time.sleep(0.01)
+
+    def _read(self) -> None:
+        try:
+            self.responses.extend(self.stream)
+        except grpc.RpcError as e:
+            self.responses.append(e)
+
+    def finish(self) -> list[int]:
+        """Send its prefill half; the tokens it got once it ended."""
+        req = prefill_pb2.PrefillRequest(rid=self.rid, room=self.room, prompt=self.prompt, sampling=self.sampling)
+        prefill_pb2_grpc.PrefillStub(rpc.make_channel(self.p_addr)).Prefill(req, timeout=60)
+        self.thread.join(60)
+        assert not [r for r in self.responses if isinstance(r, grpc.RpcError)], self.responses
+        return [t for r in self.responses for t in r.token_ids]
+
+    def close(self) -> None:
+        self.stream.cancel()  # (nothing, once it ended)
+        self.thread.join(60)
+
+
+def test_a_router_withdraws_its_switch_when_a_direct_one_would_leave_no_decode_node(pair, reference):
+    """The race of two hands: the router switches decode node b to prefill, and b waits for its request
+    to end; meanwhile an operator switches the other decode node, c, straight at the node, where the
+    router's last-node guard cannot refuse it. The router sees c go and withdraws b's switch: b never
+    leaves decode, requests are served throughout (a -> b), and c's switch, the operator's, stands."""
+    a, b, c = (pair[n].address for n in "abc")
+    prompts, expected = reference
+    router = start_router(RouterConfig(port=0, prefill=(a,), decode=(b, c), health_retry_s=0.1, startup_wait_s=30))
+    address = f"127.0.0.1:{router.port}"
+    ea, eb, ec = (model_info(n).role_epoch for n in (a, b, c))
+    on_b, on_c = HeldRequest(a, b, prompts[0]), HeldRequest(a, c, prompts[1])  # each switch waits for one
+    asked: dict[str, object] = {}
+
+    def ask(name: str, call) -> threading.Thread:
+        def run():
+            try:
+                asked[name] = call()
+            except grpc.RpcError as e:
+                asked[name] = e
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        return thread
+
+    try:
+        wait_learned(
+            address, {a: ("prefill", True, True, ea), b: ("decode", True, True, eb), c: ("decode", True, True, ec)}
+        )
+        by_router = admin_pb2.SetRoleRequest(role="prefill", node=b, wait_s=60)
+        routed = ask("router", lambda: admin(address).SetRole(by_router, timeout=90))
+        while admin(b).GetStatus(admin_pb2.GetStatusRequest(), timeout=10).switching_to != "prefill":
+            time.sleep(0.01)
+        direct = ask("direct", lambda: set_role(c, "prefill", wait_s=60))  # c waits for its request too
+        routed.join(60)
+        withdrawn = asked["router"]
+        assert isinstance(withdrawn, grpc.RpcError) and withdrawn.code() == grpc.StatusCode.ABORTED, withdrawn
+        assert withdrawn.details() == (
+            f"the switch of {b} to prefill was withdrawn: {b} would be the last decode node serving: another "
+            "decode node turned unhealthy, left the pool or changed role while it waited to switch"
+        )
+        assert (model_info(b).role, model_info(b).role_epoch) == ("decode", eb)  # b never switched
+        wait_learned(
+            address, {a: ("prefill", True, True, ea), b: ("decode", True, True, eb), c: ("decode", False, True, ec)}
+        )
+        assert [router_generate(address, p) for p in prompts] == expected  # served while c switches
+        assert on_c.finish() == expected[1]  # c's request ends: c switches
+        direct.join(60)
+        assert (asked["direct"].old_role, asked["direct"].role) == ("decode", "prefill")
+        assert on_b.finish() == expected[0]  # b's request, unharmed by the withdrawn switch
+        wait_learned(
+            address, {a: ("prefill", True, True, ea), b: ("decode", True, True, eb), c: ("prefill", True, True, ec + 1)}
+        )
+        assert [router_generate(address, p) for p in prompts] == expected
+    finally:
+        on_b.close()
+        on_c.close()
+        router.stop(grace_s=0)
+        if model_info(c).role != "decode":
+            set_role(c, "decode")

@@ -3,6 +3,7 @@ live, keeping pool and prefix cache; the front's SetRole is answered once they d
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import queue
 import time
@@ -14,7 +15,7 @@ from kvbridge.elastic_node.node import elastic_rank
 from kvbridge.engine.config import EngineConfig, PPConfig
 from kvbridge.pipeline.group import RankGroup
 from kvbridge.pipeline.log import SWITCH, LogEntry, Message, Switched
-from kvbridge.pipeline.messages import Answer, Ask, Finish, SetRole
+from kvbridge.pipeline.messages import Answer, Ask, Finish, SetRole, Token
 
 TOKENS = itertools.count(1000)
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18], [40, 41, 42, 43, 44]]
@@ -76,8 +77,15 @@ def test_every_rank_switches_at_one_entry_and_serves_the_same_tokens_after(pp_si
     assert [r.error for r in reports] == [""] * pp_size and [r.live_requests for r in reports] == [0] * pp_size
 
 
+def first_token(group: RankGroup, rid: str, timeout: float = 60) -> None:
+    """Until the request's first token comes out (it is decoding then)."""
+    deadline = time.monotonic() + timeout
+    while not any(isinstance(ev, Token) and ev.rid == rid for ev in group.poll(timeout=0.2)):
+        assert time.monotonic() < deadline, f"{rid} never produced a token"
+
+
 def test_a_switch_waits_for_live_requests_or_ends_them_for_migration():
-    group = elastic("colocated", faults="step_delay_ms=5")  # 40 tokens: 0.2 s at least
+    group = elastic("colocated", faults="step_delay_ms=25")  # 40 tokens: 1 s at least
     try:
         long = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
         rid = group.add_request(PROMPTS[0], long)
@@ -87,7 +95,7 @@ def test_a_switch_waits_for_live_requests_or_ends_them_for_migration():
         # the request finished first, whole: its Finish came before the answer
         assert [(f.rid, f.finish_reason, len(f.output_ids), f.error) for f in before] == [(rid, "length", 40, "")]
         rid = group.add_request(PROMPTS[1], long)  # a decode node now: a request without a pairing still runs
-        time.sleep(0.05)
+        first_token(group, rid)  # decoding: at least 39 steps (~1 s) left when the switch comes
         before = []
         assert set_role(group, "colocated", migrate=True, before=before)["code"] == ""
         # ended at once, for a router to resume elsewhere (its streamed outputs go with its Finish)
@@ -122,3 +130,34 @@ def test_a_switch_entry_rides_the_pipeline_as_data():
         Message.decode(Message("control", (entry,)).encode().replace(b'"epoch":2', b'"epoch":"2"'))
     with pytest.raises(TypeError, match="switch entries hold Switched"):
         LogEntry(7, SWITCH, "", None, None)
+
+
+def test_a_waiting_switch_is_withdrawn_by_asking_for_the_role_the_node_has():
+    group = elastic("colocated", faults="step_delay_ms=5")
+    try:
+        rid = group.add_request(PROMPTS[0], SamplingParams(max_new_tokens=900, temperature=0.0, ignore_eos=True))
+        first_token(group, rid)  # live for 4.5 s at least: the switch waits
+        switch, back = next(TOKENS), next(TOKENS)
+        group.inbox.put(SetRole("prefill", switch, 60, False))
+        group.inbox.put(SetRole("colocated", back, 60, False))
+        answers: dict[int, dict] = {}
+        deadline = time.monotonic() + 30
+        while len(answers) < 2 and time.monotonic() < deadline:
+            with contextlib.suppress(queue.Empty):
+                ev = group.outbox.get(timeout=0.2)
+                answers |= {ev.token: ev.body} if isinstance(ev, Answer) else {}
+        assert answers == {
+            switch: {
+                "code": "ABORTED",
+                "error": "the switch to prefill was withdrawn: asked to stay colocated",
+                "epoch": 0,
+            },
+            back: {"code": "", "error": "", "withdrew": "prefill", "epoch": 0},
+        }
+        group.abort(rid)
+        # idle: a switch is made at once, and the same ask after it is a switch back
+        assert set_role(group, "prefill") == {"code": "", "error": "", "epoch": 1}
+        assert set_role(group, "colocated") == {"code": "", "error": "", "epoch": 2}
+    finally:
+        reports = group.shutdown()
+    assert [kind for _, kind, _ in reports[0].log].count(SWITCH) == 2  # (none for the withdrawn one)

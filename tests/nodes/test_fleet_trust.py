@@ -32,7 +32,8 @@ from tests.pd import TINY, fleet_signed, pd_generate, signed_route, start_nodes,
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT = list(range(5, 69))  # 64 tokens: 16 pages of 4
 MAX_NEW = 8
-BOOTSTRAP_S = 2.0  # the prefill node's --bootstrap-timeout-s: a Prefill nobody registered fails this soon
+BOOTSTRAP_S = 5.0  # the prefill node's --bootstrap-timeout-s: a Prefill nobody registered fails this soon
+# (and a routed one's registration, a moment after its Prefill, comes well within it on a loaded host)
 OTHER_KEY = b"k" * 64  # a key that is not this fleet's
 
 

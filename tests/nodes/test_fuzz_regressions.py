@@ -48,7 +48,7 @@ from tests.nodes.fuzz_fleet import (
     stop_node,
     tried,
 )
-from tests.pd import TINY, signed_route, token_prompt
+from tests.pd import TINY, signed_route, token_prompt, wait_phase
 from tests.sampling_bounds import sampling_of
 
 fleet = fleet_fixture()
@@ -68,6 +68,15 @@ def scratch_call(node, fake: FakePrefill, rid: str, room: int, prompt: list[int]
     req = greedy_request(rid, prompt, n)
     req.prefill.CopyFrom(signed_route(room, fake.address))
     return client(generation_pb2_grpc.GenerationStub, node.address).Generate(req, timeout=timeout)
+
+
+def wait_listed(addr: str, rid: str, timeout: float = 60) -> None:
+    """Until the node lists `rid`, in any phase (a hang fails)."""
+    stub = client(admin_pb2_grpc.AdminStub, addr)
+    deadline = time.monotonic() + timeout
+    while rid not in [r.rid for r in stub.ListRequests(admin_pb2.ListRequestsRequest(), timeout=10).requests]:
+        assert time.monotonic() < deadline, f"{rid} never showed up on {addr}"
+        time.sleep(0.01)
 
 
 def play_prefill(f: Fleet, reg: prefill_pb2.RegisterRequest, prompt_len: int, first_token: int, via="call") -> None:
@@ -163,13 +172,13 @@ def test_a_duplicate_rid_on_the_decode_node_keeps_the_first_requests_registratio
     holder = scratch_call(scratch, fleet.fake, "dup-holder", holder_room, [1] * 8, 16)
     assert fleet.fake.registration(holder_room) is not None
     waiting = scratch_call(scratch, fleet.fake, "dup", room, [2] * 8, 24)
-    time.sleep(0.5)
+    wait_phase(scratch.address, "dup", "prealloc")  # the first "dup" holds the rid before the second comes
     again = scratch_call(scratch, fleet.fake, "dup", secrets.randbits(62) + 1, [3] * 8, 24, timeout=10)
     _, error = drain_stream(again)
     assert error is not None and error.code() == C.INVALID_ARGUMENT and "duplicate request id" in error.details()
     holder.cancel()  # pages free: the first "dup" is preallocated now, and must register
     try:
-        assert fleet.fake.registration(room, timeout=4) is not None, "the first request never registered"
+        assert fleet.fake.registration(room, timeout=CALL_S) is not None, "the first request never registered"
     finally:
         waiting.cancel()
 
@@ -181,7 +190,7 @@ def test_a_prompt_whose_reserve_exceeds_the_pool_is_still_preallocated(fleet, sc
     room = secrets.randbits(62) + 1
     call = scratch_call(scratch, fleet.fake, "too-big", room, [4] * 30, 16, timeout=10)
     try:
-        assert fleet.fake.registration(room, timeout=3) is not None, "never preallocated"
+        assert fleet.fake.registration(room, timeout=CALL_S) is not None, "never preallocated"
     finally:
         call.cancel()
 
@@ -191,10 +200,10 @@ def test_a_room_in_use_on_the_prefill_node_is_refused(fleet):
     stub = client(prefill_pb2_grpc.PrefillStub, fleet.p.address)
     room = secrets.randbits(61) + 1
     first = stub.Prefill.future(prefill_pb2.PrefillRequest(rid="room-first", room=room, prompt=token_prompt([1, 2])))
-    time.sleep(0.3)
     try:
+        wait_listed(fleet.p.address, "room-first")  # it holds the room before the second comes
         with pytest.raises(grpc.RpcError) as err:
-            stub.Prefill(prefill_pb2.PrefillRequest(rid="room-second", room=room, prompt=token_prompt([3])), timeout=2)
+            stub.Prefill(prefill_pb2.PrefillRequest(rid="room-second", room=room, prompt=token_prompt([3])), timeout=10)
         assert err.value.code() in (C.ALREADY_EXISTS, C.INVALID_ARGUMENT), err.value
     finally:
         first.cancel()

@@ -48,9 +48,9 @@ MAX_NEW = 8
 
 @pytest.fixture(scope="module")
 def fleet():
-    """P pp 2 (each step 150 ms late: a request stays in prefill long enough to be caught there)
-    and D pp 1."""
-    slow = replace(TINY, fault_inject="step_delay_ms=150")
+    """P pp 2 (each step 300 ms late: PROMPT stays in prefill for 1.2 s, long after its registration
+    lands, so that it is caught there) and D pp 1."""
+    slow = replace(TINY, fault_inject="step_delay_ms=300")
     nodes = start_nodes({"p": ("prefill", 2, slow), "d": ("decode", 1, "shm")})
     yield nodes["p"], nodes["d"]
     stop_nodes(nodes)

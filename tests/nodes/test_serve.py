@@ -190,7 +190,10 @@ def test_sigterm_drains_finishes_requests_in_flight_frees_shared_memory_and_exit
             assert time.monotonic() < deadline, "the request never started decoding"
             time.sleep(0.02)
         proc.send_signal(signal.SIGTERM)  # 30 tokens at 60 ms a step: still decoding
-        time.sleep(0.3)
+        deadline = time.monotonic() + 30
+        while not stub.GetStatus(admin_pb2.GetStatusRequest(), timeout=5).draining:
+            assert time.monotonic() < deadline, "the node never started draining"
+            time.sleep(0.02)
         tokens, _, error = pd_generate(prefill.address, addr, token_prompt([6, 7]), 4)
         assert error.code() == grpc.StatusCode.UNAVAILABLE and error.details() == "the decode node is draining"
         call.join(60)

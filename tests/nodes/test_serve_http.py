@@ -5,6 +5,7 @@ node's gRPC port and the HTTP port."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import subprocess
 import sys
@@ -71,6 +72,23 @@ def test_health_and_the_api_key(served):
     assert urllib.request.urlopen(f"http://{http}/health", timeout=10).status == 200
     status, answer = request(http, "/v1/completions", {"prompt": [5, 6], "max_tokens": 1}, key="wrong")
     assert (status, answer["error"]["code"]) == (401, "invalid_api_key")
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_body_over_the_limit_sent_whole_gets_its_413(served, chunked):
+    """7.6 MB, all sent before the answer is read (http.client does so): the connection used to be
+    closed under it, the 413 lost to a reset."""
+    _, _, address = served
+    body = json.dumps({"prompt": "x" * 7_600_000}).encode()
+    parts = (body[i : i + (1 << 16)] for i in range(0, len(body), 1 << 16))
+    conn = http.client.HTTPConnection(address, timeout=60)
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"}
+    try:
+        conn.request("POST", "/v1/completions", parts if chunked else body, headers, encode_chunked=chunked)
+        resp = conn.getresponse()
+        assert (resp.status, json.loads(resp.read())["error"]["message"]) == (413, "body over 4194304 bytes")
+    finally:
+        conn.close()
 
 
 def test_the_front_process_listens_on_the_grpc_and_http_ports_only(served):

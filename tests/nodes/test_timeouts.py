@@ -65,16 +65,17 @@ def test_decode_prealloc_and_transfer_timeouts_fail_the_request_and_free_both_si
     from kvbridge.nodes import start_node
     from kvbridge.serving.config import NodeConfig
 
-    # P prefills slowly (0.8 s a step); D holds one request's pages at a time and gives up quickly
-    p = start_node("prefill", NodeConfig(replace(TINY, fault_inject="step_delay_ms=800"), PPConfig(), metrics_port=0))
-    d_config = replace(TINY, kv_cache_tokens=48, prealloc_timeout_s=1.0, transfer_timeout_s=2.0)
+    # P never says that its pages are all sent (so D's transfer timeout ends the hand-off, however fast P
+    # is); D holds one request's pages at a time and gives up quickly: a request waiting for pages fails
+    # (1 s) well before the one holding them (3 s after its pages were reserved)
+    p = start_node("prefill", NodeConfig(replace(TINY, fault_inject="drop_notice=1"), PPConfig(), metrics_port=0))
+    d_config = replace(TINY, kv_cache_tokens=48, prealloc_timeout_s=1.0, transfer_timeout_s=3.0)
     d = start_node("decode", NodeConfig(d_config, PPConfig(pp_size=2), transfer_backend="shm", metrics_port=0))
     nodes = {"p": p, "d": d}
     try:
-        # a 40-token prompt takes 3 chunks (2.4 s) on P: longer than D's transfer timeout
         tokens, _, error = pd_generate(p.address, d.address, token_prompt(list(range(1, 41))), 4)
         assert tokens == [] and error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        assert error.details() == "the KV cache did not arrive within 2 s"
+        assert error.details() == "the KV cache did not arrive within 3 s"
         assert metric(d.metrics_port, "kvbridge_timeouts_total", 'timeout="transfer"') == 1
         for node in (p, d):
             st = wait_idle(node.address)

@@ -10,6 +10,7 @@ import logging
 import secrets
 import socket
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import grpc
@@ -208,3 +209,30 @@ def test_an_unreachable_collector_is_said_once_and_its_return_once(caplog, monke
     assert [(f["event"], f["service"], f["endpoint"]) for f in lines] == [
         ("tracing_unreachable", "kvbridge-test", f"http://127.0.0.1:{port}")
     ]
+
+
+@pytest.mark.parametrize("path", ["", "/v1/traces"], ids=["grpc", "http"])
+def test_an_exit_waits_at_most_a_second_on_a_silent_collector_and_counts_the_spans_it_drops(caplog, monkeypatch, path):
+    """A collector that takes the connection and never answers held each export for its whole
+    timeout, and shutdown waited for the export under way and then for the queue's: 9-10 s at
+    EXPORT_TIMEOUT_S 5 (30 here). Now the queue gets SHUTDOWN_S, and one line counts what is dropped."""
+    caplog.set_level(logging.INFO, logger="kvbridge.tracing")
+    monkeypatch.setattr(tracing, "EXPORT_TIMEOUT_S", 30.0)
+    exporting = threading.Event()
+    export = tracing._Reported.export
+    monkeypatch.setattr(tracing._Reported, "export", lambda self, spans: exporting.set() or export(self, spans))
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()  # (the kernel takes connections; nobody reads them)
+        tracing.setup("kvbridge-test", f"http://127.0.0.1:{silent.getsockname()[1]}{path}")
+        for _ in range(3):
+            tracing.start("under way").end()
+        under_way = exporting.wait(timeout=30)  # (the batch goes after EXPORT_DELAY_MS)
+        for _ in range(2):
+            tracing.start("queued").end()
+        started = time.monotonic()
+        tracing.shutdown()
+        took = time.monotonic() - started
+    assert under_way and took < tracing.SHUTDOWN_S + tracing.GIVE_UP_S + 2.5  # (generous: 60 s before)
+    lines = [r.fields for r in caplog.records if r.name == "kvbridge.tracing" and r.levelno == logging.WARNING]
+    assert [(f["event"], f["service"], f["spans"]) for f in lines] == [("tracing_dropped", "kvbridge-test", 5)]

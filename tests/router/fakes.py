@@ -46,7 +46,8 @@ class Rooms:
 class FakeGeneration(generation_pb2_grpc.GenerationServicer):
     """Streams `tokens` tokens (ids 100, 101, ..., text "t0 t1 ..."), one per message, then a last
     message with finish_reason and usage, as a colocated or decode node does; a request with
-    resume_ids (a migration) goes on after them (token i is 100 + i whoever streams it)."""
+    resume_ids (a migration) goes on after them (token i is 100 + i whoever streams it). One that
+    asks for prompt_logprobs k gets them with its first token (`fake_prompt_logprobs`)."""
 
     def __init__(self, node: FakeNode):
         self.node = node
@@ -77,6 +78,7 @@ class FakeGeneration(generation_pb2_grpc.GenerationServicer):
             if node.rooms.prefilled.get(room) != request.prefill.prefill_addr:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"room {room} never arrived")
         n = request.sampling.max_new_tokens or node.tokens
+        asked = request.sampling.HasField("prompt_logprobs") and not request.resume_ids
         for i in range(len(request.resume_ids), n):
             if not context.is_active():
                 return
@@ -87,7 +89,10 @@ class FakeGeneration(generation_pb2_grpc.GenerationServicer):
                     time.sleep(0.01)
                 return
             time.sleep(node.token_s)
-            yield generation_pb2.GenerateResponse(rid=request.rid, token_ids=[100 + i], text=f"t{i} ")
+            resp = generation_pb2.GenerateResponse(rid=request.rid, token_ids=[100 + i], text=f"t{i} ")
+            if asked and i == 0:
+                resp.prompt_logprobs.extend(fake_prompt_logprobs(request.prompt.token_ids.ids, request.sampling))
+            yield resp
         node.completed.append(request.rid)
         yield generation_pb2.GenerateResponse(
             rid=request.rid,
@@ -102,6 +107,19 @@ class FakeGeneration(generation_pb2_grpc.GenerationServicer):
         return generation_pb2.ModelInfo(
             model="fake", fingerprint=node.fingerprint, max_context=node.max_context, role=node.role
         )
+
+
+def fake_prompt_logprobs(ids, sampling: common_pb2.SamplingParams) -> list[common_pb2.TokenLogprob]:
+    """A prompt's logprobs as a node sends them: none for its first token; for token i (text "p{id}"),
+    logprob -i/1024, rank 1, and sampling.prompt_logprobs alternatives (ids 3.., texts "a{j}")."""
+    k = sampling.prompt_logprobs
+    out = [common_pb2.TokenLogprob(token_id=ids[0], token=f"p{ids[0]}")] if ids else []
+    for i, t in enumerate(ids[1:], start=1):
+        out.append(common_pb2.TokenLogprob(
+            token_id=t, token=f"p{t}", logprob=-i / 1024, rank=1, top_ids=range(3, 3 + k),
+            top_tokens=[f"a{j}" for j in range(k)], top_logprobs=[-j / 8 for j in range(k)],
+        ))  # fmt: skip
+    return out
 
 
 class FakePrefill(prefill_pb2_grpc.PrefillServicer):

@@ -4,6 +4,8 @@ official openai client works, incompatible pairs fail cleanly, the default model
 from __future__ import annotations
 
 import json
+import urllib.error
+import urllib.request
 from dataclasses import replace
 from pathlib import Path
 
@@ -22,6 +24,7 @@ from kvbridge.router.server import start_router
 from kvbridge.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from tests.conftest import make_llm, make_prompts
 from tests.pd import TINY, in_parallel, pd_generate, start_nodes, status, stop_nodes, token_prompt, wait_idle
+from tests.router.fakes import wait_until
 
 
 @pytest.fixture(scope="module")
@@ -137,6 +140,52 @@ def test_mismatched_layouts_fail_with_failed_precondition_and_both_keep_serving(
             st = wait_idle(node.address)
             assert all(r.kv_pages_used == 0 for r in st.ranks) and not any(st.queues.values())
     finally:
+        stop_nodes(odd)
+
+
+def post_completion(port: int, ids: list[int]) -> tuple[int, dict]:
+    body = json.dumps({"model": "tiny-random", "prompt": ids, "max_tokens": 4, "temperature": 0, "ignore_eos": True})
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body.encode())
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_a_pair_whose_layouts_differ_is_the_fleets_fault_not_the_clients(fleet, tiny_model):
+    """A decode node refusing its prefill node (page size 8 against 4) has refused the pair, not the
+    request: the router tries another pair (that one left out, not either node), and with none left
+    answers 503 (UNAVAILABLE) naming both nodes and the mismatch, never a 400 a client would not retry."""
+    nodes, _ = fleet
+    odd = start_nodes({"page8": ("decode", 1, "auto", replace(TINY, page_size=8))})
+    p1, d2, page8 = nodes["p1"].address, nodes["d2"].address, odd["page8"].address
+    ids = [5, 6, 7, 8, 9]
+    config = RouterConfig(port=0, http_port=0, prefill=(p1,), decode=(page8,), health_retry_s=0.1)
+    routers = [start_router(config), start_router(replace(config, decode=(page8, d2), routing="round_robin"))]
+    alone, both = routers
+    try:
+        for r in routers:
+            assert wait_until(lambda r=r: all(n.healthy for n in r.pool.nodes))
+        got, body = post_completion(alone.http_port, ids)
+        why = f"prefill/{p1} and decode/{page8} cannot serve together: page size differs: prefill 4, decode 8"
+        assert (got, body["error"]["code"], body["error"]["message"]) == (503, "unavailable", why)
+        with pytest.raises(grpc.RpcError) as err:
+            router_generate(alone.port, token_prompt(ids), 4)
+        assert (err.value.code(), err.value.details()) == (grpc.StatusCode.UNAVAILABLE, why)
+        # another decode node: the request's first attempt (round robin: page8) is retried on p1 -> d2
+        [want] = make_llm(tiny_model, chunked_prefill_size=16).generate(
+            [ids], SamplingParams(max_new_tokens=4, ignore_eos=True)
+        )
+        before = status(d2).requests_served
+        got, body = post_completion(both.http_port, ids)
+        assert got == 200 and body["choices"][0]["text"] == want.text
+        assert status(d2).requests_served == before + 1
+        registry = both.dispatcher.metrics.registry
+        assert registry.get_sample_value("kvbridge_router_retries_total", {"reason": "unavailable"}) == 1.0
+    finally:
+        for r in routers:
+            r.stop(grace_s=0)
         stop_nodes(odd)
 
 

@@ -52,3 +52,34 @@ def test_the_last_colocated_node_may_go_where_a_pd_pair_serves():
     c = by_address(pool, "h:1")
     assert pool.begin_switch(c, "prefill").startswith("h:1 is the last colocated node serving")
     assert pool.begin_switch(c, "decode") == ""  # then h:2 prefills and h:1 decodes
+
+
+def test_a_switch_under_way_is_told_once_when_its_role_would_be_left_empty():
+    """A switch the pool let begin comes to strand its role when the last other node of it goes while
+    it waits: turned unhealthy, changed role (switched straight at the node) or removed."""
+    pool = pool_of(("prefill", "h:1"), ("decode", "h:2"), ("decode", "h:3"), ("decode", "h:4"))
+    d2, d3, d4 = (by_address(pool, a) for a in ("h:2", "h:3", "h:4"))
+    told: list[str] = []
+    why = (
+        "h:2 would be the last decode node serving: another decode node turned unhealthy, left the pool or "
+        "changed role while it waited to switch"
+    )
+    assert pool.begin_switch(d2, "prefill", told.append) == ""
+    pool.set_health(d3, False)
+    assert told == []  # d4 still decodes
+    pool.set_role(d4, "prefill", 1)
+    assert told == [why]
+    pool.set_health(d4, False)
+    assert told == [why]  # once
+    pool.end_switch(d2)
+    pool.set_health(d3, True)
+    assert pool.begin_switch(d2, "prefill", told.append) == ""
+    pool.remove("h:3")
+    assert told == [why, why]
+    pool.end_switch(d2)
+    pool.set_health(d4, True)
+    assert pool.begin_switch(d4, "decode", told.append) == "" and d4.switching_to == "decode"
+    pool.set_health(d2, False)  # the prefill role keeps h:1: nothing to tell
+    pool.end_switch(d4)
+    pool.set_role(by_address(pool, "h:1"), "decode", 1)
+    assert told == [why, why]  # (no switch under way)

@@ -218,6 +218,34 @@ def test_bad_node_changes_are_refused_naming_the_value(make_router):
     ]
 
 
+def test_a_10_kb_value_comes_back_cut_short_with_its_status(nodes, make_router):
+    """A client's value in an error is shown cut short (common/shown.py), and every status and HTTP
+    error message is clipped where it leaves (1 KiB): the client gets the status meant for it."""
+    r = make_router(colocated=(nodes["c1"].address,))
+    assert wait_until(lambda: healthy(r, nodes["c1"].address))
+    big = "r" * 10_000
+    chat = common_pb2.Prompt(chat=common_pb2.ChatMessages(messages=[common_pb2.ChatMessage(role=big, content="hi")]))
+    calls = {
+        "AddNode": lambda: admin(r).AddNode(admin_pb2.AddNodeRequest(role=big, address="127.0.0.1:2"), timeout=10),
+        "SetRole": lambda: admin(r).SetRole(admin_pb2.SetRoleRequest(role=big, node=nodes["c1"].address), timeout=10),
+        "Generate": lambda: list(generation(r).Generate(generation_pb2.GenerateRequest(prompt=chat), timeout=10)),
+    }
+    for name, call in calls.items():
+        err = rpc_error(call)
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, (name, err.code())
+        assert err.details().endswith(f"got '{'r' * 79}...(10002 chars)") and len(err.details()) < 200, name
+    for path, body, want in [
+        ("/v1/completions", {"model": "tiny-random", "prompt": "hi", "temperature": big}, 400),
+        ("/v1/completions", {"model": big, "prompt": "hi"}, 404),  # (router/http.py: clipped by error_body)
+        ("/tokenize", {"model": big, "prompt": "hi"}, 404),
+    ]:
+        got, answer = post(r, path, body)
+        message = answer["error"]["message"]
+        assert got == want and message.startswith(("temperature must", "model")) and len(message) <= 1100, (
+            path, got, message[:200],
+        )  # fmt: skip
+
+
 # ---------------------------------------------------------------- drain and resume
 
 

@@ -76,10 +76,10 @@ def test_equal_nodes_share_requests_round_robin(fleet):
 
 
 def test_least_outstanding_node_gets_the_next_request(fleet):
-    router, nodes = fleet(colocated=2, tokens=200, token_s=0.01)
+    router, nodes = fleet(colocated=2, tokens=5000, token_s=0.01)
     stub = router_stub(router)
     long_call = stub.Generate(make_request(), timeout=30)
-    next(long_call)  # one node is busy with it now
+    next(long_call)  # one node is busy with it now (50 s: until it is cancelled below)
     busy = next(n for n in nodes["colocated"] if n.requests)
     for _ in range(3):
         list(stub.Generate(make_request(max_new_tokens=1), timeout=30))

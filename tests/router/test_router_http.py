@@ -16,6 +16,7 @@ import grpc
 import pytest
 
 from kvbridge.common import rpc
+from kvbridge.router import connection
 from kvbridge.router.config import RouterConfig
 from kvbridge.router.server import start_router
 from kvbridge.v1 import generation_pb2, generation_pb2_grpc
@@ -134,6 +135,44 @@ def test_a_chunk_declared_over_the_limit_gets_413_before_it_is_sent(fleet):
         )  # fmt: skip
         assert closed_by_server(sock)
     assert nodes["colocated"][0].requests == []
+
+
+BIG_BODY = json.dumps({"prompt": "x" * 7_600_000}).encode()  # 7.6 MB: over the default limit (4 MiB)
+
+
+def send_whole(sock: socket.socket, body: bytes, chunked: bool) -> None:
+    """The request, its whole body sent before anything is read (as http.client and requests do)."""
+    if not chunked:
+        sock.sendall(post_head(length=len(body)) + body)
+        return
+    sock.sendall(post_head())
+    for start in range(0, len(body), 1 << 16):
+        part = body[start : start + (1 << 16)]
+        sock.sendall(b"%X\r\n%s\r\n" % (len(part), part))
+    sock.sendall(b"0\r\n\r\n")
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_body_over_the_limit_sent_whole_before_reading_gets_its_413(fleet, chunked):
+    """The router closed at the limit, and the kernel answered the bytes still coming with a reset:
+    a client still sending never read its 413. Now it drops them until the client stops."""
+    router, nodes = fleet(colocated=1)
+    with connect(router.http_port) as sock:
+        send_whole(sock, BIG_BODY, chunked)
+        status, headers, body = read_answer(sock)
+        assert (status, headers["connection"], json.loads(body)) == (
+            413, "close", error("body over 4194304 bytes", "invalid_request_error", "invalid_argument")
+        )  # fmt: skip
+        assert closed_by_server(sock)
+    assert nodes["colocated"][0].requests == []
+    assert wait_until(lambda: router.http.requests_in_flight == 0)
+
+
+def test_what_a_refused_client_still_sends_is_dropped_up_to_a_bound(fleet, monkeypatch):
+    monkeypatch.setattr(connection, "LINGER_BYTES", 1 << 20)
+    router, _ = fleet(colocated=1)
+    with connect(router.http_port) as sock, pytest.raises(ConnectionError):  # (a reset, or a broken pipe)
+        send_whole(sock, BIG_BODY * 8, chunked=False)  # 61 MB: cut off once 1 MiB past the limit is dropped
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/nowhere"])  # the body read or not
