@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from kvbridge import __version__
+from kvbridge.common.shown import shown
 from kvbridge.kv_transfer.layers import LayerRange
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -20,7 +21,7 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 def dtype_from_name(name: str) -> torch.dtype:
     if name not in DTYPES:
-        raise ValueError(f"KV dtype must be one of {sorted(DTYPES)}, got {name!r}")
+        raise ValueError(f"KV dtype must be one of {sorted(DTYPES)}, got {shown(name)}")
     return DTYPES[name]
 
 
@@ -140,7 +141,7 @@ def incompatibility(prefill: NodeLayout, decode: NodeLayout) -> str:
     ]
     for what, p, d in checks:
         if p != d:
-            return f"{what} differs: prefill {p!r}, decode {d!r}"
+            return f"{what} differs: prefill {shown(p)}, decode {shown(d)}"
     return ""
 
 

@@ -112,7 +112,7 @@ class BootstrapService(prefill_pb2_grpc.BootstrapServicer):
         if request.backend not in self.node.layout.backends:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"backend {request.backend!r} is not one of {', '.join(self.node.layout.backends)}",
+                f"backend {shown(request.backend)} is not one of {', '.join(self.node.layout.backends)}",
             )
         bad = [p for p in request.page_ids if p >= decode.num_pages]
         if len(set(request.page_ids)) != len(request.page_ids):

@@ -57,6 +57,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from kvbridge.common import rpc, tracing
 from kvbridge.common.limits import prompt_size_problem
 from kvbridge.common.security import check_bearer
+from kvbridge.common.shown import MAX_SHOWN_CHARS, clipped, shown
 from kvbridge.router.answer import Fanout, HTTPAnswer
 from kvbridge.router.answer import error as _error
 from kvbridge.router.answer import json_response as _json
@@ -212,7 +213,7 @@ class HTTPFront:
         name = request.path_params["model"]
         card = next((self._model_card(m) for m in self.dispatcher.pool.models() if m.model == name), None)
         if card is None:
-            return _error(grpc.StatusCode.NOT_FOUND, f"model {name!r} is not served here", "model")
+            return _error(grpc.StatusCode.NOT_FOUND, f"model {shown(name)} is not served here", "model")
         return _json(200, card)
 
     async def _health(self, request: Request) -> Response:
@@ -248,7 +249,7 @@ class HTTPFront:
             return _error(grpc.StatusCode.INVALID_ARGUMENT, str(e), e.param)
         served = [m.model for m in self.dispatcher.pool.models()]
         if req.model and served and req.model not in served:
-            return _error(grpc.StatusCode.NOT_FOUND, f"model {req.model!r} is not served here", "model")
+            return _error(grpc.StatusCode.NOT_FOUND, f"model {shown(req.model)} is not served here", "model")
         try:
             prefill = gateway_prefill(request.headers, self.dispatcher.pool)  # (a gateway's choice)
             echo = await echo_texts(req, self.dispatcher.pool, self.dispatcher.prompts)  # (completions' echo)
@@ -361,7 +362,7 @@ async def _route_error(request: Request, exc: HTTPException) -> Response:
     method, path = request.method, request.scope["path"]
     if exc.status_code == 405:
         allowed = ", ".join(sorted((exc.headers or {}).get("Allow", "").split(", ")))
-        message = f"method {method} is not allowed on {path} (use {allowed})"
+        message = f"method {method} is not allowed on {clipped(path, MAX_SHOWN_CHARS)} (use {allowed})"
         error = {"message": message, "type": "invalid_request_error", "param": None, "code": "method_not_allowed"}
         return _json(405, {"error": error}, exc.headers)
     if exc.status_code == 404:

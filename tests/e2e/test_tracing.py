@@ -9,6 +9,7 @@ for a stream migrated off a drained decode node, and for a request a node refuse
 
 from __future__ import annotations
 
+import functools
 import json
 import secrets
 import signal
@@ -233,7 +234,8 @@ def test_a_migrated_stream_is_one_trace(fleet):
     sink, router, nodes = fleet
     trace_id, client, header = new_trace()
     result: dict = {}
-    thread = threading.Thread(target=lambda: result.update(out=chat(router, header, 200)), daemon=True)
+    ask = functools.partial(chat, router, header, 200, ignore_eos=True)  # (200 tokens on any host's numerics)
+    thread = threading.Thread(target=lambda: result.update(out=ask()), daemon=True)
     thread.start()
     holder = None
     for _ in range(1200):  # (until a decode node streams it)
