@@ -51,7 +51,7 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, packed: bool = False) -> torch.Tensor:
-    """packed (bf16 on an AVX-512 CPU): one pass of engine/kernels, rounded where this rounds."""
+    """packed (bf16 on an AVX2 or AVX-512 CPU): one pass of engine/kernels, rounded where this rounds."""
     if packed:
         return kernels.rms_norm_bf16(x, weight, eps)
     x32 = x.float()
@@ -67,8 +67,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Linear:
-    """y = x W^T (+ b). torch's matmul; or, for bfloat16 on an AVX-512 CPU (`packed`), the weights
-    packed once for engine/kernels/linear_bf16.cpp (bf16 weights widened to float32 in registers,
+    """y = x W^T (+ b). torch's matmul; or, for bfloat16 on an AVX2 or AVX-512 CPU (`packed`), the
+    weights packed once for engine/kernels/linear_bf16.cpp (bf16 weights widened to float32 in registers,
     float32 sums, the same for a row whatever it is batched with; torch's own bf16 matmul is
     slower than its fp32 one on CPUs without AMX)."""
 

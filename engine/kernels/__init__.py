@@ -6,17 +6,19 @@ however the prompt was chunked (paged_attention.cpp); `pack_bf16` and
 `linear_bf16`: bfloat16 matmuls with packed weights, and `silu_mul_bf16`, `rms_norm_bf16` and `rope_bf16`
 (linear_bf16.cpp, `bf16_linear()`); `decoder_bf16`: a rank's decoder layers in one call, those ops
 in the order engine/model.py runs them (decoder_bf16.cpp; kernels.h declares what it calls); vec.h:
-their shared vector helpers; `stream_copy`, large copies
+their vector layer, 16 float32 lanes on AVX-512 or AVX2 + FMA (one source, the same bits at
+either level; plain loops elsewhere, where the bf16 ops are not built); `stream_copy`, large copies
 with streaming stores (stream_copy.cpp: KV hand-offs into another process's pool). The build takes
 ~30 s once per machine (torch's extension cache, ~/.cache/torch_extensions, keyed by the
 source, the flags and this CPU); later starts load it in well under a second. Where it cannot
 be built (no compiler) or KVBRIDGE_KERNELS=0, `available()` is False and the engine uses torch's
 ops (slower, same results within float rounding).
 
-KVBRIDGE_ISA=avx2 forces the AVX2 path on any x86 host: the CPU's AVX-512 and AMX flags are
-ignored (so `--dtype auto` means what it means on an AVX2-only CPU) and the kernels are built with
-`-mno-avx512f -mno-amx-tile` (a build of their own), so an AVX-512 host measures what an AVX2 host
-runs. `isa()` names the level in use.
+One build per x86 level the host runs: `-march=native` on AVX-512 and AMX hosts, `-mavx2 -mfma
+-mf16c` on AVX2 ones. KVBRIDGE_ISA=avx2 forces the AVX2 level on any x86 host: the CPU's AVX-512
+and AMX flags are ignored (so `--dtype auto` means what it means on an AVX2-only CPU) and the
+kernels are the AVX2 build (a build of their own), so an AVX-512 host runs and measures what an
+AVX2 host runs. `isa()` names the level in use.
 """
 
 from __future__ import annotations
@@ -38,12 +40,22 @@ SOURCES = [
     for n in ("paged_attention.cpp", "linear_bf16.cpp", "decoder_bf16.cpp", "stream_copy.cpp")
 ]
 HEADERS = [Path(__file__).with_name(n) for n in ("vec.h", "kernels.h")]
-# -march=native: the build is keyed by this CPU's flags below, so a cache copied to another CPU
-# builds again. Reassociation lets the compiler vectorize the float sums. OpenMP: ATen's
-# parallel_for is inline and runs on one thread without it (the runtime is torch's own libgomp).
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros"]
-CFLAGS += ["-fno-trapping-math"]
+# The build is keyed by this CPU's flags below, so a cache copied to another CPU builds again.
+# OpenMP: ATen's parallel_for is inline and runs on one thread without it (the runtime is torch's
+# own libgomp).
+CFLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"]
 LDFLAGS = ["-fopenmp"]
+# Per level: AVX-512 and AMX hosts build for the CPU itself; the AVX2 level for AVX2 + FMA + F16C
+# exactly (what any AVX2 host runs, forced or not). At both x86 levels the float operations are the
+# ones the source writes, in its order (no contraction, no reassociation), so the two levels give
+# the same bits (vec.h). Elsewhere the plain loops may be reassociated: the compiler vectorizes
+# their float sums, and there is no other level to agree with.
+LEVEL_CFLAGS = {
+    "avx2": ["-mavx2", "-mfma", "-mf16c", "-ffp-contract=off"],
+    "avx512": ["-march=native", "-ffp-contract=off"],
+    "generic": ["-march=native", "-fassociative-math", "-fno-signed-zeros"],
+}
+LEVEL_CFLAGS["amx"] = LEVEL_CFLAGS["avx512"]
 ISA_LEVELS = ("native", "avx2")  # KVBRIDGE_ISA: this CPU's own level, or AVX2 forced
 
 _lock = threading.Lock()
@@ -74,7 +86,7 @@ def _cpu_flags() -> str:
 
 
 def _cflags() -> list[str]:
-    return CFLAGS + (["-mno-avx512f", "-mno-amx-tile"] if forced_isa() == "avx2" else [])
+    return CFLAGS + LEVEL_CFLAGS[isa()]
 
 
 def isa() -> str:
@@ -84,7 +96,7 @@ def isa() -> str:
         return "amx"
     if "avx512f" in flags:
         return "avx512"
-    return "avx2" if {"avx2", "fma"} <= flags else "generic"
+    return "avx2" if {"avx2", "fma", "f16c"} <= flags else "generic"
 
 
 def _build_name() -> str:
@@ -138,9 +150,9 @@ def supports(heads: int, kv_heads: int, head_dim: int) -> bool:
 
 
 def bf16_linear() -> bool:
-    """Whether bfloat16 matmuls go through linear_bf16.cpp: the kernels are loaded and this CPU has
-    AVX-512 (they were built for it: -march=native)."""
-    return "avx512f" in _cpu_flags().split() and available()
+    """Whether bfloat16 matmuls (and the other bf16 ops) go through linear_bf16.cpp: the kernels
+    are loaded and were built for an x86 level they are written for (AVX2 or AVX-512, vec.h)."""
+    return isa() != "generic" and available()
 
 
 def pack_bf16(w: torch.Tensor) -> torch.Tensor:

@@ -1,12 +1,12 @@
-// bfloat16 linear layers on AVX-512 CPUs: y = x W^T with the weights packed once.
+// bfloat16 linear layers on x86 CPUs (AVX2 or AVX-512: vec.h): y = x W^T with the weights packed once.
 //
 // torch's bf16 matmul on a CPU without AMX tiles is slower than its fp32 one (a Xeon with
 // AVX512-BF16, 256x576 by 576x3072: 6.0 ms against 3.7 ms): vdpbf16ps issues at half the rate of
 // fp32 FMAs there. So weights stay bf16 in memory (half the bytes to stream: what decode waits
 // for) and are widened to fp32 in registers for fp32 FMAs (what prefill waits for). Packed as
 // [N/32][K][32] with the two halves of a 32-bit lane holding outputs j and j + 16, widening is one
-// shift (outputs 0-15) and one mask (16-31). A tile of up to 8 rows x 32 outputs accumulates in
-// 16 registers over k in order.
+// shift (outputs 0-15) and one mask (16-31). A tile of up to 12 rows (2 on AVX2) x 32 outputs
+// accumulates in registers over k in order.
 //
 // Every output is the same sequence of operations whatever M is and wherever its row sits in
 // the batch (k in order, float32 sums, one rounding at the end): a request's numbers do not
@@ -17,52 +17,67 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <cmath>
 #include <cstring>
+#include <utility>
 
 #include "kernels.h"
 #include "vec.h"
 
 namespace {
 
-constexpr int64_t kBlock = 16, kTile = 32, kRows = 12;
-constexpr int64_t kAhead = 16;  // decode tiles: weights prefetched this many k ahead (1 KiB a tile)
+constexpr int64_t kBlock = 16, kTile = 32;
 
-#if defined(__AVX512F__)
+}  // namespace
+
+#if defined(KVBRIDGE_VEC)
+namespace {
+
+using namespace kvbridge_vec;
+
+constexpr int64_t kAhead = 16;  // decode tiles: weights prefetched this many k ahead (1 KiB a tile)
+// Rows a tile takes: as many accumulators as the registers hold (a row's tile is 2 F32x16: 2
+// registers of AVX-512's 32, 4 of AVX2's 16). At 3 rows on AVX2 one accumulator lives on the
+// stack, its chain waiting on a store and a load every k (measured the slowest of 2, 3, 4 and 6);
+// 2 rows spill nothing. The numbers do not depend on it: each output is the same FMAs in k order.
+constexpr int64_t kRows = kRegisters == 32 ? 12 : 2;
+
 // rows [0, R) of x (fp32, leading dimension ldx) times one packed tile -> 32 outputs per row
 template <int R>
 inline void tile(const float* x, int64_t ldx, const uint16_t* wt, int64_t K, float* out, int64_t ldo,
                  int64_t n_valid) {
-  __m512 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  F32x16 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = zero();
   for (int64_t k = 0; k < K; ++k) {
-    const __m512i w = _mm512_loadu_si512(wt + k * kTile);
-    const __m512 w0 = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));  // outputs 0-15
-    const __m512 w1 = _mm512_castsi512_ps(_mm512_and_si512(w, high));  // outputs 16-31
+    F32x16 w0, w1;  // outputs 0-15, 16-31
+    load_pairs(wt + k * kTile, w0, w1);
     for (int r = 0; r < R; ++r) {
-      const __m512 xb = _mm512_set1_ps(x[r * ldx + k]);
-      acc[r][0] = _mm512_fmadd_ps(xb, w0, acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(xb, w1, acc[r][1]);
+      const F32x16 xb = set1(x[r * ldx + k]);
+      acc[r][0] = fmadd(xb, w0, acc[r][0]);
+      acc[r][1] = fmadd(xb, w1, acc[r][1]);
     }
   }
   for (int r = 0; r < R; ++r) {
     if (n_valid >= kTile) {
-      _mm512_storeu_ps(out + r * ldo, acc[r][0]);
-      _mm512_storeu_ps(out + r * ldo + kBlock, acc[r][1]);
+      store(out + r * ldo, acc[r][0]);
+      store(out + r * ldo + kBlock, acc[r][1]);
     } else {
-      alignas(64) float buf[kTile];
-      _mm512_store_ps(buf, acc[r][0]);
-      _mm512_store_ps(buf + kBlock, acc[r][1]);
+      float buf[kTile];
+      store(buf, acc[r][0]);
+      store(buf + kBlock, acc[r][1]);
       std::memcpy(out + r * ldo, buf, n_valid * sizeof(float));
     }
   }
 }
 
 using TileFn = void (*)(const float*, int64_t, const uint16_t*, int64_t, float*, int64_t, int64_t);
-constexpr TileFn kTiles[kRows + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>, tile<5>, tile<6>,
-                                     tile<7>, tile<8>, tile<9>, tile<10>, tile<11>, tile<12>};
+template <size_t... R>
+constexpr std::array<TileFn, sizeof...(R) + 1> tile_table(std::index_sequence<R...>) {
+  return {nullptr, tile<R + 1>...};
+}
+constexpr auto kTiles = tile_table(std::make_index_sequence<kRows>());  // kTiles[rows]
 
 // A decode has one row (or a few): tile<1> keeps two accumulator chains, and each FMA waits on
 // the one before it in its chain, so the FMA units idle and the weights stream at half the memory
@@ -71,28 +86,26 @@ constexpr TileFn kTiles[kRows + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4
 // change, only their overlap.
 template <int R, int T>
 inline void tiles(const float* x, int64_t ldx, const uint16_t* wt, int64_t K, float* out, int64_t ldo) {
-  __m512 acc[T][R][2];
+  F32x16 acc[T][R][2];
   for (int t = 0; t < T; ++t)
-    for (int r = 0; r < R; ++r) acc[t][r][0] = acc[t][r][1] = _mm512_setzero_ps();
-  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+    for (int r = 0; r < R; ++r) acc[t][r][0] = acc[t][r][1] = zero();
   for (int64_t k = 0; k < K; ++k) {
-    __m512 xb[R];
-    for (int r = 0; r < R; ++r) xb[r] = _mm512_set1_ps(x[r * ldx + k]);
+    F32x16 xb[R];
+    for (int r = 0; r < R; ++r) xb[r] = set1(x[r * ldx + k]);
     for (int t = 0; t < T; ++t) {
       _mm_prefetch(reinterpret_cast<const char*>(wt + (t * K + k + kAhead) * kTile), _MM_HINT_T0);
-      const __m512i w = _mm512_loadu_si512(wt + (t * K + k) * kTile);
-      const __m512 w0 = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
-      const __m512 w1 = _mm512_castsi512_ps(_mm512_and_si512(w, high));
+      F32x16 w0, w1;
+      load_pairs(wt + (t * K + k) * kTile, w0, w1);
       for (int r = 0; r < R; ++r) {
-        acc[t][r][0] = _mm512_fmadd_ps(xb[r], w0, acc[t][r][0]);
-        acc[t][r][1] = _mm512_fmadd_ps(xb[r], w1, acc[t][r][1]);
+        acc[t][r][0] = fmadd(xb[r], w0, acc[t][r][0]);
+        acc[t][r][1] = fmadd(xb[r], w1, acc[t][r][1]);
       }
     }
   }
   for (int t = 0; t < T; ++t)
     for (int r = 0; r < R; ++r) {
-      _mm512_storeu_ps(out + r * ldo + t * kTile, acc[t][r][0]);
-      _mm512_storeu_ps(out + r * ldo + t * kTile + kBlock, acc[t][r][1]);
+      store(out + r * ldo + t * kTile, acc[t][r][0]);
+      store(out + r * ldo + t * kTile + kBlock, acc[t][r][1]);
     }
 }
 
@@ -103,21 +116,9 @@ constexpr TilesFn kMulti[4][5] = {{},
                                   {nullptr, tiles<1, 1>, tiles<1, 2>, tiles<1, 3>, tiles<1, 4>},
                                   {nullptr, tiles<2, 1>, tiles<2, 2>},
                                   {nullptr, tiles<3, 1>, tiles<3, 2>}};
-#endif
-
-#if defined(__AVX512F__)
-// float32 -> bfloat16 bits, round to nearest even (a NaN stays a quiet NaN), in the low half of each lane
-inline __m512i round_bf16(__m512 v) {
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb));
-  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
-  return _mm512_srli_epi32(r, 16);
-}
-inline __m512 widen_bf16(__m512i bits) { return _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16)); }
-#endif
 
 }  // namespace
+#endif
 
 namespace kvbridge_kernels {
 
@@ -143,7 +144,7 @@ at::Tensor pack_bf16(const at::Tensor& w) {
 
 // x [M, K] bf16, packed from pack_bf16, n = N -> [M, N] float32 (out_float) or bf16
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t n, bool out_float) {
-#if defined(__AVX512F__)
+#if defined(KVBRIDGE_VEC)
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x must be a 2-d bfloat16 tensor");
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kTile && packed.is_contiguous(), "packed must come from pack_bf16");
   TORCH_CHECK(x.size(1) == packed.size(1), "x has ", x.size(1), " columns; the weights ", packed.size(1));
@@ -190,19 +191,13 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t n,
     const int64_t c0 = begin * kTile, c1 = std::min(n, end * kTile);
     for (int64_t m = 0; m < M; ++m) {
       int64_t c = c0;
-      for (; c + kBlock <= c1; c += kBlock)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(ob + m * n + c),
-                            _mm512_cvtepi32_epi16(round_bf16(_mm512_loadu_ps(op + m * n + c))));
-      if (c < c1) {
-        const __mmask16 rest = static_cast<__mmask16>((1u << (c1 - c)) - 1);
-        _mm256_mask_storeu_epi16(ob + m * n + c, rest,
-                                 _mm512_cvtepi32_epi16(round_bf16(_mm512_maskz_loadu_ps(rest, op + m * n + c))));
-      }
+      for (; c + kBlock <= c1; c += kBlock) store_bf16(ob + m * n + c, load(op + m * n + c));
+      if (c < c1) store_bf16_n(ob + m * n + c, load_n(op + m * n + c, c1 - c), c1 - c);
     }
   });
   return out;
 #else
-  TORCH_CHECK(false, "this build has no AVX-512");
+  TORCH_CHECK(false, "this build has neither AVX2 nor AVX-512");
 #endif
 }
 
@@ -213,7 +208,7 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t n,
 at::Tensor silu_mul_bf16(const at::Tensor& gate_up) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.scalar_type() == at::kBFloat16 && gate_up.is_contiguous() &&
                   gate_up.size(1) % 32 == 0, "gate_up must be a contiguous bfloat16 [M, 2I] tensor, I a multiple of 16");
-#if defined(__AVX512F__)
+#if defined(KVBRIDGE_VEC)
   const int64_t M = gate_up.size(0), I = gate_up.size(1) / 2;
   at::Tensor out = at::empty({M, I}, gate_up.options());
   const at::BFloat16* x = gate_up.data_ptr<at::BFloat16>();
@@ -221,15 +216,14 @@ at::Tensor silu_mul_bf16(const at::Tensor& gate_up) {
   at::parallel_for(0, M, std::max<int64_t>(1, 16384 / I), [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m)
       for (int64_t i = 0; i < I; i += 16) {
-        const __m512 g = kvbridge_vec::load16(x + m * 2 * I + i), u = kvbridge_vec::load16(x + m * 2 * I + I + i);
-        const __m512 denom = _mm512_add_ps(_mm512_set1_ps(1.f), kvbridge_vec::exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)));
-        const __m512 silu = widen_bf16(round_bf16(_mm512_div_ps(g, denom)));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * I + i), _mm512_cvtepi32_epi16(round_bf16(_mm512_mul_ps(silu, u))));
+        const F32x16 g = load(x + m * 2 * I + i), u = load(x + m * 2 * I + I + i);
+        const F32x16 silu = round_bf16(div(g, add(set1(1.f), kvbridge_vec::exp(sub(zero(), g)))));
+        store_bf16(y + m * I + i, mul(silu, u));
       }
   });
   return out;
 #else
-  TORCH_CHECK(false, "this build has no AVX-512");
+  TORCH_CHECK(false, "this build has neither AVX2 nor AVX-512");
 #endif
 }
 
@@ -242,7 +236,7 @@ at::Tensor rms_norm_bf16(const at::Tensor& x, const at::Tensor& weight, double e
               "x must be a contiguous bfloat16 [M, H] tensor, H a multiple of 16");
   TORCH_CHECK(weight.dim() == 1 && weight.scalar_type() == at::kBFloat16 && weight.is_contiguous() &&
                   weight.size(0) == x.size(1), "weight must be a contiguous bfloat16 [H] tensor");
-#if defined(__AVX512F__)
+#if defined(KVBRIDGE_VEC)
   const int64_t M = x.size(0), H = x.size(1);
   at::Tensor out = at::empty_like(x);
   const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
@@ -251,23 +245,20 @@ at::Tensor rms_norm_bf16(const at::Tensor& x, const at::Tensor& weight, double e
   at::parallel_for(0, M, std::max<int64_t>(1, 16384 / H), [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
       const at::BFloat16* row = xp + m * H;
-      __m512 sq = _mm512_setzero_ps();
+      F32x16 sq = zero();
       for (int64_t i = 0; i < H; i += 16) {
-        const __m512 v = kvbridge_vec::load16(row + i);
-        sq = _mm512_fmadd_ps(v, v, sq);
+        const F32x16 v = load(row + i);
+        sq = fmadd(v, v, sq);
       }
-      const float inv = 1.f / std::sqrt(_mm512_reduce_add_ps(sq) / static_cast<float>(H) + static_cast<float>(eps));
-      const __m512 s = _mm512_set1_ps(inv);
-      for (int64_t i = 0; i < H; i += 16) {
-        const __m512 normed = widen_bf16(round_bf16(_mm512_mul_ps(kvbridge_vec::load16(row + i), s)));
-        const __m512i y = round_bf16(_mm512_mul_ps(kvbridge_vec::load16(wp + i), normed));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(op + m * H + i), _mm512_cvtepi32_epi16(y));
-      }
+      const float inv = 1.f / std::sqrt(reduce_add(sq) / static_cast<float>(H) + static_cast<float>(eps));
+      const F32x16 s = set1(inv);
+      for (int64_t i = 0; i < H; i += 16)
+        store_bf16(op + m * H + i, mul(load(wp + i), round_bf16(mul(load(row + i), s))));
     }
   });
   return out;
 #else
-  TORCH_CHECK(false, "this build has no AVX-512");
+  TORCH_CHECK(false, "this build has neither AVX2 nor AVX-512");
 #endif
 }
 
@@ -282,31 +273,29 @@ at::Tensor rope_bf16(const at::Tensor& qkv, const at::Tensor& cos, const at::Ten
               "cos and sin must be contiguous bfloat16 [N, head_dim] tensors");
   const int64_t N = qkv.size(0), W = qkv.size(1), D = cos.size(1), half = D / 2;
   TORCH_CHECK(D % 32 == 0 && rotated_heads > 0 && rotated_heads * D <= W, "head_dim must be a multiple of 32 and the heads fit qkv");
-#if defined(__AVX512F__)
+#if defined(KVBRIDGE_VEC)
   at::Tensor out = at::empty({N, rotated_heads, D}, qkv.options());
   const at::BFloat16* x = qkv.data_ptr<at::BFloat16>();
   const at::BFloat16* cp = cos.data_ptr<at::BFloat16>();
   const at::BFloat16* sp = sin.data_ptr<at::BFloat16>();
   uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  const __m512 minus = _mm512_set1_ps(-0.f);
   at::parallel_for(0, N, std::max<int64_t>(1, 4096 / (rotated_heads * D)), [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n)
       for (int64_t h = 0; h < rotated_heads; ++h) {
         const at::BFloat16* xh = x + n * W + h * D;
         uint16_t* oh = op + (n * rotated_heads + h) * D;
         for (int64_t d = 0; d < D; d += 16) {
-          const __m512 xv = kvbridge_vec::load16(xh + d);
           // rotate_half: (-x[half:], x[:half])
-          const __m512 rot = d < half ? _mm512_xor_ps(kvbridge_vec::load16(xh + d + half), minus) : kvbridge_vec::load16(xh + d - half);
-          const __m512 a = widen_bf16(round_bf16(_mm512_mul_ps(xv, kvbridge_vec::load16(cp + n * D + d))));
-          const __m512 b = widen_bf16(round_bf16(_mm512_mul_ps(rot, kvbridge_vec::load16(sp + n * D + d))));
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(oh + d), _mm512_cvtepi32_epi16(round_bf16(_mm512_add_ps(a, b))));
+          const F32x16 rot = d < half ? neg(load(xh + d + half)) : load(xh + d - half);
+          const F32x16 a = round_bf16(mul(load(xh + d), load(cp + n * D + d)));
+          const F32x16 b = round_bf16(mul(rot, load(sp + n * D + d)));
+          store_bf16(oh + d, add(a, b));
         }
       }
   });
   return out;
 #else
-  TORCH_CHECK(false, "this build has no AVX-512");
+  TORCH_CHECK(false, "this build has neither AVX2 nor AVX-512");
 #endif
 }
 

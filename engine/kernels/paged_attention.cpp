@@ -8,7 +8,7 @@
 // request's pages; the query heads of a group share one K/V head (GQA). Scores, softmax and the
 // weighted sum are computed in float32 whatever the pool's dtype; the output is rounded to the
 // query's dtype once. Work is split over (row, kv head) on ATen's thread pool; each item walks its
-// pages once (online softmax), with AVX-512 where the compiler targets it.
+// pages once (online softmax), in vec.h's vectors where the compiler targets AVX2 or AVX-512.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -26,12 +26,8 @@
 
 namespace {
 
-#if defined(__AVX512F__)
-using kvbridge_vec::exp16;
-using kvbridge_vec::load16;
-#endif
-
-#if defined(__AVX512F__)
+#if defined(KVBRIDGE_VEC)
+using namespace kvbridge_vec;
 constexpr bool kVector = true;
 #else
 constexpr bool kVector = false;
@@ -41,16 +37,15 @@ constexpr bool kVector = false;
 inline float exp_sub(float* si, int64_t n, float m) {
   float sum = 0.f;
   int64_t t = 0;
-#if defined(__AVX512F__)
-  const __m512 mv = _mm512_set1_ps(m);
-  __m512 acc = _mm512_setzero_ps();
+#if defined(KVBRIDGE_VEC)
+  const F32x16 mv = set1(m);
+  F32x16 acc = zero();
   for (; t < n; t += 16) {
-    const __mmask16 keep = n - t >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - t)) - 1);
-    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(keep, si + t), mv));
-    _mm512_mask_storeu_ps(si + t, keep, e);
-    acc = _mm512_add_ps(acc, _mm512_maskz_mov_ps(keep, e));
+    const F32x16 e = kvbridge_vec::exp(sub(load_n(si + t, n - t), mv));
+    store_n(si + t, e, n - t);
+    acc = add(acc, first(n - t, e, zero()));
   }
-  sum = _mm512_reduce_add_ps(acc);
+  sum = reduce_add(acc);
 #endif
   for (; t < n; ++t) sum += (si[t] = std::exp(si[t] - m));
   return sum;
@@ -60,13 +55,10 @@ inline float exp_sub(float* si, int64_t n, float m) {
 inline float max_of(const float* si, int64_t n) {
   float m = -std::numeric_limits<float>::infinity();
   int64_t t = 0;
-#if defined(__AVX512F__)
-  __m512 mv = _mm512_set1_ps(m);
-  for (; t < n; t += 16) {
-    const __mmask16 keep = n - t >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - t)) - 1);
-    mv = _mm512_mask_max_ps(mv, keep, mv, _mm512_maskz_loadu_ps(keep, si + t));
-  }
-  m = _mm512_reduce_max_ps(mv);
+#if defined(KVBRIDGE_VEC)
+  F32x16 mv = set1(m);
+  for (; t < n; t += 16) mv = kvbridge_vec::max(mv, first(n - t, load_n(si + t, n - t), mv));
+  m = reduce_max(mv);
 #endif
   for (; t < n; ++t) m = std::max(m, si[t]);
   return m;
@@ -76,35 +68,19 @@ struct Shape {
   int64_t batch, heads, head_dim, layers, page_size, kv_heads, groups, max_pages, token_stride, half;
 };
 
-#if defined(__AVX512F__)
+#if defined(KVBRIDGE_VEC)
 // The scores of one query head (q: C chunks of 16 floats, scaled) against n <= 16 keys at k,
-// k + stride, ...: lane j of the result is key j's. Each key's 16 lanes of partial products
-// (lane l: d = l, l + 16, ...) are summed by one fixed tree of shuffles, the same for every key
-// in every slot, so a score's bits do not depend on the keys it is computed beside.
+// k + stride, ...: lane j of the result is key j's (0 past n). Each key's 16 lanes of partial
+// products (lane l: d = l, l + 16, ...) are summed by one fixed tree (vec.h sums16), the same for
+// every key in every slot, so a score's bits do not depend on the keys it is computed beside.
 template <typename T>
-inline __m512 dot_slot(const __m512* q, int64_t C, const T* k, int64_t stride, int64_t n, int j) {
-  // slot j takes key 4 * (j % 4) + j / 4: the tree below leaves slot j's sum in lane
-  // 4 * (j % 4) + j / 4 (a 4 x 4 transpose), so key j lands in lane j
-  const int64_t key = 4 * (j % 4) + j / 4;
-  __m512 v = _mm512_setzero_ps();
-  if (key < n)
-    for (int64_t c = 0; c < C; ++c) v = _mm512_fmadd_ps(q[c], load16(k + key * stride + 16 * c), v);
-  return v;
-}
-
-template <typename T>
-inline __m512 dots16(const __m512* q, int64_t C, const T* k, int64_t stride, int64_t n) {
-  __m512 w[8], u[4], r[2];
-  for (int j = 0; j < 8; ++j) {  // lanes l + (l + 8): slot 2j's in quads 0-1, 2j+1's in quads 2-3
-    const __m512 a = dot_slot(q, C, k, stride, n, 2 * j), b = dot_slot(q, C, k, stride, n, 2 * j + 1);
-    w[j] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
-  }
-  for (int j = 0; j < 4; ++j)  // + (l + 4): quad q holds slot 4j + q
-    u[j] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * j], w[2 * j + 1], 0x88), _mm512_shuffle_f32x4(w[2 * j], w[2 * j + 1], 0xDD));
-  for (int j = 0; j < 2; ++j)  // + (l + 2): quad q lanes 0-1 slot 8j + q, lanes 2-3 slot 8j + 4 + q
-    r[j] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * j], u[2 * j + 1], 0x44), _mm512_shuffle_ps(u[2 * j], u[2 * j + 1], 0xEE));
-  // + (l + 1): quad q, lane p holds slot 4p + q
-  return _mm512_add_ps(_mm512_shuffle_ps(r[0], r[1], 0x88), _mm512_shuffle_ps(r[0], r[1], 0xDD));
+inline F32x16 dots16(const F32x16* q, int64_t C, const T* k, int64_t stride, int64_t n) {
+  return sums16([&](int64_t key) {
+    F32x16 v = zero();
+    if (key < n)
+      for (int64_t c = 0; c < C; ++c) v = fmadd(q[c], load(k + key * stride + 16 * c), v);
+    return v;
+  });
 }
 #endif
 
@@ -140,8 +116,8 @@ struct Row {
       const float* qi = q + i * D;
       float* si = score;
       if constexpr (kVector) {
-#if defined(__AVX512F__)
-        __m512 qv[CHUNKS > 0 ? CHUNKS : 16];
+#if defined(KVBRIDGE_VEC)
+        F32x16 qv[CHUNKS > 0 ? CHUNKS : 16];
         const int64_t C = CHUNKS > 0 ? CHUNKS : D / 16;
         if (C > 16) {  // (a head_dim over 256: plain loops)
           for (int64_t t = 0; t < n; ++t) {
@@ -150,9 +126,9 @@ struct Row {
             si[t] = dot;
           }
         } else {
-          for (int64_t c = 0; c < C; ++c) qv[c] = _mm512_load_ps(qi + 16 * c);
+          for (int64_t c = 0; c < C; ++c) qv[c] = load(qi + 16 * c);
           for (int64_t t = 0; t < n; t += 16)
-            _mm512_store_ps(si + t, dots16(qv, C, k + t * z.token_stride, z.token_stride, std::min<int64_t>(16, n - t)));
+            store(si + t, dots16(qv, C, k + t * z.token_stride, z.token_stride, std::min<int64_t>(16, n - t)));
         }
 #endif
       } else {
@@ -169,15 +145,15 @@ struct Row {
       float* a = acc() + i * D;
       const K* v = vbase + (i / G) * D;
       if constexpr (kVector && CHUNKS > 0) {
-#if defined(__AVX512F__)
-        __m512 ar[CHUNKS];  // the weighted sum in registers over the page
-        const __m512 rv = _mm512_set1_ps(rescale);
-        for (int c = 0; c < CHUNKS; ++c) ar[c] = _mm512_mul_ps(_mm512_load_ps(a + 16 * c), rv);
+#if defined(KVBRIDGE_VEC)
+        F32x16 ar[CHUNKS];  // the weighted sum in registers over the page
+        const F32x16 rv = set1(rescale);
+        for (int c = 0; c < CHUNKS; ++c) ar[c] = mul(load(a + 16 * c), rv);
         for (int64_t t = 0; t < n; ++t) {
-          const __m512 pv = _mm512_set1_ps(si[t]);
-          for (int c = 0; c < CHUNKS; ++c) ar[c] = _mm512_fmadd_ps(pv, load16(v + t * z.token_stride + 16 * c), ar[c]);
+          const F32x16 pv = set1(si[t]);
+          for (int c = 0; c < CHUNKS; ++c) ar[c] = fmadd(pv, load(v + t * z.token_stride + 16 * c), ar[c]);
         }
-        for (int c = 0; c < CHUNKS; ++c) _mm512_store_ps(a + 16 * c, ar[c]);
+        for (int c = 0; c < CHUNKS; ++c) store(a + 16 * c, ar[c]);
 #endif
       } else {
         for (int64_t d = 0; d < D; ++d) a[d] *= rescale;
@@ -207,7 +183,7 @@ void block(const Shape& z, const T* qp, const T* kv, const int64_t* pages, const
   const int64_t Q = (h1 - h0) * z.groups, D = z.head_dim, ps = z.page_size, per = z.heads * D;
   const int64_t sstride = (ps + 15) & ~int64_t(15), each = Row<T, CHUNKS>::floats(z, Q);
   // a page's K and V widened to float32 once for every row and head, not per head (the same
-  // values either way: widening is exact); a lone row reads the pool's own where the AVX-512 path
+  // values either way: widening is exact); a lone row reads the pool's own where the vector path
   // runs (its loads widen exactly as this copy does; plain loops widen here always, so that the
   // compiler's code for them is one and the same for every row)
   const bool widen = !std::is_same_v<T, float> && (n1 - n0 > 1 || !kVector || z.head_dim > 256);
@@ -226,7 +202,7 @@ void block(const Shape& z, const T* qp, const T* kv, const int64_t* pages, const
   }
   for (int64_t first = 0; first < ctx; first += ps) {
     const T* kbase = kv + (pages[first / ps] * z.layers + layer) * 2 * z.half + h0 * D;
-#if defined(__AVX512F__)
+#if defined(KVBRIDGE_VEC)
     if (first + ps < ctx) {  // the next page's blocks are elsewhere in the pool: start reading them now
       const char* next = reinterpret_cast<const char*>(kv + (pages[first / ps + 1] * z.layers + layer) * 2 * z.half);
       for (int64_t off = 0; off < int64_t(2 * z.half * sizeof(T)); off += 64) _mm_prefetch(next + off, _MM_HINT_T0);

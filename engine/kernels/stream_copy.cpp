@@ -14,28 +14,23 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "vec.h"
 
 namespace {
 
 constexpr int64_t kPiece = 1 << 20;  // bytes per parallel work item
 
 void stream(uint8_t* dst, const uint8_t* src, int64_t n) {
-#if defined(__AVX512F__)
+#if defined(KVBRIDGE_VEC)
   const int64_t head = std::min<int64_t>(n, (64 - reinterpret_cast<uintptr_t>(dst) % 64) % 64);
   std::memcpy(dst, src, head);
   int64_t i = head;
-  for (; i + 256 <= n; i += 256) {
-    const __m512i a = _mm512_loadu_si512(src + i), b = _mm512_loadu_si512(src + i + 64);
-    const __m512i c = _mm512_loadu_si512(src + i + 128), d = _mm512_loadu_si512(src + i + 192);
-    _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + i), a);
-    _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + i + 64), b);
-    _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + i + 128), c);
-    _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + i + 192), d);
+  for (; i + 256 <= n; i += 256) {  // four lines' loads in flight, then their stores
+    kvbridge_vec::Line lines[4];
+    for (int j = 0; j < 4; ++j) lines[j] = kvbridge_vec::load_line(src + i + 64 * j);
+    for (int j = 0; j < 4; ++j) kvbridge_vec::stream_line(dst + i + 64 * j, lines[j]);
   }
-  for (; i + 64 <= n; i += 64) _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + i), _mm512_loadu_si512(src + i));
+  for (; i + 64 <= n; i += 64) kvbridge_vec::stream_line(dst + i, kvbridge_vec::load_line(src + i));
   std::memcpy(dst + i, src + i, n - i);
   _mm_sfence();
 #else

@@ -7,9 +7,12 @@ cache hit would measure the cache, not the prefill). Each decode is also a fract
 weight-streaming limit: a decode step reads every weight once, so at best it takes
 weight_bytes / memcpy traffic (2 x bytes copied per second, measured after each repeat: a repeat's
 decode is a fraction of its own repeat's limit, and the row gives the median).
-One JSON object per line on stdout; progress on stderr.
+One JSON object per line on stdout, each naming the kernels' ISA level (engine/kernels isa(),
+KVBRIDGE_ISA=avx2 forces the AVX2 one) and which kernels the engine runs; progress on stderr.
+--phases and --decode-batches pick fewer cases (a short run).
 
-    python -m kvbridge.bench.engine [--model M] [--dtype D] [--repeats 3] [--json]
+    python -m kvbridge.bench.engine [--model M] [--dtype D] [--repeats 3] [--phases prefill,decode]
+        [--decode-batches 1,16,32] [--json]
 """
 
 from __future__ import annotations
@@ -60,6 +63,23 @@ def weight_bytes_per_step(llm: LLM) -> int:
             t.nbytes for t in (layer.qkv, layer.o, layer.gate_up, layer.down, layer.input_norm, layer.post_norm)
         )
     return total
+
+
+def kernels_in_use(llm: LLM) -> dict:
+    """The ISA level the kernels are built for and which of them this engine runs."""
+    stage = llm.stages[0]
+    c = stage.config
+    heads = (c.num_attention_heads, c.num_key_value_heads, c.head_dim)
+    return {
+        "isa": kernels.isa(),
+        "attention_kernel": stage.device.type == "cpu" and kernels.supports(*heads) and kernels.available(),
+        "bf16_kernels": stage.packed,  # the packed matmuls, norms, silu and rope
+        "fused_decoder": stage.fused,  # a stage's layers in one call
+    }
+
+
+def batches(text: str) -> list[int]:
+    return [int(b) for b in text.split(",")]
 
 
 def prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -114,10 +134,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--phases", default="prefill,decode", help="comma-separated: prefill, decode or both")
+    ap.add_argument("--decode-batches", type=batches, default=list(DECODE_BATCHES), help="comma-separated batch sizes")
     ap.add_argument("--json", action="store_true", help="JSON lines (the only output format; kept for symmetry)")
     args = ap.parse_args(argv)
     if args.repeats < 1:
         print(f"bench engine: error: --repeats must be >= 1, got {args.repeats}", file=sys.stderr)
+        return 2
+    phases = set(args.phases.split(","))
+    if not phases or phases - {"prefill", "decode"} or min(args.decode_batches) < 1:
+        print("bench engine: error: --phases takes prefill and decode, --decode-batches sizes >= 1", file=sys.stderr)
         return 2
 
     from transformers import AutoModelForCausalLM
@@ -134,8 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     hf = hf.to(llm.dtype).eval()
 
     vocab = model.config.vocab_size
-    cases = [("prefill", b, prompts(b, n, vocab, seed=b + n)) for b, n in PREFILL]
-    cases += [("decode", b, prompts(b, DECODE_PROMPT, vocab, seed=100 + b)) for b in DECODE_BATCHES]
+    cases = [("prefill", b, prompts(b, n, vocab, seed=b + n)) for b, n in PREFILL if "prefill" in phases]
+    if "decode" in phases:
+        cases += [("decode", b, prompts(b, DECODE_PROMPT, vocab, seed=100 + b)) for b in args.decode_batches]
     runners = {"prefill": (ours_prefill, hf_prefill), "decode": (ours_decode, hf_decode)}
     ours_prefill(llm, prompts(1, 32, vocab, 0))  # warm-up both
     hf_prefill(hf, prompts(1, 32, vocab, 0))
@@ -155,12 +182,13 @@ def main(argv: list[str] | None = None) -> int:
     # the limit: weights streamed at the memory traffic a memcpy sustains (read + write)
     limits = [2 * c * 1e9 / wbytes for c in copies]
     limit_steps = statistics.median(limits)
+    in_use = kernels_in_use(llm)
     header = {
         "bench": "engine",
         "model": args.model,
         "dtype": str(llm.dtype).removeprefix("torch."),
         "prefix_cache": False,
-        "attention_kernel": kernels.available(),
+        **in_use,
         "threads": torch.get_num_threads(),
         "memcpy_gbps": round(copy_gbps, 2),
         "memcpy_gbps_per_repeat": [round(c, 2) for c in copies],
@@ -180,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
             "ours_tok_s": round(o, 1),
             "hf_tok_s": round(t, 1),
             "ratio": round(o / t, 3),
+            "dtype": header["dtype"],
+            **in_use,
         }
         if phase == "decode":
             row["limit_tok_s"] = round(limit_steps * b, 1)

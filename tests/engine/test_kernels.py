@@ -157,7 +157,7 @@ def test_engine_decode_through_the_kernel_equals_torchs_ops(tiny_model, monkeypa
         assert lp_f == pytest.approx(lp_s, abs=1e-5)
 
 
-needs_bf16 = pytest.mark.skipif(not kernels.bf16_linear(), reason="this CPU has no AVX-512")
+needs_bf16 = pytest.mark.skipif(not kernels.bf16_linear(), reason="this CPU has neither AVX2 nor AVX-512")
 
 
 @needs_bf16
