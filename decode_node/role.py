@@ -1,12 +1,14 @@
 """Rank 0 of a decode node: the role its loop runs (pipeline/roles.py), and the queues around the
 scheduler (decode_node/queues.py).
 
-A request's prompt is never recomputed here (but choices i > 0 of an n > 1 request, local requests
-without a room that share its pages once they arrive, compute their last partial page: see
-engine/scheduler.py): its pages are preallocated, every rank expects the
-room, the prefill node writes the KV straight into them, and the request joins decoding with the
-first token the prefill node sampled. The prompt's first pages may be found in this node's prefix
-cache: those are shared, not preallocated, and the prefill node moves only the pages after them.
+A handed-off request's prompt is never recomputed here (but choices i > 0 of an n > 1 request, local
+requests without a room that share its pages once they arrive, compute their last partial page: see
+engine/scheduler.py; and a local prefill, a request the router sent without a prefill node, is
+computed here as on a colocated node, its chunks beside the decodes): its pages are preallocated,
+every rank expects the room, the prefill node writes the KV straight into them, and the request
+joins decoding with the first token the prefill node sampled. The prompt's first pages may be found
+in this node's prefix cache: those are shared, not preallocated, and the prefill node moves only the
+pages after them.
 Out of pages, the scheduler retracts instead of recomputing: the newest running request's KV goes
 to host memory on every rank and comes back when pages free up. A failure on any rank (consensus
 FAILED), a failed registration, a prefill node gone, or an abort ends the request on every rank
@@ -80,7 +82,10 @@ class DecodeRole:
     # ---------------------------------------------------------------- inputs
 
     def admit(self, req: Request, add: Add) -> None:
-        if add.pairing is None:  # a choice of an n > 1 request (add.fork_of): it starts from its parent's pages here
+        # no pairing: a local prefill (the router's choice: the prompt is computed here, chunked beside the
+        # decodes, from this node's cached prefix) or a choice of an n > 1 request (add.fork_of: from its
+        # parent's pages)
+        if add.pairing is None:
             self.loop.move(req, Phase.WAITING)
             self.loop.scheduler.add(req)
             return

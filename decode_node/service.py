@@ -1,5 +1,6 @@
-"""The decode node's gRPC front: Generation (the router's half of a disaggregated request),
-Admin, health and reflection on one port. It checks the route (signed by a fleet member) and the
+"""The decode node's gRPC front: Generation (the router's half of a disaggregated request, or a
+whole one whose prompt the router chose to have computed here: a local route), Admin, health and
+reflection on one port. It checks the route (signed by a fleet member) and the
 prefill node's layout (signed over a nonce of its own: a prefill node of the fleet), picks the
 transfer backend, registers each preallocated room with the prefill node, signed, and revokes the
 room of each hand-off that failed under way (Bootstrap.Revoke, signed), after its registration:
@@ -170,6 +171,10 @@ class DecodeGenerationService(generation_pb2_grpc.GenerationServicer):
         await self.server.admit(context)
         front, route = self.node.front, request.prefill
         rid = request.rid or uuid.uuid4().hex
+        if route.local:  # the router's choice while the prefill queue is long (router/local_prefill.py)
+            async for resp in self._local(request, rid, context):
+                yield resp
+            return
         if not route.prefill_addr or not route.room:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -232,15 +237,48 @@ class DecodeGenerationService(generation_pb2_grpc.GenerationServicer):
         finally:
             self._forget(rid, entry)  # ended before its pages were preallocated
 
+    async def _local(self, request, rid: str, context):
+        """The prompt computed here, with no prefill node (a route with `local`, signed by the router):
+        rank 0 schedules it as any request, its chunks beside the running decodes within the
+        chunked-prefill budget, from the longest prefix this node's cache holds (decode_node/role.py)."""
+        route, front = request.prefill, self.node.front
+        # (the router's, over the rid: no caller makes a decode node prefill, nor replays another request's route)
+        if not request.rid or not message_proof_ok(self.peers.fleet_key, route, request.rid.encode()):
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                "local prefill route not signed by a fleet member for this rid (PrefillRoute.proof is not the "
+                "fleet key's over the request's rid; SECURITY.md)",
+            )
+        if route.room or route.prefill_addr:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"a local prefill route names no room and no prefill node, got {route.room} "
+                f"{rpc.shown(route.prefill_addr)}",
+            )
+        try:
+            ids = await front.prompt_ids(request.prompt)
+            params = sampling.from_proto(request.sampling)
+            deltas = front.submit(ids, params, rid, None, request.cache_salt, request.resume_ids)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except Overloaded as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        async for resp in self._responses(rid, deltas, ids, None, context):
+            yield resp
+
     def _forget(self, rid: str, entry: tuple) -> None:
         if self.pending.get(rid) is entry:
             self.pending.pop(rid, None)
 
     async def _responses(self, rid, deltas, ids, backend, context):
+        """backend None: a local prefill (no transfer; the cached tokens are this node's)."""
         first = True
         async for d in deltas:
             if d.error:
                 await context.abort(getattr(grpc.StatusCode, d.code or "UNAVAILABLE"), d.error)
+            if backend is None:
+                yield d.response(rid)
+                continue
             resp = d.response(rid, cached_tokens=False)
             if first and d.index == 0:  # (choice 0's: the request the prefill node handed off)
                 first = False

@@ -15,13 +15,22 @@ Solving f(L + x) - f(L) = T gives
 
 (the positive root, written without cancellation). x* = base at L = 0 and shrinks as L
 grows. `ChunkPlanner` smooths x* toward the base size, applies a floor and page alignment.
+
+The same model bounds a step that runs beside decodes (`DecodeBudget`): a decode token at
+position L costs f's slope there, f'(L) = 2aL + b, and the forward pass its fixed cost c once, so
+a step of decodes at L_1..L_D plus a chunk of x tokens after H cached ones is expected to take
+
+    c + Σ_i (2a L_i + b) + f(H + x) - f(H)
+
+and its prompt tokens are the most that keep this within the target (`--decode-step-target-ms`),
+but never fewer than a floor (`--decode-step-min-prefill`), so a prompt always progresses.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -166,6 +175,58 @@ class ChunkPlanner:
         x = self.base + self.smoothing * (x - self.base)  # <= base, as x* <= base
         x = max(int(x + 1e-6), self.floor)  # + 1e-6: round-off must not turn x* = base into base - 1
         return max(x // self.alignment * self.alignment, self.alignment)
+
+
+@dataclass(frozen=True)
+class DecodeBudget:
+    """How many prompt tokens a step may take beside running decodes (module docstring)."""
+
+    fit: QuadraticLatency
+    target_s: float  # > 0: a step's expected seconds while requests decode
+    min_tokens: int  # >= 1: prompt tokens a step takes at least, whatever the target
+    page_size: int  # >= 1: what the target allows is aligned down to whole pages
+
+    def __post_init__(self) -> None:
+        if not self.target_s > 0 or self.min_tokens < 1 or self.page_size < 1:
+            raise ValueError(
+                f"bad budget: target_s={self.target_s} min_tokens={self.min_tokens} page_size={self.page_size}"
+            )
+
+    def decode_cost(self, positions: Iterable[int]) -> float:
+        """Seconds of a step of decodes at these positions alone: c + Σ (2a L + b)."""
+        fit = self.fit
+        return fit.c + sum(2 * fit.a * pos + fit.b for pos in positions)
+
+    def tokens_within(self, history_len: int, seconds: float) -> int:
+        """The most tokens, in whole pages, that a chunk after `history_len` cached ones may take
+        within `seconds` (0 when not a page's worth fits)."""
+        if seconds <= 0:
+            return 0
+        x = int(self.fit.chunk_for_cost(history_len, seconds) + 1e-6)  # (+ 1e-6: as in ChunkPlanner)
+        return x // self.page_size * self.page_size
+
+    def allowance(self, positions: Iterable[int]) -> StepAllowance:
+        """What one step whose decodes are at `positions` leaves for its prompt chunks."""
+        return StepAllowance(self, self.target_s - self.decode_cost(positions))
+
+
+@dataclass
+class StepAllowance:
+    """One step's prompt tokens under a `DecodeBudget`: `allowed` for the next chunk, `spend` once
+    it is scheduled. The first `min_tokens` of a step are allowed whatever they cost."""
+
+    budget: DecodeBudget
+    left_s: float  # the target's seconds the step's chunks may still take (< 0: over already)
+    taken: int = 0  # prompt tokens the step holds so far
+
+    def allowed(self, history_len: int) -> int:
+        """The most tokens the next chunk (after `history_len` cached ones) may take: what fits the
+        time left, or the rest of the step's floor if that is more."""
+        return max(self.budget.tokens_within(history_len, self.left_s), self.budget.min_tokens - self.taken)
+
+    def spend(self, history_len: int, tokens: int) -> None:
+        self.left_s -= self.budget.fit.chunk_cost(history_len, tokens)
+        self.taken += tokens
 
 
 def default_profile_lengths(base_chunk: int, context_len: int, count: int = 12, span: int = 4) -> list[int]:

@@ -120,12 +120,22 @@ class EngineConfig:
     )
     device: str = setting("auto", "auto | cpu | cuda | cuda:N")
     dtype: str = setting(
-        "auto", "auto (bfloat16 on CUDA and AVX-512 CPUs; else float32) | float32 | float16 | bfloat16"
+        "auto", "auto (bfloat16 on CUDA and AVX2/AVX-512 CPUs; else float32) | float32 | float16 | bfloat16"
     )
     page_size: int = setting(16, "tokens per KV page")
     num_pages: int = setting(0, "KV pool size in pages (0: from --kv-cache-tokens)")
     kv_cache_tokens: int = setting(65536, "KV pool capacity in tokens when --num-pages is 0")
     chunked_prefill_size: int = setting(512, "max prompt tokens per step (0: no chunking)")
+    # Issue 41: a long prompt's chunk batched with running decodes stalls every one of them for the chunk.
+    decode_step_target_ms: float = setting(
+        0.0,
+        "while requests decode, a step takes only the prompt tokens that keep its expected time within this, "
+        "ms, priced by the prefill latency profile (--enable-dynamic-chunking); with no decode, the whole "
+        "--chunked-prefill-size (0: off)",
+    )
+    decode_step_min_prefill: int = setting(
+        64, "with --decode-step-target-ms: prompt tokens a step takes at least, so that a prompt always progresses"
+    )
     disable_prefix_cache: bool = setting(False, "keep no prefix cache: every prompt is computed (and moved) whole")
     max_running_requests: int = setting(64, "decode batch size cap")
     max_context: int = setting(0, "context length cap (0: the model's)")
@@ -194,6 +204,10 @@ class EngineConfig:
             raise ValueError(f"bad KV pool size: num_pages={self.num_pages} kv_cache_tokens={self.kv_cache_tokens}")
         if self.chunked_prefill_size < 0:
             raise ValueError(f"chunked_prefill_size must be >= 0, got {self.chunked_prefill_size}")
+        if not self.decode_step_target_ms >= 0 or self.decode_step_target_ms == float("inf"):
+            raise ValueError(f"decode_step_target_ms must be >= 0 (0: off), got {self.decode_step_target_ms}")
+        if self.decode_step_min_prefill < 1:
+            raise ValueError(f"decode_step_min_prefill must be >= 1, got {self.decode_step_min_prefill}")
         if self.max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):

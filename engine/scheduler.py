@@ -21,6 +21,13 @@ of the prompt (up to a page: its last, partial page is each choice's own, since 
 tokens there); so choice 0 may end at its first token without taking its prompt along. A choice
 whose choice 0 ends or is preempted before that is admitted as any request (its cached prefix).
 
+While requests decode, `--decode-step-target-ms` bounds a step's prompt tokens (issue 41: a long
+prompt's chunk batched with the decodes stalled each of them for the whole chunk): the chunks get only
+what keeps the step's expected time, from the chunk policy's prefill latency fit (engine/chunking.py
+`DecodeBudget`), within the target, and at least `--decode-step-min-prefill` tokens, so a prompt
+always progresses. With no request decoding, prompts take the whole chunked-prefill budget. Chunking
+does not change a token: each row's attention is computed alike however its prompt is cut.
+
 A scheduled token counts as computed at once (`num_computed` advances when the batch is
 built), so with pipeline parallelism the next chunk of a prompt can be scheduled while
 the previous one is still in flight; a request whose next token is being sampled
@@ -29,6 +36,7 @@ the previous one is still in flight; a request whose next token is being sampled
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -39,12 +47,18 @@ from kvbridge.common import blocks
 from kvbridge.common.text.detok import StopChecker
 from kvbridge.common.text.tokenizer import Tokenizer
 from kvbridge.engine.batch import ForwardBatch
+from kvbridge.engine.chunking import DecodeBudget, QuadraticLatency, StepAllowance
 from kvbridge.engine.config import EngineConfig
 from kvbridge.engine.pages import PageAllocator
 from kvbridge.engine.request import Phase, Request
 
+logger = logging.getLogger(__name__)
+
 
 class ChunkPolicy(Protocol):
+    """How many prompt tokens to prefill next (engine/chunking.py `ChunkPlanner`). One with a `fit`
+    (a QuadraticLatency: the planner of a start-up profile) also prices steps for the decode budget."""
+
     def next_chunk(self, history_len: int, remaining: int) -> int: ...
 
 
@@ -88,6 +102,12 @@ class Scheduler:
         # caller's unregistered requests within its share of the pool (prefill_node/role.py)
         self.admissible: Callable[[Request], bool] | None = None
         self.passes = 0  # schedule() calls so far
+        # the prefill latency fit that prices a step for --decode-step-target-ms (None: the chunk policy's
+        # `fit`, if it has one): a start-up profile's (engine/profile.py plan_chunks(...).fit), which
+        # leaves the chunk sizes as they are
+        self.latency: QuadraticLatency | None = None
+        self._budget: tuple[tuple, DecodeBudget | None] | None = None  # (what it was made from, it)
+        self._over_target_told = False
 
     @property
     def num_unfinished(self) -> int:
@@ -138,19 +158,26 @@ class Scheduler:
         self.passes += 1  # (lets `admissible` memoize what holds for one pass)
         decodes = self._schedule_decodes(max_decodes)
         budget = self.config.chunked_prefill_size or 1 << 62
+        allowance = self.step_allowance(decodes)
         chunks: list[tuple[Request, int]] = []
         for req in self.running:
             if budget and req.has_prompt_left and not req.awaiting_output:
-                n = self._chunk(req, budget)
+                n = self._chunk(req, budget, allowance)
+                if not n:
+                    continue  # (the step's time is spent for this prompt's history; a shorter one may fit)
                 if not self._grow(req, req.num_computed + n):
                     break
                 chunks.append((req, n))
                 budget -= n
+                if allowance is not None:
+                    allowance.spend(req.num_computed, n)
         while budget and self.waiting and len(self.running) < self.config.max_running_requests:
             req = self._next_admissible()
             if req is None:
                 break
             hit = self.cached_prefix(req)
+            if allowance is not None and allowance.allowed(len(hit) * self.config.page_size) < 1:
+                break  # the step's time is spent: it waits, in its place, for the next step
             # admit only when the whole known sequence fits, so admission never starves decodes
             if not self.allocator.can_take(req.page_table.num_pages_needed(req.num_tokens) - len(hit), hit):
                 break
@@ -158,9 +185,11 @@ class Scheduler:
             self.running.append(req)
             req.cached_tokens = self.reuse(req, hit, len(req.prompt_ids))
             self._grow(req, req.num_tokens)
-            n = self._chunk(req, budget)
+            n = self._chunk(req, budget, allowance)
             chunks.append((req, n))
             budget -= n
+            if allowance is not None:
+                allowance.spend(req.num_computed, n)
         if not decodes and not chunks:
             return None
         return self._build(decodes, chunks)
@@ -208,11 +237,54 @@ class Scheduler:
         cache.insert(hashes[req.indexed_pages : full], req.page_table.pages[req.indexed_pages : full])
         req.indexed_pages = full
 
-    def _chunk(self, req: Request, budget: int) -> int:
+    def _chunk(self, req: Request, budget: int, allowance: StepAllowance | None = None) -> int:
         n = min(req.num_pending, budget)
         if self.chunk_policy is not None:
             n = min(n, self.chunk_policy.next_chunk(req.num_computed, req.num_pending))
+        if allowance is not None:
+            n = min(n, allowance.allowed(req.num_computed))
         return n
+
+    @property
+    def decode_budget(self) -> DecodeBudget | None:
+        """The bound on prompt tokens beside decodes: --decode-step-target-ms priced by `latency`, or
+        else the chunk policy's fit; None when the target is 0, or (one warning) when no fit prices it."""
+        config = self.config
+        if not config.decode_step_target_ms:
+            return None
+        fit = self.latency if self.latency is not None else getattr(self.chunk_policy, "fit", None)
+        # (made again when one is replaced: LLM.enable_dynamic_chunking sets the policy after start-up)
+        if self._budget is None or any(a is not b for a, b in zip(self._budget[0], (config, self.chunk_policy, fit))):
+            target_ms = config.decode_step_target_ms
+            budget = None
+            if fit is not None:
+                budget = DecodeBudget(fit, target_ms / 1000, config.decode_step_min_prefill, config.page_size)
+            elif self._budget is None or self._budget[1] is not None:
+                logger.warning(
+                    "--decode-step-target-ms %g is off: no prefill latency profile prices a step "
+                    "(--enable-dynamic-chunking profiles one at start-up)",
+                    target_ms,
+                )
+            self._budget = ((config, self.chunk_policy, fit), budget)
+        return self._budget[1]
+
+    def step_allowance(self, decodes: list[Request]) -> StepAllowance | None:
+        """What this step's prompt chunks may take: None (the whole chunked-prefill budget) unless a
+        decode budget is set and some request decodes (in this step, or in flight in another
+        microbatch, whose stages this step's chunks hold up as well)."""
+        budget = self.decode_budget
+        if budget is None or not (decodes or any(r.output_ids and not r.has_prompt_left for r in self.running)):
+            return None
+        allowance = budget.allowance(r.num_computed for r in decodes)
+        if allowance.left_s < 0 and not self._over_target_told:
+            self._over_target_told = True  # (once: prompts get the floor for as long as it lasts)
+            logger.warning(
+                "a step of %d decodes is priced at %.1f ms, over --decode-step-target-ms %g: prompts get "
+                "--decode-step-min-prefill %d tokens a step (a profile taken on a busy host prices steps high)",
+                len(decodes), 1000 * budget.decode_cost(r.num_computed for r in decodes),
+                1000 * budget.target_s, budget.min_tokens,
+            )  # fmt: skip
+        return allowance
 
     def _schedule_decodes(self, max_decodes: int | None) -> list[Request]:
         decodes: list[Request] = []

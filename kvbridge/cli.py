@@ -253,7 +253,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 BENCHES = (
     "engine", "consensus", "pp", "kv_transfer", "soak", "serve", "prefix", "sampling", "choices", "hostile_sampling",
-    "router_memory", "startup",
+    "router_memory", "startup", "decode_budget",
 )  # fmt: skip
 
 
@@ -261,6 +261,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from kvbridge.bench import (
         choices,
         consensus,
+        decode_budget,
         engine,
         hostile_sampling,
         kv_transfer,
@@ -286,6 +287,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "hostile_sampling": hostile_sampling,
         "router_memory": router_memory,
         "startup": startup,
+        "decode_budget": decode_budget,
     }
     return mains[args.name].main(args.rest)
 

@@ -337,18 +337,22 @@ class RankContext:
         )
 
     def make_scheduler(self, pool: KVPool, **options) -> Scheduler:
-        """Rank 0's scheduler, with the dynamic chunk planner when asked for (profiles now).
+        """Rank 0's scheduler, with the dynamic chunk planner when asked for and the prefill latency
+        fit that prices a step for --decode-step-target-ms (either profiles now: a few seconds).
         options: Scheduler's (hold_finished, evict)."""
-        policy = None
-        if self.pp.enable_dynamic_chunking:
+        planner = None
+        if self.pp.enable_dynamic_chunking or self.config.decode_step_target_ms:
             from kvbridge.engine.profile import plan_chunks, prefill_timer
 
-            policy = plan_chunks(self.config, prefill_timer([self.stage], [pool]), self.max_context, progress=False)
+            planner = plan_chunks(self.config, prefill_timer([self.stage], [pool]), self.max_context, progress=False)
         mc = self.model.config
         allocator = PageAllocator(self.config.total_pages, None if self.config.disable_prefix_cache else PrefixCache())
-        return Scheduler(
+        policy = planner if self.pp.enable_dynamic_chunking else None
+        scheduler = Scheduler(
             self.config, allocator, self.max_context, self.model.tokenizer, mc.eos_token_ids, policy, **options
         )
+        scheduler.latency = planner.fit if planner is not None else None
+        return scheduler
 
 
 @dataclass

@@ -10,6 +10,7 @@ from kvbridge.common.flags import setting
 from kvbridge.common.limits import parse_address
 from kvbridge.common.security import CLIENT_CERT_REQS
 from kvbridge.router.discovery import parse_target
+from kvbridge.router.local_prefill import LocalPrefill
 from kvbridge.router.policy import POLICIES, Policy
 
 
@@ -108,6 +109,18 @@ class RouterConfig:
         "the ratio of max to min outstanding requests above which (with --balance-abs-threshold) "
         "cache_aware routes least-loaded",
     )
+    local_prefill_max_tokens: int = setting(
+        0,
+        "a decode node computes a prompt itself, with no prefill node, when at most this many of its tokens are "
+        "not in that node's prefix cache and the prefill queue is long (--local-prefill-ratio; 256 is a good "
+        "start); 0 (the default until measured): off, every prompt of a P/D pair is computed by its prefill node",
+    )
+    local_prefill_ratio: float = setting(
+        4.0,
+        "local prefill needs the least-queued prefill node's prompt tokens (routed and not yet handed off) "
+        "above this times the decode node's (its local prompts not yet computed, plus this prompt's uncached "
+        "tokens)",
+    )
     client_cert_reqs: str = setting(
         "required",
         "under --tls-ca, what the HTTP API and gRPC Generation ask of clients: required (a certificate "
@@ -192,6 +205,7 @@ class RouterConfig:
             raise ValueError(f"balance_abs_threshold must be >= 0, got {self.balance_abs_threshold}")
         if not 1 <= self.balance_rel_threshold < float("inf"):
             raise ValueError(f"balance_rel_threshold must be >= 1 and finite, got {self.balance_rel_threshold}")
+        LocalPrefill(self.local_prefill_max_tokens, self.local_prefill_ratio)  # (raises on a bad value)
         if self.planner not in ("off", "slo"):
             raise ValueError(f"planner must be off or slo, got {self.planner!r}")
         for name in ("slo_ttft_ms", "slo_itl_ms", "planner_interval_s"):
@@ -210,6 +224,10 @@ class RouterConfig:
     @property
     def policy(self) -> Policy:
         return Policy(self.routing, self.balance_abs_threshold, self.balance_rel_threshold)
+
+    @property
+    def local_prefill(self) -> LocalPrefill:
+        return LocalPrefill(self.local_prefill_max_tokens, self.local_prefill_ratio)
 
     @property
     def nodes(self) -> list[tuple[str, str]]:

@@ -14,6 +14,12 @@ process). The series are defined in common.metrics.RouterMetrics; here they are 
                                                     (router/policy.py REASONS)
     kvbridge_router_kv_event_resyncs_total{reason}  KV indexes cleared to resync from a snapshot: gap | error |
                                                     lagged | overflow (router/pool.py)
+    kvbridge_router_local_prefill_decisions_total{decision, reason}
+                                                    P/D attempts by who computes the prompt: local (the decode
+                                                    node, the prefill queue being long) or prefill, and why
+                                                    (router/local_prefill.py REASONS); none while it is off.
+                                                    Local attempts are pd_decisions{outcome="local"} and their
+                                                    prompt tokens prompt_tokens{computed_by="decode"}
     kvbridge_planner_switches_total{from,to,reason} elastic nodes the SLO planner moved (router/planner.py)
     kvbridge_time_to_first_token_seconds            router received the request -> first token handed to the client
     kvbridge_inter_token_latency_seconds            gaps between consecutive token-bearing responses to a client
@@ -31,11 +37,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvbridge.common.metrics import OUTCOMES, PD_OUTCOMES, RouterMetrics
+from kvbridge.router.local_prefill import Decision
 from kvbridge.router.pool import NodePool
 
 RETRY_REASONS = ("unavailable", "resource_exhausted", "deadline_exceeded")  # the retried status codes, lowercased
@@ -64,8 +71,15 @@ class Recorder:
         self.pd_decisions = self.series.pd_decisions
         for outcome in PD_OUTCOMES:  # (a fleet silently serving without its prefill nodes shows as fallback > 0)
             self.pd_decisions.labels(outcome)
+        self.local_prefill = Counter(
+            "kvbridge_router_local_prefill_decisions",
+            "Disaggregated attempts by who computes the prompt: local (the decode node, while the prefill "
+            "queue is long) or prefill (its prefill node), and why (router/local_prefill.py)",
+            ["decision", "reason"],
+            registry=self.registry,
+        )
         self.prompt_tokens = self.series.prompt_tokens
-        for kind in ("prefill", "colocated"):
+        for kind in ("prefill", "colocated"):  # (and decode, from its first local prefill: router/local_prefill.py)
             self.prompt_tokens.labels(kind)
         self.routing, self.kv_resyncs = self.series.routing, self.series.kv_resyncs
         for reason in RESYNC_REASONS:
@@ -96,9 +110,13 @@ class Recorder:
         self.timeouts.labels(timeout).inc()
 
     def pd_decision(self, outcome: str, prompt_tokens: int = 0) -> None:
-        """An attempt served `outcome` (PD_OUTCOMES), its prompt of `prompt_tokens` computed accordingly."""
+        """An attempt served `outcome` (PD_OUTCOMES, or local), its prompt of `prompt_tokens` computed accordingly."""
         self.pd_decisions.labels(outcome).inc()
-        self.prompt_tokens.labels("prefill" if outcome == "disaggregated" else "colocated").inc(prompt_tokens)
+        computed_by = {"disaggregated": "prefill", "local": "decode"}.get(outcome, "colocated")
+        self.prompt_tokens.labels(computed_by).inc(prompt_tokens)
+
+    def local_prefill_decided(self, decision: Decision) -> None:
+        self.local_prefill.labels(decision.label, decision.reason).inc()
 
     def routed(self, role: str, policy: str, reason: str) -> None:
         self.routing.labels(role, policy, reason).inc()

@@ -253,6 +253,18 @@ class NodePool:
             node.pending_tokens -= tokens
         self._close_if_idle(node)
 
+    def queued_tokens(self, role: str, exclude: Collection[Node] = (), among: Collection[Node] = ()) -> int | None:
+        """The fewest pending prompt tokens among the eligible nodes of `role` (of `among` when one of
+        them is eligible, as pick() would); None when none is eligible (router/local_prefill.py)."""
+        with self._lock:
+            live = [n for n in self.nodes if n.role == role and n.healthy and not n.switching_to and n not in exclude]
+            return min((n.pending_tokens for n in [n for n in live if n in among] or live), default=None)
+
+    def add_tokens(self, node: Node, tokens: int) -> None:
+        """`node` is to compute `tokens` more prompt tokens (fewer, when negative): a decode node's local prefill."""
+        with self._lock:
+            node.pending_tokens += tokens
+
     def page_sizes(self) -> set[int]:
         """The page sizes of the nodes whose KV index is synced (what a prompt is hashed at)."""
         return {n.blocks.page_size for n in self.nodes if n.blocks.synced}

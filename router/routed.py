@@ -14,6 +14,8 @@ D's stream is cancelled and the client gets P's status; later, D holds the whole
 failure does not touch the stream (P's call outlives D's first token: it returns once P's pushes
 settle, and the dispatcher holds its task until then). If D fails, P is cancelled. A decode node
 competes with the colocated nodes for each request, and is eligible only while some prefill node is.
+Local prefill: while the prefill queue is long, D may compute a short prompt itself, with no P
+(router/local_prefill.py: the rule, counted per attempt); its stream is passed through as a colocated one.
 
 Retries (before any response reached the client) and migrations (after) are decided by the
 failure's kind: router/failures.py.
@@ -65,7 +67,7 @@ from kvbridge.common.limits import room_tag
 from kvbridge.common.logs import log_event
 from kvbridge.common.metrics import outcome_of
 from kvbridge.common.security import message_proof
-from kvbridge.router import traced
+from kvbridge.router import local_prefill, traced
 from kvbridge.router.failures import (
     Interrupted,
     Migrate,
@@ -84,7 +86,8 @@ if TYPE_CHECKING:
     from kvbridge.router.dispatch import Dispatcher
 
 GENERATION_ROLES = ("colocated", "decode")
-PHASES = ("routing", "colocated", "prefill+decode")  # a Routed's phase: no node yet, then how it is served
+# a Routed's phase: no node yet, then how it is served
+PHASES = ("routing", "colocated", "prefill+decode", "local_prefill")
 RETRY_BACKOFF_CAP_S = 1.0  # the longest pause between two attempts
 CACHED_TOKENS_WAIT_S = 1.0  # the last response waits this long at most for P's answer (its cached_tokens)
 CLIENT_CANCELLED = "the client cancelled the request"
@@ -236,6 +239,16 @@ class Routed:
             self._log("routed", colocated=node.address)
             attempt = traced.picked(self.span, picked, None, self.pool.policy.name, picking, self.migrations)
             served = self._colocated(picked, request, timeout, tracing.metadata(attempt))
+        elif (local := local_prefill.consider(self, picked, excluded)) is not None and local.local:
+            computing = local_prefill.uncached(self, picked)  # (D's queue until its first response)
+            self.dispatcher.metrics.pd_decision("local", self.prompt_tokens)
+            self._send_ids(request, node)
+            request.prefill.CopyFrom(local_prefill.local_route(request.rid))
+            self.pool.add_tokens(node, computing)
+            self.peer, self.phase = node.address, "local_prefill"
+            self._log("routed", decode=node.address, local_prefill=local.reason, uncached=computing)
+            attempt = traced.picked(self.span, picked, None, self.pool.policy.name, picking, self.migrations, local)
+            served = self._colocated(picked, request, timeout, tracing.metadata(attempt), computing)
         else:
             prefill = self._pick(("prefill",), [*excluded, *self.unpaired.prefill_of(node)], among=self.gateway_prefill)
             if prefill is None:  # the last prefill node turned unhealthy just now
@@ -246,7 +259,7 @@ class Routed:
             self.room, self.peer = secrets.randbits(63), f"{prefill.node.address} -> {node.address}"
             self.phase = "prefill+decode"
             self._log("routed", prefill=prefill.node.address, decode=node.address)
-            attempt = traced.picked(self.span, picked, prefill, self.pool.policy.name, picking, self.migrations)
+            attempt = traced.picked(self.span, picked, prefill, self.pool.policy.name, picking, self.migrations, local)
             served = self._disaggregated(prefill, picked, request, timeout, tracing.metadata(attempt))
         try:
             async with contextlib.aclosing(served) as responses:
@@ -322,9 +335,11 @@ class Routed:
         return call
 
     async def _colocated(
-        self, picked: Pick, request: generation_pb2.GenerateRequest, timeout: float, trace: tuple
+        self, picked: Pick, request: generation_pb2.GenerateRequest, timeout: float, trace: tuple, computing: int = 0
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
-        """The node's stream, passed through. The caller acquired the node; it is released here."""
+        """The node's stream, passed through (a colocated node's, or a decode node's computing the
+        prompt itself: `computing` tokens off its queue at its first response). The caller acquired the
+        node; it is released here."""
         node = picked.node
         try:
             call = generation_pb2_grpc.GenerationStub(node.channel).Generate
@@ -332,6 +347,9 @@ class Routed:
             done = False
             try:
                 while (resp := await self._next(stream)) is not None:
+                    if computing:  # (a local prompt is computed: off the decode node's queue)
+                        self.pool.add_tokens(node, -computing)
+                        computing = 0
                     self._deliver(resp)
                     yield resp
                 done = True
@@ -345,7 +363,7 @@ class Routed:
                 if not done:  # an error, or the consumer closed this generator: no-op on a finished call
                     stream.cancel()
         finally:
-            self.pool.release(node, picked.tokens)
+            self.pool.release(node, picked.tokens + computing)
 
     async def _disaggregated(
         self, p_pick: Pick, d_pick: Pick, request: generation_pb2.GenerateRequest, timeout: float, trace: tuple

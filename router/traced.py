@@ -1,9 +1,11 @@
 """A routed request's spans (common/tracing.py), after the OpenTelemetry GenAI conventions.
 
     chat MODEL | text_completion MODEL   SERVER, the request from its arrival to its last response
-      route                              the pick: policy, reason, the nodes, the prompt's cached share
+      route                              the pick: policy, reason, the nodes, the prompt's cached share, and
+                                         for a decode node the local-prefill decision (router/local_prefill.py)
       attempt                            CLIENT, one per attempt: its upstream calls carry this span's
-                                         context; a migrated stream has one per pair it ran on
+                                         context; a migrated stream has one per pair it ran on; its mode:
+                                         disaggregated, colocated or local_prefill
 
 The request span's parent is the client's `traceparent` when it sent one (HTTP header or gRPC
 metadata); it carries the usage, the finish reason and an event at the first token. Tracing off,
@@ -37,9 +39,12 @@ def request_span(request: generation_pb2.GenerateRequest, parent: Context | None
     return tracing.start(operation, parent, trace.SpanKind.SERVER, attributes=attributes)
 
 
-def picked(span: trace.Span, pick: Pick, prefill: Pick | None, policy: str, started_ns: int, migration: int):
+def picked(
+    span: trace.Span, pick: Pick, prefill: Pick | None, policy: str, started_ns: int, migration: int, local=None
+):
     """Record the route span (from `started_ns`) and open the attempt's span; name the request's
-    span after the model once a node says which it serves."""
+    span after the model once a node says which it serves. `local`: the local-prefill decision of a
+    decode node's attempt (router/local_prefill.py Decision), None when none was made."""
     node = pick.node
     if span.is_recording() and node.model is not None and node.model.model:  # (off: a no-op span)
         span.update_name(f"{span.name.split()[0]} {node.model.model}")
@@ -51,8 +56,12 @@ def picked(span: trace.Span, pick: Pick, prefill: Pick | None, policy: str, star
     route["kvbridge.cached_tokens"] = pick.cached  # (the prefill node's, when there is one, computes the prompt)
     if prefill is not None:
         route["kvbridge.cached_tokens"] = prefill.cached
+    if local is not None:
+        route |= {"kvbridge.local_prefill": local.local, "kvbridge.local_prefill_reason": local.reason}
     tracing.start("route", parent, start_ns=started_ns, attributes=route).end()
     mode = "disaggregated" if prefill is not None else "colocated"
+    if local is not None and local.local:
+        mode = "local_prefill"
     attempt = {"kvbridge.mode": mode, "server.address": node.address, "kvbridge.migration": migration}
     if prefill is not None:
         attempt["kvbridge.prefill"] = prefill.node.address

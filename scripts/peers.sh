@@ -8,8 +8,15 @@
 #   bash scripts/peers.sh prefill   prefill speed served: vLLM and kvbridge colocated alone, prefix
 #                                   caching off on both, one request at a time, 256- and 2,048-token
 #                                   prompts (completions, 1 output token): prompt tokens / TTFT p50
-# Servers: vllm (bf16, VLLM_CPU_OMP_THREADS_BIND over every core), llama.cpp (the GGUF as shipped,
-# Q4_1, -t cores, 32 slots), kvbridge colocated and kvbridge P pp1 + D pp1 (router + nodes, defaults).
+# Servers: vllm (its fastest dtype for this CPU: bf16 where the CPU has avx512_bf16 or AMX, else
+# float32, where its bf16 is emulated and 3-5x slower; VLLM_DTYPE overrides;
+# VLLM_CPU_OMP_THREADS_BIND over every core), llama.cpp (the GGUF as shipped, Q4_1, -t cores, 32
+# slots), kvbridge colocated and kvbridge P pp1 + D pp1 (router + nodes, defaults; KVBRIDGE_ISA=avx2
+# in the environment runs them on the AVX2 path). Every server gets the same warm-up first (a
+# discarded run at each concurrency: vLLM compiles graphs for each new batch shape on first sight),
+# AIPerf a --request-rate of c/s with a constant arrival pattern beside --concurrency c (with
+# --concurrency alone it busy-loops a core), and every JSON line names the host's CPU and the ISA
+# level kvbridge runs at ("cpu", "isa").
 # SERVERS=vllm,llamacpp,colocated,pd picks some (add `before` with BEFORE=DIR: kvbridge colocated
 # from another checkout with its own .venv, e.g. an older commit); PROMPTS (default 4 x concurrency,
 # at least 16);
@@ -21,6 +28,10 @@ OUT=${OUT:-bench-peers.jsonl}
 CORES=$(nproc)
 KV=.venv/bin/kvbridge
 GGUF=$(.venv/bin/python -c "from kvbridge.engine.weights import smollm2_path; print(smollm2_path())")
+CPU=$(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -1)
+ISA=$(.venv/bin/python -c "from kvbridge.engine import kernels; print(kernels.isa())")
+if grep -qE '^flags.*\b(avx512_bf16|amx_bf16)\b' /proc/cpuinfo; then VLLM_DTYPE=${VLLM_DTYPE:-bfloat16}; fi
+VLLM_DTYPE=${VLLM_DTYPE:-float32}
 mkdir -p "$PEERS" "$PEERS/aiperf-runs"
 
 install() {
@@ -63,7 +74,22 @@ wait_http() {  # URL, seconds
     return 1
 }
 
+tag() {  # a JSON line on stdin, with the driver, the host's CPU and kvbridge's ISA level added
+    .venv/bin/python -c "import json, sys; r = json.loads(sys.stdin.readline())
+print(json.dumps({'driver': sys.argv[1], **r, 'cpu': sys.argv[2], 'isa': sys.argv[3]}))" "$1" "$CPU" "$ISA"
+}
+
+warm() {  # label, base URL, served model name: the same discarded run at each concurrency, every server
+    for c in ${CONCS:-1 8 32}; do
+        echo "peers: $1 warm-up at concurrency $c ..." >&2
+        $KV bench serve --base-url "$2" --served-model "$3" --label "$1" --model smollm2-135m-instruct \
+            --num-prompts $((c * 2)) --random-input-len 256 --random-output-len 64 --max-concurrency "$c" \
+            --warmups 0 --seed 1 --json > /dev/null
+    done
+}
+
 bench() {  # label, base URL, served model name
+    warm "$@"
     for driver in ${DRIVERS//,/ }; do
         for c in ${CONCS:-1 8 32}; do
             n=${PROMPTS:-$((c * 4 < 16 ? 16 : c * 4))}
@@ -72,26 +98,28 @@ bench() {  # label, base URL, served model name
                 bench)
                     $KV bench serve --base-url "$2" --served-model "$3" --label "$1" --model smollm2-135m-instruct \
                         --num-prompts "$n" --random-input-len 256 --random-output-len 64 --max-concurrency "$c" \
-                        --warmups 2 --seed 0 --json | sed -n 1p | sed 's/^{/{"driver": "bench", /' >> "$OUT" ;;
+                        --warmups 2 --seed 0 --json | sed -n 1p | tag bench >> "$OUT" ;;
                 aiperf)
                     dir="$PEERS/aiperf-runs/$1-c$c"
                     rm -rf "$dir"
                     "$PEERS/aiperf/bin/aiperf" profile --model "$3" --tokenizer "$PEERS/smollm2-hf" --url "$2" \
                         --endpoint-type chat --streaming --synthetic-input-tokens-mean 256 \
                         --synthetic-input-tokens-stddev 0 --output-tokens-mean 64 --output-tokens-stddev 0 \
-                        --extra-inputs ignore_eos:true --concurrency "$c" --request-count "$n" \
+                        --extra-inputs ignore_eos:true --concurrency "$c" --request-rate "$c" \
+                        --arrival-pattern constant --request-count "$n" \
                         --warmup-request-count 2 --random-seed 0 --artifact-dir "$dir" --ui-type none > "$dir.log" 2>&1
-                    .venv/bin/python - "$dir/profile_export_aiperf.json" "$1" "$c" "$n" >> "$OUT" <<'PY'
+                    (.venv/bin/python - "$dir/profile_export_aiperf.json" "$1" "$c" "$n" <<'PY'
 import json, sys
 d, stack, c, n = json.load(open(sys.argv[1])), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 done = int(d["request_count"]["avg"])
-print(json.dumps({"driver": "aiperf", "stack": stack, "max_concurrency": c, "num_prompts": n, "completed": done,
+print(json.dumps({"stack": stack, "max_concurrency": c, "num_prompts": n, "completed": done,
                   "failed": n - done, "output_throughput": round(d["output_token_throughput"]["avg"], 3),
                   "median_ttft_ms": round(d["time_to_first_token"]["p50"], 3),
                   "p99_ttft_ms": round(d["time_to_first_token"]["p99"], 3),
                   "median_itl_ms": round(d["inter_token_latency"]["p50"], 3),
                   "p99_itl_ms": round(d["inter_token_latency"]["p99"], 3)}))
 PY
+                    ) | tag aiperf >> "$OUT"
                     ;;
             esac
         done
@@ -125,7 +153,7 @@ up() {  # URL, seconds: it answers, and every server launched is still running
 start_vllm() {
     free 8100
     VLLM_CPU_OMP_THREADS_BIND=0-$((CORES - 1)) "$PEERS/vllm/bin/python" -m vllm.entrypoints.openai.api_server \
-        --model "$PEERS/smollm2-hf" --served-model-name smollm2 --dtype bfloat16 --port 8100 \
+        --model "$PEERS/smollm2-hf" --served-model-name smollm2 --dtype "$VLLM_DTYPE" --port 8100 \
         --gpu-memory-utilization 0.2 "$@" > "$PEERS/vllm.log" 2>&1 &
     PIDS=$!
 }
@@ -143,7 +171,7 @@ table() {
         case $s in
             vllm)
                 start_vllm
-                up http://127.0.0.1:8100/v1/models 300 && bench vllm http://127.0.0.1:8100 smollm2
+                up http://127.0.0.1:8100/v1/models 300 && bench "vllm-$VLLM_DTYPE" http://127.0.0.1:8100 smollm2
                 # shellcheck disable=SC2086
                 stop $PIDS ;;
             llamacpp)
@@ -181,11 +209,14 @@ table() {
     done
     .venv/bin/python - "$OUT" <<'PY'
 import json, sys
-print(f"{'driver':<8}{'server':<22}{'conc':>5}{'out tok/s':>11}{'TTFT p50 ms':>13}{'ITL p50 ms':>12}{'failed':>8}")
-for line in open(sys.argv[1]):
-    r = json.loads(line)
+rows = [json.loads(line) for line in open(sys.argv[1])]
+if rows:
+    print(f"{rows[0]['cpu']}; kvbridge at ISA level {rows[0]['isa']}")
+print(f"{'driver':<8}{'server':<22}{'conc':>5}{'out tok/s':>11}{'TTFT p50 ms':>13}{'ITL p50 ms':>12}"
+      f"{'ITL p99 ms':>12}{'failed':>8}")
+for r in rows:
     print(f"{r['driver']:<8}{r['stack']:<22}{r['max_concurrency']:>5}{r['output_throughput']:>11.1f}"
-          f"{r['median_ttft_ms']:>13.0f}{r['median_itl_ms']:>12.1f}{r['failed']:>8}")
+          f"{r['median_ttft_ms']:>13.0f}{r['median_itl_ms']:>12.1f}{r['p99_itl_ms']:>12.1f}{r['failed']:>8}")
 PY
 }
 

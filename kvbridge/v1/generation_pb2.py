@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvbridge.v1 import common_pb2 as kvbridge_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ckvbridge/v1/generation.proto\x12\x0bkvbridge.v1\x1a\x18kvbridge/v1/common.proto\"A\n\x0cPrefillRoute\x12\x0c\n\x04room\x18\x01 \x01(\x04\x12\x14\n\x0cprefill_addr\x18\x02 \x01(\t\x12\r\n\x05proof\x18\x03 \x01(\x0c\"\xc6\x01\n\x0fGenerateRequest\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12#\n\x06prompt\x18\x02 \x01(\x0b\x32\x13.kvbridge.v1.Prompt\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.kvbridge.v1.SamplingParams\x12*\n\x07prefill\x18\x04 \x01(\x0b\x32\x19.kvbridge.v1.PrefillRoute\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x12\n\nresume_ids\x18\x06 \x03(\r\"\x98\x02\n\x10GenerateResponse\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12!\n\x05usage\x18\x05 \x01(\x0b\x32\x12.kvbridge.v1.Usage\x12,\n\x08transfer\x18\x06 \x01(\x0b\x32\x1a.kvbridge.v1.TransferStats\x12+\n\x08logprobs\x18\x07 \x03(\x0b\x32\x19.kvbridge.v1.TokenLogprob\x12\x32\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x19.kvbridge.v1.TokenLogprob\x12\r\n\x05index\x18\t \x01(\r\"Z\n\rTransferStats\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x10\n\x08kv_bytes\x18\x02 \x01(\x04\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\x12\x15\n\rpages_skipped\x18\x04 \x01(\r\"\x15\n\x13GetModelInfoRequest\"w\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x13\n\x0bmax_context\x18\x03 \x01(\r\x12\x0c\n\x04role\x18\x04 \x01(\t\x12\x0f\n\x07\x65lastic\x18\x05 \x01(\x08\x12\x12\n\nrole_epoch\x18\x06 \x01(\x04\x32\xa1\x01\n\nGeneration\x12I\n\x08Generate\x12\x1c.kvbridge.v1.GenerateRequest\x1a\x1d.kvbridge.v1.GenerateResponse0\x01\x12H\n\x0cGetModelInfo\x12 .kvbridge.v1.GetModelInfoRequest\x1a\x16.kvbridge.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ckvbridge/v1/generation.proto\x12\x0bkvbridge.v1\x1a\x18kvbridge/v1/common.proto\"P\n\x0cPrefillRoute\x12\x0c\n\x04room\x18\x01 \x01(\x04\x12\x14\n\x0cprefill_addr\x18\x02 \x01(\t\x12\r\n\x05proof\x18\x03 \x01(\x0c\x12\r\n\x05local\x18\x04 \x01(\x08\"\xc6\x01\n\x0fGenerateRequest\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12#\n\x06prompt\x18\x02 \x01(\x0b\x32\x13.kvbridge.v1.Prompt\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.kvbridge.v1.SamplingParams\x12*\n\x07prefill\x18\x04 \x01(\x0b\x32\x19.kvbridge.v1.PrefillRoute\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x12\n\nresume_ids\x18\x06 \x03(\r\"\x98\x02\n\x10GenerateResponse\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12!\n\x05usage\x18\x05 \x01(\x0b\x32\x12.kvbridge.v1.Usage\x12,\n\x08transfer\x18\x06 \x01(\x0b\x32\x1a.kvbridge.v1.TransferStats\x12+\n\x08logprobs\x18\x07 \x03(\x0b\x32\x19.kvbridge.v1.TokenLogprob\x12\x32\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x19.kvbridge.v1.TokenLogprob\x12\r\n\x05index\x18\t \x01(\r\"Z\n\rTransferStats\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x10\n\x08kv_bytes\x18\x02 \x01(\x04\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\x12\x15\n\rpages_skipped\x18\x04 \x01(\r\"\x15\n\x13GetModelInfoRequest\"w\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x13\n\x0bmax_context\x18\x03 \x01(\r\x12\x0c\n\x04role\x18\x04 \x01(\t\x12\x0f\n\x07\x65lastic\x18\x05 \x01(\x08\x12\x12\n\nrole_epoch\x18\x06 \x01(\x04\x32\xa1\x01\n\nGeneration\x12I\n\x08Generate\x12\x1c.kvbridge.v1.GenerateRequest\x1a\x1d.kvbridge.v1.GenerateResponse0\x01\x12H\n\x0cGetModelInfo\x12 .kvbridge.v1.GetModelInfoRequest\x1a\x16.kvbridge.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,17 +33,17 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvbridge.v1.generation_pb2'
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PREFILLROUTE']._serialized_start=71
-  _globals['_PREFILLROUTE']._serialized_end=136
-  _globals['_GENERATEREQUEST']._serialized_start=139
-  _globals['_GENERATEREQUEST']._serialized_end=337
-  _globals['_GENERATERESPONSE']._serialized_start=340
-  _globals['_GENERATERESPONSE']._serialized_end=620
-  _globals['_TRANSFERSTATS']._serialized_start=622
-  _globals['_TRANSFERSTATS']._serialized_end=712
-  _globals['_GETMODELINFOREQUEST']._serialized_start=714
-  _globals['_GETMODELINFOREQUEST']._serialized_end=735
-  _globals['_MODELINFO']._serialized_start=737
-  _globals['_MODELINFO']._serialized_end=856
-  _globals['_GENERATION']._serialized_start=859
-  _globals['_GENERATION']._serialized_end=1020
+  _globals['_PREFILLROUTE']._serialized_end=151
+  _globals['_GENERATEREQUEST']._serialized_start=154
+  _globals['_GENERATEREQUEST']._serialized_end=352
+  _globals['_GENERATERESPONSE']._serialized_start=355
+  _globals['_GENERATERESPONSE']._serialized_end=635
+  _globals['_TRANSFERSTATS']._serialized_start=637
+  _globals['_TRANSFERSTATS']._serialized_end=727
+  _globals['_GETMODELINFOREQUEST']._serialized_start=729
+  _globals['_GETMODELINFOREQUEST']._serialized_end=750
+  _globals['_MODELINFO']._serialized_start=752
+  _globals['_MODELINFO']._serialized_end=871
+  _globals['_GENERATION']._serialized_start=874
+  _globals['_GENERATION']._serialized_end=1035
 # @@protoc_insertion_point(module_scope)

@@ -8,14 +8,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PrefillRoute(_message.Message):
-    __slots__ = ("room", "prefill_addr", "proof")
+    __slots__ = ("room", "prefill_addr", "proof", "local")
     ROOM_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ADDR_FIELD_NUMBER: _ClassVar[int]
     PROOF_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_FIELD_NUMBER: _ClassVar[int]
     room: int
     prefill_addr: str
     proof: bytes
-    def __init__(self, room: _Optional[int] = ..., prefill_addr: _Optional[str] = ..., proof: _Optional[bytes] = ...) -> None: ...
+    local: bool
+    def __init__(self, room: _Optional[int] = ..., prefill_addr: _Optional[str] = ..., proof: _Optional[bytes] = ..., local: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("rid", "prompt", "sampling", "prefill", "cache_salt", "resume_ids")

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from kvbridge.engine.chunking import (
     ChunkPlanner,
+    DecodeBudget,
     QuadraticLatency,
     default_profile_lengths,
     fit_quadratic,
@@ -179,3 +180,58 @@ def test_every_chunk_is_in_range_and_the_plan_covers_the_prompt(
     plan = planner.chunks(prompt_len, history_len)
     assert all(chunk >= 1 for chunk in plan)
     assert sum(plan) == prompt_len
+
+
+# ---------------------------------------------------------------------------- the decode budget
+
+
+def test_decode_cost_is_the_fixed_cost_and_each_decode_s_slope():
+    budget = DecodeBudget(WITH_LINEAR, target_s=2**-6, min_tokens=64, page_size=16)
+    # c + Σ (2a L + b): 2^-7 + (2^-29 512 + 2^-20) + (2^-29 1536 + 2^-20) = 2^-7 + 2^-18 + 2^-19
+    assert budget.decode_cost([512, 1536]) == 2**-7 + 2**-18 + 2**-19
+    assert budget.decode_cost([]) == 2**-7
+
+
+@pytest.mark.parametrize(
+    ("history_len", "seconds", "page_size", "tokens"),
+    [
+        (0, 2**-10, 16, 1024),  # a x² = 2^-10: x = 1024, whole pages
+        (0, 2**-10 * 0.999, 16, 1008),  # x = 1023.5: 63 pages
+        (768, 2**-10, 16, 512),  # (768 + x)² = 768² + 1024²: x = 512 (3-4-5)
+        (0, 2**-20, 64, 0),  # x = 32 is not a page of 64
+        (0, 0.0, 16, 0),
+        (0, -1.0, 16, 0),  # over the target already
+    ],
+)
+def test_tokens_within_is_the_most_whole_pages_that_fit(history_len, seconds, page_size, tokens):
+    budget = DecodeBudget(PURE_QUADRATIC, target_s=1.0, min_tokens=1, page_size=page_size)
+    assert budget.tokens_within(history_len, seconds) == tokens
+    assert PURE_QUADRATIC.chunk_cost(history_len, tokens) <= max(seconds, 0.0)
+
+
+def test_a_step_s_allowance_spends_the_time_left():
+    budget = DecodeBudget(PURE_QUADRATIC, target_s=2**-7 + 2**-10, min_tokens=96, page_size=16)
+    step = budget.allowance([])  # no decode in the step: the target less c leaves 2^-10 s
+    assert step.allowed(0) == 1024
+    step.spend(0, 1000)
+    assert step.taken == 1000
+    assert step.allowed(1000) == 16  # 2^-30 48576 s left: (1000 + x)² = 1000² + 48576 = 1024², x = 24
+    step.spend(1000, 16)
+    assert step.allowed(1016) == 0  # (1016 + x)² = 1024²: x = 8, not a page
+
+
+def test_a_step_over_its_target_allows_the_rest_of_its_floor():
+    budget = DecodeBudget(PURE_QUADRATIC, target_s=2**-8, min_tokens=96, page_size=16)  # under c = 2^-7
+    step = budget.allowance([100, 200])
+    assert step.left_s < 0
+    assert step.allowed(0) == 96
+    step.spend(0, 40)
+    assert step.allowed(40) == 56
+    step.spend(40, 56)
+    assert step.allowed(96) == 0
+
+
+def test_bad_budgets_are_refused():
+    for target, floor, page in ((0.0, 1, 16), (float("nan"), 1, 16), (1.0, 0, 16), (1.0, 1, 0)):
+        with pytest.raises(ValueError, match="bad budget"):
+            DecodeBudget(PURE_QUADRATIC, target, floor, page)

@@ -74,7 +74,7 @@ def admin_input(fleet: Fleet, draw) -> None:
             e.add(bad, f"page_size must be at most 1000, got {size}")
         if token and not token.isdigit():
             e.add(bad, f"page_token {token!r}")
-        if router and phase and phase not in ("routing", "colocated", "prefill+decode"):
+        if router and phase and phase not in ("routing", "colocated", "prefill+decode", "local_prefill"):
             e.add(bad, "phase must be one of")
     elif op == "abort":
         rid = draw(st.one_of(st.just(""), TEXT, st.sampled_from(["x" * 1000])))

@@ -1,7 +1,8 @@
 """In-test nodes that follow the contract, for the router's tests: FakeNode serves Generation (a
 colocated or decode node) or Prefill (a prefill node) on a free port, fails, stalls or holds on
 cue, and records what it received; fake decode nodes wait on the room their paired prefill node
-prefilled (Rooms). With kv_events=True a node also serves KVEvents (its Watch streams driven by the
+prefilled (Rooms), but stream at once on a local route (they compute the prompt themselves). With
+kv_events=True a node also serves KVEvents (its Watch streams driven by the
 test through FakeKV: stores, removals, a lost batch, a lagged snapshot, a broken stream; its
 GetTokenizer a real byte-level tokenizer) and Admin.ClearPrefixCache. Plus the requests and waits
 the router tests share. The `fleet` fixture that
@@ -70,7 +71,7 @@ class FakeGeneration(generation_pb2_grpc.GenerationServicer):
             time.sleep(0.01)
         if node.fail is not None and not node.fail_after:
             context.abort(node.fail, f"{node.address} fails as told")
-        if request.HasField("prefill"):  # decode node: the KV comes from the paired prefill node
+        if request.HasField("prefill") and not request.prefill.local:  # decode node: the KV comes from its P
             room, deadline = request.prefill.room, time.monotonic() + 10
             with node.rooms.cond:
                 while room not in node.rooms.prefilled and context.is_active() and time.monotonic() < deadline:

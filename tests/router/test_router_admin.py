@@ -350,7 +350,7 @@ def test_disaggregated_requests_are_listed_oldest_first_a_page_at_a_time(nodes, 
         (admin_pb2.ListRequestsRequest(page_size=1001), "page_size must be at most 1000, got 1001"),
         (admin_pb2.ListRequestsRequest(page_token="x2"), "page_token 'x2' is not one we issued"),
         (admin_pb2.ListRequestsRequest(phase="decoding"), "phase must be one of routing, colocated, "
-         "prefill+decode (or empty), got 'decoding'"),
+         "prefill+decode, local_prefill (or empty), got 'decoding'"),
     ]  # fmt: skip
     for req, message in bad:
         err = rpc_error(lambda req=req: stub.ListRequests(req, timeout=10))
@@ -430,6 +430,8 @@ def test_status_and_config_describe_the_router_and_its_fleet(nodes, make_router)
         "routing": "cache_aware",
         "balance_abs_threshold": 64,
         "balance_rel_threshold": 1.5,
+        "local_prefill_max_tokens": 0,
+        "local_prefill_ratio": 4.0,
         "client_cert_reqs": "required",
         "admin_port": -1,
         "planner": "off",
