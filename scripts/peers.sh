@@ -17,7 +17,7 @@
 # AIPerf a --request-rate of c/s with a constant arrival pattern beside --concurrency c (with
 # --concurrency alone it busy-loops a core), and every JSON line names the host's CPU and the ISA
 # level kvbridge runs at ("cpu", "isa").
-# SERVERS=vllm,llamacpp,colocated,pd picks some (add `before` with BEFORE=DIR: kvbridge colocated
+# SERVERS=vllm,llamacpp,colocated,pd,pdlocal picks some (pdlocal: P/D with local prefill on) (add `before` with BEFORE=DIR: kvbridge colocated
 # from another checkout with its own .venv, e.g. an older commit); PROMPTS (default 4 x concurrency,
 # at least 16);
 # DRIVERS=bench,aiperf picks the load generators; CONCS="1 8 32" the concurrencies.
@@ -192,16 +192,23 @@ table() {
                 up http://127.0.0.1:8102/health 120 && bench kvbridge-before http://127.0.0.1:8102 smollm2-135m-instruct
                 # shellcheck disable=SC2086
                 stop $PIDS ;;
-            pd)
-                free 7211 7212 7210 8103
+            pd | pdlocal)  # pdlocal: the router lets the decode node compute a prompt itself while the
+                # prefill queue is long (--local-prefill-max-tokens, LOCAL_PREFILL tokens: 512 covers
+                # the 256-token prompts and their chat template)
+                free 7211 7212 7210 8103 9103
                 $KV prefill --model smollm2-135m-instruct --port 7211 --quiet > "$PEERS/kv-p.log" 2>&1 &
                 PIDS=$!
                 $KV decode --model smollm2-135m-instruct --port 7212 --quiet > "$PEERS/kv-d.log" 2>&1 &
                 PIDS="$! $PIDS"
+                local_prefill=0
+                [[ $s == pdlocal ]] && local_prefill=${LOCAL_PREFILL:-512}
                 $KV router --prefill 127.0.0.1:7211 --decode 127.0.0.1:7212 --port 7210 --http-port 8103 \
-                    > "$PEERS/kv-r.log" 2>&1 &
+                    --metrics-port 9103 --local-prefill-max-tokens "$local_prefill" > "$PEERS/kv-r.log" 2>&1 &
                 PIDS="$! $PIDS"
-                up http://127.0.0.1:8103/health 120 && bench kvbridge-pd http://127.0.0.1:8103 smollm2-135m-instruct
+                up http://127.0.0.1:8103/health 120 && bench "kvbridge-$s" http://127.0.0.1:8103 smollm2-135m-instruct
+                if [[ $s == pdlocal ]]; then  # how many prompts the decode node computed itself
+                    curl -s http://127.0.0.1:9103/metrics | grep '^kvbridge_router_local_prefill_decisions_total' >&2 || true
+                fi
                 # shellcheck disable=SC2086
                 stop $PIDS ;;
             *) echo "peers: unknown server $s" >&2; exit 2 ;;
