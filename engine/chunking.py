@@ -16,21 +16,27 @@ Solving f(L + x) - f(L) = T gives
 (the positive root, written without cancellation). x* = base at L = 0 and shrinks as L
 grows. `ChunkPlanner` smooths x* toward the base size, applies a floor and page alignment.
 
-The same model bounds a step that runs beside decodes (`DecodeBudget`): a decode token at
-position L costs f's slope there, f'(L) = 2aL + b, and the forward pass its fixed cost c once, so
-a step of decodes at L_1..L_D plus a chunk of x tokens after H cached ones is expected to take
+A step that runs beside decodes is bounded by what steps measurably take instead
+(`DecodeBudget`, `--decode-step-target-ms`): a profile prices prefill well but not a decode step,
+whose cost is mostly the weights streamed once, and a profile taken on a busy host prices every
+step high. Each step's seconds, from its scheduling to its tokens, feed `StepCosts`: a step of
+decodes alone measures `decode_s`, a step of prompts alone a prompt token's `token_s` (its fixed
+cost spread over the tokens), and a mixed step `token_s` from what it took beyond `decode_s` (or,
+before any step of decodes alone, `decode_s` from what it took beyond `token_s`), each averaged
+with weight 1/4 on the newest. A step with decodes then takes the prompt tokens
 
-    c + Σ_i (2a L_i + b) + f(H + x) - f(H)
+    x = (target - decode_s) / token_s     in whole pages,
 
-and its prompt tokens are the most that keep this within the target (`--decode-step-target-ms`),
-but never fewer than a floor (`--decode-step-min-prefill`), so a prompt always progresses.
+never fewer than a floor (`--decode-step-min-prefill`), so a prompt always progresses. A wrong
+estimate corrects itself: a mixed step that overran raises `token_s` for the next one. With
+pipeline parallelism a step's seconds run from its launch to its tokens, through every stage.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -177,12 +183,39 @@ class ChunkPlanner:
         return max(x // self.alignment * self.alignment, self.alignment)
 
 
+@dataclass
+class StepCosts:
+    """What this engine's steps took lately, measured from each step's scheduling to its tokens
+    (`Scheduler.postprocess`): `decode_s`, a step of the running decodes alone, and `token_s`, a
+    prompt token beside them, each a moving average with `weight` on the newest (module docstring)."""
+
+    weight: float = 0.25
+    decode_s: float | None = None  # None: not measured yet
+    token_s: float | None = None
+
+    def observe(self, decodes: int, prompt_tokens: int, seconds: float) -> None:
+        if not seconds >= 0:
+            return  # (a clock that went back: nothing learned)
+        if not prompt_tokens:
+            if decodes:
+                self.decode_s = self._mix(self.decode_s, seconds)
+        elif not decodes:
+            self.token_s = self._mix(self.token_s, seconds / prompt_tokens)
+        elif self.decode_s is not None:
+            self.token_s = self._mix(self.token_s, max(seconds - self.decode_s, 0.0) / prompt_tokens)
+        elif self.token_s is not None:
+            self.decode_s = self._mix(self.decode_s, max(seconds - self.token_s * prompt_tokens, 0.0))
+
+    def _mix(self, old: float | None, new: float) -> float:
+        return new if old is None else old + self.weight * (new - old)
+
+
 @dataclass(frozen=True)
 class DecodeBudget:
     """How many prompt tokens a step may take beside running decodes (module docstring)."""
 
-    fit: QuadraticLatency
-    target_s: float  # > 0: a step's expected seconds while requests decode
+    costs: StepCosts  # measured; read at each step
+    target_s: float  # > 0: a step's seconds while requests decode
     min_tokens: int  # >= 1: prompt tokens a step takes at least, whatever the target
     page_size: int  # >= 1: what the target allows is aligned down to whole pages
 
@@ -192,22 +225,20 @@ class DecodeBudget:
                 f"bad budget: target_s={self.target_s} min_tokens={self.min_tokens} page_size={self.page_size}"
             )
 
-    def decode_cost(self, positions: Iterable[int]) -> float:
-        """Seconds of a step of decodes at these positions alone: c + Σ (2a L + b)."""
-        fit = self.fit
-        return fit.c + sum(2 * fit.a * pos + fit.b for pos in positions)
-
-    def tokens_within(self, history_len: int, seconds: float) -> int:
-        """The most tokens, in whole pages, that a chunk after `history_len` cached ones may take
-        within `seconds` (0 when not a page's worth fits)."""
-        if seconds <= 0:
+    def tokens_within(self, seconds: float) -> int:
+        """The most prompt tokens, in whole pages, that `seconds` pay for (0 until a prompt token's
+        cost is measured, or when not a page's worth fits)."""
+        token_s = self.costs.token_s
+        if seconds <= 0 or token_s is None:
             return 0
-        x = int(self.fit.chunk_for_cost(history_len, seconds) + 1e-6)  # (+ 1e-6: as in ChunkPlanner)
+        x = int(seconds / token_s + 1e-9) if token_s > 0 else 1 << 62
         return x // self.page_size * self.page_size
 
-    def allowance(self, positions: Iterable[int]) -> StepAllowance:
-        """What one step whose decodes are at `positions` leaves for its prompt chunks."""
-        return StepAllowance(self, self.target_s - self.decode_cost(positions))
+    def allowance(self, decodes: int) -> StepAllowance:
+        """What one step with this many decodes leaves for its prompt chunks: the target less a
+        decode step's measured seconds (none before one is measured, or without decodes)."""
+        decode_s = (self.costs.decode_s or 0.0) if decodes else 0.0
+        return StepAllowance(self, self.target_s - decode_s)
 
 
 @dataclass
@@ -219,13 +250,13 @@ class StepAllowance:
     left_s: float  # the target's seconds the step's chunks may still take (< 0: over already)
     taken: int = 0  # prompt tokens the step holds so far
 
-    def allowed(self, history_len: int) -> int:
-        """The most tokens the next chunk (after `history_len` cached ones) may take: what fits the
-        time left, or the rest of the step's floor if that is more."""
-        return max(self.budget.tokens_within(history_len, self.left_s), self.budget.min_tokens - self.taken)
+    def allowed(self) -> int:
+        """The most tokens the next chunk may take: what fits the time left, or the rest of the
+        step's floor if that is more."""
+        return max(self.budget.tokens_within(self.left_s), self.budget.min_tokens - self.taken)
 
-    def spend(self, history_len: int, tokens: int) -> None:
-        self.left_s -= self.budget.fit.chunk_cost(history_len, tokens)
+    def spend(self, tokens: int) -> None:
+        self.left_s -= tokens * (self.budget.costs.token_s or 0.0)
         self.taken += tokens
 
 

@@ -129,9 +129,9 @@ class EngineConfig:
     # Issue 41: a long prompt's chunk batched with running decodes stalls every one of them for the chunk.
     decode_step_target_ms: float = setting(
         0.0,
-        "while requests decode, a step takes only the prompt tokens that keep its expected time within this, "
-        "ms, priced by the prefill latency profile (--enable-dynamic-chunking); with no decode, the whole "
-        "--chunked-prefill-size (0: off)",
+        "while requests decode, a step takes only the prompt tokens that keep its time within this, ms, priced "
+        "by what the node's steps measurably took (decodes alone, a prompt token beside them); with no decode, "
+        "the whole --chunked-prefill-size (0: off)",
     )
     decode_step_min_prefill: int = setting(
         64, "with --decode-step-target-ms: prompt tokens a step takes at least, so that a prompt always progresses"

@@ -23,10 +23,11 @@ whose choice 0 ends or is preempted before that is admitted as any request (its 
 
 While requests decode, `--decode-step-target-ms` bounds a step's prompt tokens (issue 41: a long
 prompt's chunk batched with the decodes stalled each of them for the whole chunk): the chunks get only
-what keeps the step's expected time, from the chunk policy's prefill latency fit (engine/chunking.py
-`DecodeBudget`), within the target, and at least `--decode-step-min-prefill` tokens, so a prompt
-always progresses. With no request decoding, prompts take the whole chunked-prefill budget. Chunking
-does not change a token: each row's attention is computed alike however its prompt is cut.
+what keeps the step's time within the target, priced by what this scheduler's steps measurably took
+(`step_costs`, fed by `postprocess`; engine/chunking.py `DecodeBudget`), and at least
+`--decode-step-min-prefill` tokens, so a prompt always progresses. With no request decoding, prompts
+take the whole chunked-prefill budget. Chunking does not change a token: each row's attention is
+computed alike however its prompt is cut.
 
 A scheduled token counts as computed at once (`num_computed` advances when the batch is
 built), so with pipeline parallelism the next chunk of a prompt can be scheduled while
@@ -47,7 +48,7 @@ from kvbridge.common import blocks
 from kvbridge.common.text.detok import StopChecker
 from kvbridge.common.text.tokenizer import Tokenizer
 from kvbridge.engine.batch import ForwardBatch
-from kvbridge.engine.chunking import DecodeBudget, QuadraticLatency, StepAllowance
+from kvbridge.engine.chunking import DecodeBudget, StepAllowance, StepCosts
 from kvbridge.engine.config import EngineConfig
 from kvbridge.engine.pages import PageAllocator
 from kvbridge.engine.request import Phase, Request
@@ -56,8 +57,7 @@ logger = logging.getLogger(__name__)
 
 
 class ChunkPolicy(Protocol):
-    """How many prompt tokens to prefill next (engine/chunking.py `ChunkPlanner`). One with a `fit`
-    (a QuadraticLatency: the planner of a start-up profile) also prices steps for the decode budget."""
+    """How many prompt tokens to prefill next (engine/chunking.py `ChunkPlanner`)."""
 
     def next_chunk(self, history_len: int, remaining: int) -> int: ...
 
@@ -67,6 +67,9 @@ class ScheduledStep:
     batch: ForwardBatch
     requests: list[Request]  # in batch order
     sampled: list[Request]  # the requests whose logits come back, in row order
+    decodes: int = 0  # rows that decode (one token each)
+    prompt_tokens: int = 0  # the prompt chunks' tokens
+    built_s: float = 0.0  # the scheduler's clock when it was built
 
 
 class Scheduler:
@@ -102,11 +105,10 @@ class Scheduler:
         # caller's unregistered requests within its share of the pool (prefill_node/role.py)
         self.admissible: Callable[[Request], bool] | None = None
         self.passes = 0  # schedule() calls so far
-        # the prefill latency fit that prices a step for --decode-step-target-ms (None: the chunk policy's
-        # `fit`, if it has one): a start-up profile's (engine/profile.py plan_chunks(...).fit), which
-        # leaves the chunk sizes as they are
-        self.latency: QuadraticLatency | None = None
-        self._budget: tuple[tuple, DecodeBudget | None] | None = None  # (what it was made from, it)
+        # what steps took, from scheduling to tokens: prices a step for --decode-step-target-ms
+        self.step_costs = StepCosts()
+        self.clock: Callable[[], float] = time.perf_counter
+        self._budget: tuple[float, DecodeBudget] | None = None  # (the target it was made for, it)
         self._over_target_told = False
 
     @property
@@ -170,13 +172,13 @@ class Scheduler:
                 chunks.append((req, n))
                 budget -= n
                 if allowance is not None:
-                    allowance.spend(req.num_computed, n)
+                    allowance.spend(n)
         while budget and self.waiting and len(self.running) < self.config.max_running_requests:
             req = self._next_admissible()
             if req is None:
                 break
             hit = self.cached_prefix(req)
-            if allowance is not None and allowance.allowed(len(hit) * self.config.page_size) < 1:
+            if allowance is not None and allowance.allowed() < 1:
                 break  # the step's time is spent: it waits, in its place, for the next step
             # admit only when the whole known sequence fits, so admission never starves decodes
             if not self.allocator.can_take(req.page_table.num_pages_needed(req.num_tokens) - len(hit), hit):
@@ -189,7 +191,7 @@ class Scheduler:
             chunks.append((req, n))
             budget -= n
             if allowance is not None:
-                allowance.spend(req.num_computed, n)
+                allowance.spend(n)
         if not decodes and not chunks:
             return None
         return self._build(decodes, chunks)
@@ -242,31 +244,22 @@ class Scheduler:
         if self.chunk_policy is not None:
             n = min(n, self.chunk_policy.next_chunk(req.num_computed, req.num_pending))
         if allowance is not None:
-            n = min(n, allowance.allowed(req.num_computed))
+            n = min(n, allowance.allowed())
         return n
 
     @property
     def decode_budget(self) -> DecodeBudget | None:
-        """The bound on prompt tokens beside decodes: --decode-step-target-ms priced by `latency`, or
-        else the chunk policy's fit; None when the target is 0, or (one warning) when no fit prices it."""
+        """The bound on prompt tokens beside decodes: --decode-step-target-ms priced by `step_costs`;
+        None when the target is 0."""
         config = self.config
         if not config.decode_step_target_ms:
             return None
-        fit = self.latency if self.latency is not None else getattr(self.chunk_policy, "fit", None)
-        # (made again when one is replaced: LLM.enable_dynamic_chunking sets the policy after start-up)
-        if self._budget is None or any(a is not b for a, b in zip(self._budget[0], (config, self.chunk_policy, fit))):
-            target_ms = config.decode_step_target_ms
-            budget = None
-            if fit is not None:
-                budget = DecodeBudget(fit, target_ms / 1000, config.decode_step_min_prefill, config.page_size)
-            elif self._budget is None or self._budget[1] is not None:
-                logger.warning(
-                    "--decode-step-target-ms %g is off: no prefill latency profile prices a step "
-                    "(--enable-dynamic-chunking profiles one at start-up)",
-                    target_ms,
-                )
-            self._budget = ((config, self.chunk_policy, fit), budget)
-        return self._budget[1]
+        target_ms = config.decode_step_target_ms
+        if self._budget is None or self._budget[0] != target_ms or self._budget[1].costs is not self.step_costs:
+            budget = DecodeBudget(self.step_costs, target_ms / 1000, config.decode_step_min_prefill, config.page_size)
+            self._budget = (target_ms, budget)
+        budget = self._budget[1]
+        return budget
 
     def step_allowance(self, decodes: list[Request]) -> StepAllowance | None:
         """What this step's prompt chunks may take: None (the whole chunked-prefill budget) unless a
@@ -275,14 +268,13 @@ class Scheduler:
         budget = self.decode_budget
         if budget is None or not (decodes or any(r.output_ids and not r.has_prompt_left for r in self.running)):
             return None
-        allowance = budget.allowance(r.num_computed for r in decodes)
+        allowance = budget.allowance(len(decodes))
         if allowance.left_s < 0 and not self._over_target_told:
             self._over_target_told = True  # (once: prompts get the floor for as long as it lasts)
             logger.warning(
-                "a step of %d decodes is priced at %.1f ms, over --decode-step-target-ms %g: prompts get "
-                "--decode-step-min-prefill %d tokens a step (a profile taken on a busy host prices steps high)",
-                len(decodes), 1000 * budget.decode_cost(r.num_computed for r in decodes),
-                1000 * budget.target_s, budget.min_tokens,
+                "a step of decodes alone takes %.1f ms, over --decode-step-target-ms %g: prompts get "
+                "--decode-step-min-prefill %d tokens a step",
+                1000 * (self.step_costs.decode_s or 0.0), 1000 * budget.target_s, budget.min_tokens,
             )  # fmt: skip
         return allowance
 
@@ -333,10 +325,12 @@ class Scheduler:
             sample=tuple(sample),
             scored=tuple(scored) if any(scored) else (),
         )
-        return ScheduledStep(batch, requests, [r for r, s in zip(requests, sample) if s])
+        sampled = [r for r, s in zip(requests, sample) if s]
+        return ScheduledStep(batch, requests, sampled, len(decodes), sum(n for _, n in chunks), self.clock())
 
     def postprocess(self, step: ScheduledStep, tokens: list[int]) -> list[Request]:
         """Append each sampled token; finish requests that hit a stop condition. Returns those."""
+        self.step_costs.observe(step.decodes, step.prompt_tokens, self.clock() - step.built_s)
         now = time.perf_counter()
         finished = []
         for req, tok in zip(step.sampled, tokens):

@@ -337,22 +337,18 @@ class RankContext:
         )
 
     def make_scheduler(self, pool: KVPool, **options) -> Scheduler:
-        """Rank 0's scheduler, with the dynamic chunk planner when asked for and the prefill latency
-        fit that prices a step for --decode-step-target-ms (either profiles now: a few seconds).
-        options: Scheduler's (hold_finished, evict)."""
+        """Rank 0's scheduler, with the dynamic chunk planner when asked for (it profiles now: a few
+        seconds). options: Scheduler's (hold_finished, evict)."""
         planner = None
-        if self.pp.enable_dynamic_chunking or self.config.decode_step_target_ms:
+        if self.pp.enable_dynamic_chunking:
             from kvbridge.engine.profile import plan_chunks, prefill_timer
 
             planner = plan_chunks(self.config, prefill_timer([self.stage], [pool]), self.max_context, progress=False)
         mc = self.model.config
         allocator = PageAllocator(self.config.total_pages, None if self.config.disable_prefix_cache else PrefixCache())
-        policy = planner if self.pp.enable_dynamic_chunking else None
-        scheduler = Scheduler(
-            self.config, allocator, self.max_context, self.model.tokenizer, mc.eos_token_ids, policy, **options
+        return Scheduler(
+            self.config, allocator, self.max_context, self.model.tokenizer, mc.eos_token_ids, planner, **options
         )
-        scheduler.latency = planner.fit if planner is not None else None
-        return scheduler
 
 
 @dataclass

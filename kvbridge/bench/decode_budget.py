@@ -7,9 +7,9 @@
         [--chunked-prefill-size 512] [--decode-step-target-ms 0] [--decode-step-min-prefill 64]
         [--quiet-steps 8] [--budgets off,on] [--threads 0] [--seed 0] [--json]
 
-One colocated engine (engine/llm.py, in this process, no prefix cache) profiles its prefill
-latency once at start (engine/profile.py) and keeps fixed chunks of --chunked-prefill-size: the fit
-only prices steps for the budget (`Scheduler.latency`). For each stream count, then each budget
+One colocated engine (engine/llm.py, in this process, no prefix cache, fixed chunks of
+--chunked-prefill-size); with the budget on, its steps are priced by what they measurably took
+(`Scheduler.step_costs`, engine/chunking.py). For each stream count, then each budget
 setting: that many decode streams (closed loops: a stream that ends is replaced at once, so that
 many decode all the time), --quiet-steps steps of streams alone, then --long-prompts long prompts
 arriving every --long-interval-s seconds, until the last one ends; then the streams are aborted.
@@ -18,8 +18,8 @@ With the target 0 (auto), a budget-on run's target is twice the median step of i
 One JSON line per (streams, budget): the streams' gaps between tokens (`quiet_itl_ms`: in the
 quiet steps; `loaded_itl_ms`: gaps that ended from the first long prompt's arrival to the last one's
 end; {median, p99, max, n}), the long prompts' `long_ttft_ms`, the most prompt tokens a step beside
-decodes held, the target used, and `fit_quiet_step_ms`, what the profile's fit prices a quiet step
-at (over the target: prompts get only --decode-step-min-prefill tokens a step). Then a summary line
+decodes held, the target used, and the step costs measured at the end (`decode_step_ms`, a step of
+the decodes alone; `prompt_token_ms`, a prompt token beside them). Then a summary line
 per stream count: on/off ratios, and whether the long prompts' greedy outputs were equal on and off
 (they must be: chunking changes no token).
 Progress on stderr. The host may be shared: `loadavg_1m` is the host's before and after each run.
@@ -179,8 +179,6 @@ class BudgetRun:
                 self.step()
             quiet = (quiet_start, time.perf_counter())
             quiet_step = statistics.median(self.step_s[first:])
-            fit = sched.latency  # what it prices the quiet step at: c + Σ (2a L + b)
-            priced = fit.c + sum(2 * fit.a * r.num_computed + fit.b for r in self.live)
             if self.budget == "on":
                 target_ms = target_ms or round(2000 * quiet_step, 3)
                 sched.config = replace(config, decode_step_target_ms=target_ms)
@@ -206,7 +204,8 @@ class BudgetRun:
         return {
             "decode_step_target_ms": target_ms if self.budget == "on" else 0.0,
             "quiet_step_ms": round(1000 * quiet_step, 3),
-            "fit_quiet_step_ms": round(1000 * priced, 3),  # the fit's price of it (over the target: the floor)
+            "decode_step_ms": _ms(sched.step_costs.decode_s),
+            "prompt_token_ms": _ms(sched.step_costs.token_s),
             "quiet_itl_ms": stats_ms(self.gaps(*quiet)),
             "loaded_itl_ms": stats_ms(self.gaps(*loaded)),
             "loaded_window_s": round(loaded[1] - loaded[0], 3),
@@ -215,6 +214,10 @@ class BudgetRun:
             "steps": len(self.step_s),
             "long_outputs": [list(r.output_ids) for r in longs],
         }
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(1000 * seconds, 4)
 
 
 def ratio(a, b) -> float | None:
@@ -229,7 +232,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from kvbridge.engine.config import EngineConfig
     from kvbridge.engine.llm import LLM
-    from kvbridge.engine.profile import plan_chunks, prefill_timer
 
     top = max(args.streams)
     need = top * (args.stream_prompt_tokens + args.stream_output_tokens + 16)
@@ -251,16 +253,6 @@ def main(argv: list[str] | None = None) -> int:
             f"kvbridge bench decode_budget: error: a request exceeds the context of {llm.max_context}", file=sys.stderr
         )
         return 2
-    for _ in range(2):  # (a profile on a busy host may not fit: once more)
-        planner = plan_chunks(config, prefill_timer(llm.stages, llm.pools), llm.max_context, progress=True)
-        if planner.fit is not None:
-            break
-    else:
-        log("error: the prefill latency profile gave no fit twice (see the warnings): nothing prices a step")
-        return 1
-    fit = planner.fit
-    log(f"prefill latency f(l) = {fit.a:.3e} l² + {fit.b:.3e} l + {fit.c:.3e} s")
-    llm.scheduler.latency = fit  # it prices steps; the chunks stay fixed (no chunk policy), as by default
     vocab = llm.model.config.vocab_size
     rng = random.Random(args.seed)
     prompts = {
@@ -280,7 +272,6 @@ def main(argv: list[str] | None = None) -> int:
         "long_prompts": args.long_prompts,
         "long_prompt_tokens": args.long_prompt_tokens,
         "long_interval_s": args.long_interval_s,
-        "fit": {"a": fit.a, "b": fit.b, "c": fit.c},
     }
     llm.generate([prompts["streams"][0]], SamplingParams(max_new_tokens=4))  # warm-up
     for streams in args.streams:

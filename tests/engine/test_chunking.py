@@ -1,4 +1,5 @@
-"""Dynamic chunked prefill: the latency fit, the chunk sizes it gives, and the fallbacks."""
+"""Dynamic chunked prefill: the latency fit, the chunk sizes it gives, and the fallbacks; the decode
+budget's measured step costs."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from kvbridge.engine.chunking import (
     ChunkPlanner,
     DecodeBudget,
     QuadraticLatency,
+    StepCosts,
     default_profile_lengths,
     fit_quadratic,
     profile_prefill,
@@ -185,53 +187,74 @@ def test_every_chunk_is_in_range_and_the_plan_covers_the_prompt(
 # ---------------------------------------------------------------------------- the decode budget
 
 
-def test_decode_cost_is_the_fixed_cost_and_each_decode_s_slope():
-    budget = DecodeBudget(WITH_LINEAR, target_s=2**-6, min_tokens=64, page_size=16)
-    # c + Σ (2a L + b): 2^-7 + (2^-29 512 + 2^-20) + (2^-29 1536 + 2^-20) = 2^-7 + 2^-18 + 2^-19
-    assert budget.decode_cost([512, 1536]) == 2**-7 + 2**-18 + 2**-19
-    assert budget.decode_cost([]) == 2**-7
+def test_step_costs_learn_a_decode_step_and_a_prompt_token_from_measured_steps():
+    costs = StepCosts()
+    costs.observe(decodes=4, prompt_tokens=0, seconds=2**-6)  # a step of decodes alone
+    assert (costs.decode_s, costs.token_s) == (2**-6, None)
+    costs.observe(decodes=0, prompt_tokens=512, seconds=2**-2)  # prompts alone: fixed cost spread over them
+    assert costs.token_s == 2**-11
+    costs.observe(decodes=4, prompt_tokens=128, seconds=2**-6 + 2**-3)  # beyond decode_s: 2^-3 / 128 = 2^-10
+    assert costs.token_s == 2**-11 + (2**-10 - 2**-11) / 4  # a quarter of the way to the newest
+    costs.observe(decodes=4, prompt_tokens=0, seconds=2**-5)
+    assert costs.decode_s == 2**-6 + (2**-5 - 2**-6) / 4
+
+
+def test_a_mixed_step_before_any_decode_step_measures_the_decodes_from_the_token_cost():
+    costs = StepCosts()
+    costs.observe(decodes=2, prompt_tokens=64, seconds=1.0)  # nothing known: nothing learned
+    assert (costs.decode_s, costs.token_s) == (None, None)
+    costs.observe(decodes=0, prompt_tokens=64, seconds=2**-4)  # token_s = 2^-10
+    costs.observe(decodes=2, prompt_tokens=64, seconds=2**-4 + 2**-7)
+    assert (costs.decode_s, costs.token_s) == (2**-7, 2**-10)
+    costs.observe(decodes=2, prompt_tokens=64, seconds=2**-8)  # faster than decode_s alone: token cost 0
+    assert costs.token_s == 2**-10 * 3 / 4
+    costs.observe(decodes=2, prompt_tokens=0, seconds=-1.0)  # a clock that went back
+    assert costs.decode_s == 2**-7
 
 
 @pytest.mark.parametrize(
-    ("history_len", "seconds", "page_size", "tokens"),
+    ("token_s", "seconds", "page_size", "tokens"),
     [
-        (0, 2**-10, 16, 1024),  # a x² = 2^-10: x = 1024, whole pages
-        (0, 2**-10 * 0.999, 16, 1008),  # x = 1023.5: 63 pages
-        (768, 2**-10, 16, 512),  # (768 + x)² = 768² + 1024²: x = 512 (3-4-5)
-        (0, 2**-20, 64, 0),  # x = 32 is not a page of 64
-        (0, 0.0, 16, 0),
-        (0, -1.0, 16, 0),  # over the target already
+        (2**-12, 2**-4, 16, 256),
+        (2**-12, 2**-4 * 0.999, 16, 240),  # 255.7: 15 pages
+        (2**-12, 2**-8, 64, 0),  # 16 tokens are not a page of 64
+        (2**-12, 0.0, 16, 0),
+        (2**-12, -1.0, 16, 0),  # over the target already
+        (None, 1.0, 16, 0),  # no prompt token measured yet: only the floor
+        (0.0, 2**-4, 16, (1 << 62) // 16 * 16),  # free (the chunk sizes cap it)
     ],
 )
-def test_tokens_within_is_the_most_whole_pages_that_fit(history_len, seconds, page_size, tokens):
-    budget = DecodeBudget(PURE_QUADRATIC, target_s=1.0, min_tokens=1, page_size=page_size)
-    assert budget.tokens_within(history_len, seconds) == tokens
-    assert PURE_QUADRATIC.chunk_cost(history_len, tokens) <= max(seconds, 0.0)
+def test_tokens_within_is_the_most_whole_pages_the_time_pays_for(token_s, seconds, page_size, tokens):
+    budget = DecodeBudget(StepCosts(token_s=token_s), target_s=1.0, min_tokens=1, page_size=page_size)
+    assert budget.tokens_within(seconds) == tokens
 
 
-def test_a_step_s_allowance_spends_the_time_left():
-    budget = DecodeBudget(PURE_QUADRATIC, target_s=2**-7 + 2**-10, min_tokens=96, page_size=16)
-    step = budget.allowance([])  # no decode in the step: the target less c leaves 2^-10 s
-    assert step.allowed(0) == 1024
-    step.spend(0, 1000)
-    assert step.taken == 1000
-    assert step.allowed(1000) == 16  # 2^-30 48576 s left: (1000 + x)² = 1000² + 48576 = 1024², x = 24
-    step.spend(1000, 16)
-    assert step.allowed(1016) == 0  # (1016 + x)² = 1024²: x = 8, not a page
+def test_a_step_s_allowance_is_the_target_less_the_decodes_and_spends_the_tokens():
+    costs = StepCosts(decode_s=2**-6, token_s=2**-12)
+    budget = DecodeBudget(costs, target_s=2**-4, min_tokens=96, page_size=16)
+    step = budget.allowance(decodes=8)  # 2^-4 - 2^-6 = 3 x 2^-6 s: 192 tokens
+    assert step.allowed() == 192
+    step.spend(100)
+    assert step.taken == 100
+    assert step.allowed() == 80  # 92 tokens' time: 5 pages
+    step.spend(80)
+    assert step.allowed() == 0  # 12 left: not a page, and the floor of 96 is taken
+    assert budget.allowance(decodes=0).allowed() == 256  # a microbatch with no decode: the whole target
+    assert DecodeBudget(StepCosts(token_s=2**-12), 2**-4, 96, 16).allowance(4).allowed() == 256  # decodes unmeasured
 
 
 def test_a_step_over_its_target_allows_the_rest_of_its_floor():
-    budget = DecodeBudget(PURE_QUADRATIC, target_s=2**-8, min_tokens=96, page_size=16)  # under c = 2^-7
-    step = budget.allowance([100, 200])
+    budget = DecodeBudget(StepCosts(decode_s=2**-3, token_s=2**-12), target_s=2**-4, min_tokens=96, page_size=16)
+    step = budget.allowance(decodes=2)
     assert step.left_s < 0
-    assert step.allowed(0) == 96
-    step.spend(0, 40)
-    assert step.allowed(40) == 56
-    step.spend(40, 56)
-    assert step.allowed(96) == 0
+    assert step.allowed() == 96
+    step.spend(40)
+    assert step.allowed() == 56
+    step.spend(56)
+    assert step.allowed() == 0
 
 
 def test_bad_budgets_are_refused():
     for target, floor, page in ((0.0, 1, 16), (float("nan"), 1, 16), (1.0, 0, 16), (1.0, 1, 0)):
         with pytest.raises(ValueError, match="bad budget"):
-            DecodeBudget(PURE_QUADRATIC, target, floor, page)
+            DecodeBudget(StepCosts(), target, floor, page)

@@ -1,7 +1,8 @@
 """The decode budget (issue 41: --decode-step-target-ms): while requests decode, a step's prompt
-tokens are only those that keep its expected time (the chunk policy's latency fit) within the
-target, and at least --decode-step-min-prefill of them; with no decode, the whole chunked-prefill
-budget. Exact step compositions, then greedy outputs that do not change by a token."""
+tokens are only those that keep its time within the target, priced by what the scheduler's steps
+measurably took (engine/chunking.py StepCosts), and at least --decode-step-min-prefill of them; with
+no decode, the whole chunked-prefill budget. Exact step compositions under a modelled clock, then
+greedy outputs that do not change by a token."""
 
 from __future__ import annotations
 
@@ -11,21 +12,34 @@ from dataclasses import replace
 import pytest
 
 from kvbridge.common.sampling import SamplingParams
-from kvbridge.engine.chunking import ChunkPlanner, QuadraticLatency
+from kvbridge.engine.chunking import StepCosts
 from kvbridge.engine.config import EngineConfig
 from kvbridge.engine.pages import PageAllocator, PageTable
 from kvbridge.engine.request import Request
-from kvbridge.engine.scheduler import Scheduler
+from kvbridge.engine.scheduler import ScheduledStep, Scheduler
 from tests.conftest import make_llm, make_prompts
 
 PS = 16
-# Powers of two: f(l) = 2^-20 l² + 2^-12 l + 2^-6 s. A decode at position 16 costs 2a 16 + b = 2^-15 + 2^-12 s,
-# so 4 of them and the pass's fixed cost take 2^-6 + 2^-13 + 2^-10 = 16.7236328125 ms.
-FIT = QuadraticLatency(a=2**-20, b=2**-12, c=2**-6)
 CONTEXT = 4096
+# The modelled clock: a step with decodes costs 2^-7 s for them, and every prompt token 2^-12 s. So a
+# target of 2^-4 s (62.5 ms) leaves 7 x 2^-7 s beside decodes: 224 prompt tokens.
+DECODE_S, TOKEN_S = 2**-7, 2**-12
+TARGET_MS = 62.5
 
 
-def scheduler(target_ms: float = 64.0, min_prefill: int = 32, fit=FIT, chunk: int = 512) -> Scheduler:
+def modelled(st: ScheduledStep, decode_s: float = DECODE_S, token_s: float = TOKEN_S) -> float:
+    return (decode_s if st.decodes else 0.0) + st.prompt_tokens * token_s
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def scheduler(target_ms: float = TARGET_MS, min_prefill: int = 32, chunk: int = 512) -> Scheduler:
     config = EngineConfig(
         model="tiny-random",
         page_size=PS,
@@ -33,9 +47,9 @@ def scheduler(target_ms: float = 64.0, min_prefill: int = 32, fit=FIT, chunk: in
         decode_step_target_ms=target_ms,
         decode_step_min_prefill=min_prefill,
     )
-    # smoothing 0: fixed chunks of `chunk` (a multiple of 64: today's chunks), the fit only prices steps
-    policy = ChunkPlanner(chunk, PS, CONTEXT, fit, smoothing=0.0)
-    return Scheduler(config, PageAllocator(1024), max_context=CONTEXT, chunk_policy=policy)
+    s = Scheduler(config, PageAllocator(1024), max_context=CONTEXT)
+    s.clock = Clock()
+    return s
 
 
 def request(rid: str, prompt_len: int, outputs: int = 64) -> Request:
@@ -43,19 +57,24 @@ def request(rid: str, prompt_len: int, outputs: int = 64) -> Request:
     return Request(rid, [3 + i % 50 for i in range(prompt_len)], params, PageTable(PS))
 
 
-def step(s: Scheduler, max_decodes: int | None = None) -> dict[str, int]:
-    """One step: {rid: tokens it computes}, in batch order; every sampled row gets token 7."""
+def step(s: Scheduler, max_decodes: int | None = None, seconds: float | None = None) -> dict[str, int]:
+    """One step taking `seconds` (default: the modelled ones): {rid: tokens it computes}, in batch
+    order; every sampled row gets token 7."""
     st = s.schedule(max_decodes)
     assert st is not None
+    s.clock.now += modelled(st) if seconds is None else seconds
     s.postprocess(st, [7] * len(st.sampled))
     return dict(zip(st.batch.rids, st.batch.q_lens))
 
 
 def decoding(s: Scheduler, n: int = 4) -> None:
-    """n requests of 16 prompt tokens, prefilled in one step: each decodes from position 16 on."""
+    """n requests of 16 prompt tokens, prefilled in one step (a prompt token's cost measured), then
+    one step of them decoding alone (a decode step's)."""
     for i in range(n):
         s.add(request(f"d{i}", 16))
     assert step(s) == {f"d{i}": 16 for i in range(n)}
+    assert step(s) == {f"d{i}": 1 for i in range(n)}
+    assert (s.step_costs.decode_s, s.step_costs.token_s) == (DECODE_S, TOKEN_S)
 
 
 def test_with_no_decode_a_prompt_takes_the_whole_chunk():
@@ -65,47 +84,71 @@ def test_with_no_decode_a_prompt_takes_the_whole_chunk():
     assert step(s) == {"long": 512}  # its own prompt is no decode
 
 
-def test_decodes_running_bound_the_chunk_to_what_fits_the_target():
-    s = scheduler(target_ms=64.0)
+def test_decodes_running_bound_the_chunk_to_what_the_measured_costs_fit_in_the_target():
+    s = scheduler()
     decoding(s)
     s.add(request("long", 2000, outputs=4))
-    # 64 ms - 16.72 ms (4 decodes at 16) leaves 47.28 ms: a x² + b x = 47.28 ms at x = 128.8 -> 128 (8 pages)
-    assert step(s) == {"d0": 1, "d1": 1, "d2": 1, "d3": 1, "long": 128}
-    # the decodes at 17 leave 47.27 ms; after 128 tokens a chunk costs a (256 x + x²) + b x: x = 83.3 -> 80
-    assert step(s) == {"d0": 1, "d1": 1, "d2": 1, "d3": 1, "long": 80}
-    assert step(s)["long"] == 64  # (after 208: x = 67.1)
+    # 62.5 ms less a decode step's 7.8 ms: 7 x 2^-7 s, at 2^-12 s a token: 224 (14 pages)
+    assert step(s) == {"d0": 1, "d1": 1, "d2": 1, "d3": 1, "long": 224}
+    assert step(s)["long"] == 224  # the costs as measured: the step took its target
     s.check_invariants()
 
 
+def test_a_step_that_overran_raises_the_token_cost_for_the_next():
+    s = scheduler()
+    decoding(s)
+    s.add(request("long", 2000, outputs=4))
+    assert step(s, seconds=DECODE_S + 224 * 2**-11)["long"] == 224  # its tokens cost twice the estimate
+    assert s.step_costs.token_s == 5 * 2**-14  # 2^-12 a quarter of the way to 2^-11
+    assert step(s)["long"] == 176  # 7 x 2^-7 / (5 x 2^-14) = 179.2: 11 pages
+
+
 def test_the_chunk_grows_back_to_the_whole_budget_once_no_request_decodes():
-    s = scheduler(target_ms=64.0)
+    s = scheduler()
     for i in range(2):
         s.add(request(f"d{i}", 16, outputs=3))
     step(s)  # prefilled: token 1 of 3
     s.add(request("long", 2000, outputs=4))
-    assert step(s) == {"d0": 1, "d1": 1, "long": 128}  # token 2 (x = 129.8 with 2 decodes)
-    assert step(s) == {"d0": 1, "d1": 1, "long": 80}  # token 3: both end
+    # token 2: no decode step measured yet, so the decodes are priced at 0: the whole target, 256
+    assert step(s) == {"d0": 1, "d1": 1, "long": 256}
+    assert s.step_costs.decode_s == DECODE_S  # (the mixed step measured them beyond the tokens)
+    assert step(s) == {"d0": 1, "d1": 1, "long": 224}  # token 3: both end
     assert [r.rid for r in s.running] == ["long"]
-    assert [step(s) for _ in range(4)] == [{"long": 512}] * 3 + [{"long": 2000 - 128 - 80 - 3 * 512}]
+    assert [step(s) for _ in range(3)] == [{"long": 512}] * 2 + [{"long": 2000 - 256 - 224 - 2 * 512}]
+
+
+def test_before_any_prompt_token_is_measured_a_step_takes_the_floor():
+    """A decode node whose first requests arrive with their KV: no prompt was ever computed here."""
+    s = scheduler(min_prefill=32)
+    for i in range(2):
+        s.add(request(f"d{i}", 16))
+    step(s)
+    s.step_costs = StepCosts(decode_s=DECODE_S)  # what a decode node has measured
+    s.add(request("long", 2000, outputs=4))
+    assert step(s) == {"d0": 1, "d1": 1, "long": 32}
+    assert s.step_costs.token_s == TOKEN_S  # the floor's step measured it
+    assert step(s)["long"] == 224
 
 
 def test_a_step_over_its_target_still_takes_the_floor(caplog):
-    s = scheduler(target_ms=10.0, min_prefill=32)  # under c alone: no time left for any prompt
+    s = scheduler(min_prefill=32)
     decoding(s)
+    s.step_costs.decode_s = 2**-3  # the decodes alone take 125 ms: no time left for any prompt
     s.add(request("a", 300))
     s.add(request("b", 300))
     with caplog.at_level(logging.WARNING, logger="kvbridge.engine.scheduler"):
-        assert step(s) == {"d0": 1, "d1": 1, "d2": 1, "d3": 1, "a": 32}
+        assert step(s, seconds=2**-3 + 32 * TOKEN_S) == {"d0": 1, "d1": 1, "d2": 1, "d3": 1, "a": 32}
         assert [r.rid for r in s.waiting] == ["b"]  # the floor is the step's, not each prompt's
-        assert step(s) == {"d0": 1, "d1": 1, "d2": 1, "d3": 1, "a": 32}
+        assert step(s, seconds=2**-3 + 32 * TOKEN_S) == {"d0": 1, "d1": 1, "d2": 1, "d3": 1, "a": 32}
         assert [r.rid for r in s.waiting] == ["b"]
     [told] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]  # once
-    assert told.startswith("a step of 4 decodes is priced at 16.7 ms, over --decode-step-target-ms 10: prompts get ")
+    assert told.startswith("a step of decodes alone takes 125.0 ms, over --decode-step-target-ms 62.5: prompts get ")
 
 
 def test_the_floor_is_shared_by_the_step_s_prompts_in_order():
-    s = scheduler(target_ms=10.0, min_prefill=32)
+    s = scheduler(min_prefill=32)
     decoding(s)
+    s.step_costs.decode_s = 2**-3
     s.add(request("a", 20))
     s.add(request("b", 300))
     s.add(request("c", 300))
@@ -114,7 +157,7 @@ def test_the_floor_is_shared_by_the_step_s_prompts_in_order():
 
 
 def test_every_prompt_finishes_while_decodes_run():
-    s = scheduler(target_ms=10.0, min_prefill=32)
+    s = scheduler(target_ms=1.0, min_prefill=32)  # under a decode step: the floor every step
     decoding(s, 2)
     s.add(request("long", 200, outputs=1))
     chunks = []
@@ -125,62 +168,27 @@ def test_every_prompt_finishes_while_decodes_run():
 
 def test_a_microbatch_without_decodes_is_bounded_while_others_decode():
     """Pipeline parallelism: decodes in flight in another microbatch wait behind this one's chunk too."""
-    s = scheduler(target_ms=64.0)
+    s = scheduler()
     decoding(s)
     s.add(request("long", 2000, outputs=4))
-    # no decode in this microbatch: 64 ms - c leaves 48.375 ms, x = 131.05 -> 128
-    assert step(s, max_decodes=0) == {"long": 128}
+    assert step(s, max_decodes=0) == {"long": 256}  # no decode in it: the whole 62.5 ms, 256 tokens
 
 
-def test_the_policy_s_chunk_and_the_token_budget_still_cap_it():
-    s = scheduler(target_ms=1000.0, chunk=128)  # the target alone would allow 900-odd tokens
-    decoding(s)
-    s.add(request("long", 2000, outputs=4))
-    assert step(s)["long"] == 128
-
-
-def test_without_a_latency_fit_the_target_is_off_with_one_warning(caplog):
-    s = scheduler(fit=None)
-    decoding(s)
-    s.add(request("long", 2000, outputs=4))
-    with caplog.at_level(logging.WARNING, logger="kvbridge.engine.scheduler"):
-        assert step(s)["long"] == 512
-        assert step(s)["long"] == 512
-    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 1 and "--decode-step-target-ms 64 is off" in warnings[0].getMessage()
-
-
-def test_a_policy_set_after_start_up_prices_the_steps_from_then_on(caplog):
-    """As LLM.enable_dynamic_chunking does: the profile's planner replaces the scheduler's policy."""
-    s = scheduler(fit=None, min_prefill=16)
-    decoding(s)
-    s.add(request("long", 2000, outputs=4))
-    with caplog.at_level(logging.ERROR):  # (its warning: the test above)
-        assert step(s)["long"] == 512
-    s.chunk_policy = ChunkPlanner(512, PS, CONTEXT, FIT, smoothing=0.0)
-    assert step(s)["long"] == 32  # after 512, the decodes at 17: x = 37.6, 2 pages
-    s.config = replace(s.config, decode_step_target_ms=0.0)
-    assert step(s)["long"] == 512
-
-
-def test_a_latency_fit_of_its_own_prices_steps_and_leaves_the_chunks_fixed():
-    config = EngineConfig(model="tiny-random", page_size=PS, chunked_prefill_size=500, decode_step_target_ms=64.0)
-    s = Scheduler(config, PageAllocator(1024), max_context=CONTEXT)  # no chunk policy: chunks of 500
-    s.latency = FIT
+def test_the_chunked_prefill_size_still_caps_it():
+    s = scheduler(target_ms=1000.0, chunk=128)  # the target alone would allow 4,000-odd tokens
     decoding(s)
     s.add(request("long", 2000, outputs=4))
     assert step(s)["long"] == 128
-    for r in [r for r in s.running if r.rid != "long"]:
-        s.finish(r, "abort")  # (the decodes end)
-    assert step(s) == {"long": 500}
 
 
-def test_target_zero_is_off():
+def test_target_zero_is_off_and_the_costs_are_measured_all_the_same():
     s = scheduler(target_ms=0.0)
     decoding(s)
     s.add(request("long", 2000, outputs=4))
     assert step(s)["long"] == 512
     assert s.decode_budget is None
+    s.config = replace(s.config, decode_step_target_ms=TARGET_MS)  # on: priced from the steps already seen
+    assert step(s)["long"] == 224
 
 
 @pytest.mark.parametrize(
@@ -200,25 +208,27 @@ def test_bad_settings_are_refused(field, value, message):
 # ---------------------------------------------------------------------------- outputs
 
 
-TINY_FIT = QuadraticLatency(a=2**-22, b=2**-14, c=2**-9)  # at 6 ms, 4 decodes leave 48 tokens, then fewer
 GREEDY = SamplingParams(max_new_tokens=40, ignore_eos=True)
 
 
 def run_mixed(llm, short: list[list[int]], long: list[int]) -> tuple[list[list[int]], list[int]]:
     """The short requests decode; after 3 steps the long prompt arrives. Returns every request's
-    output ids, and the long prompt's chunk sizes step by step."""
+    output ids, and the long prompt's chunk sizes step by step. The scheduler's clock is modelled:
+    a step with decodes 2^-9 s for them, every prompt token 2^-14 s."""
     sched = llm.scheduler
-    schedule, chunks = sched.schedule, []
+    schedule, chunks, clock = sched.schedule, [], Clock()
 
     def recording(max_decodes=None):
         st = schedule(max_decodes)
-        if st is not None and "long" in st.batch.rids:
-            i = st.batch.rids.index("long")
-            if st.batch.starts[i] < len(long):
-                chunks.append(st.batch.q_lens[i])
+        if st is not None:
+            clock.now += modelled(st, decode_s=2**-9, token_s=2**-14)
+            if "long" in st.batch.rids:
+                i = st.batch.rids.index("long")
+                if st.batch.starts[i] < len(long):
+                    chunks.append(st.batch.q_lens[i])
         return st
 
-    sched.schedule = recording
+    sched.schedule, sched.clock = recording, clock
     reqs = [llm.add_request(p, GREEDY) for p in short]
     for _ in range(3):
         llm.step()
@@ -234,11 +244,9 @@ def test_a_long_prompt_arriving_while_others_decode_gives_the_tokens_each_gives_
     short = make_prompts(4, vocab, seed=5, min_len=5, max_len=30)
     [long] = make_prompts(1, vocab, seed=6, min_len=700, max_len=700)
     budgeted = make_llm(tiny_model, chunked_prefill_size=256, decode_step_target_ms=6.0, decode_step_min_prefill=8)
-    budgeted.scheduler.chunk_policy = ChunkPlanner(256, 4, budgeted.max_context, TINY_FIT, smoothing=0.0)
     got, chunks = run_mixed(budgeted, short, long)
-    # bounded while the short ones decode, shrinking as its history grows, never under the floor of 8;
-    # the rest whole once they ended (256 allowed)
-    assert chunks == [48, 40, 32, 28, 24, 24, *[20] * 3, *[16] * 7, *[12] * 13, *[8] * 8, 112]
+    # 6 ms less the decodes' 2^-9 s leaves 66.3 tokens' time: 64 a step (pages of 4) while they decode
+    assert chunks == [64] * 10 + [60]
     off, off_chunks = run_mixed(make_llm(tiny_model, chunked_prefill_size=256), short, long)
     assert off_chunks == [256, 256, 188]
     alone = [make_llm(tiny_model).generate([p], p_params)[0].output_ids for p, p_params in

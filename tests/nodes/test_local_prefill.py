@@ -3,7 +3,7 @@ steps takes a second: a long prompt holds it for over ten), a real decode node, 
 over them, one with local prefill and one without. A short prompt is served by the decode node
 alone (no transfer, counted), token for token what the P->D path gives it (and the engine alone); a
 prompt past the limit still goes to the prefill node; the router with it off sends every prompt
-there."""
+there. (The decode node's side alone, in the default run: tests/nodes/test_local_route.py.)"""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from kvbridge.router.config import RouterConfig
 from kvbridge.router.server import start_router
 from kvbridge.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from tests.conftest import make_llm, make_prompts
-from tests.pd import TINY, clear_cache, fleet_signed, start_nodes, stop_nodes, token_prompt, wait_idle, wait_phase
+from tests.pd import TINY, clear_cache, start_nodes, stop_nodes, token_prompt, wait_idle, wait_phase
 from tests.router.fakes import wait_until
 
 pytestmark = pytest.mark.long
@@ -119,39 +119,3 @@ def test_a_short_prompt_is_the_decode_nodes_while_the_prefill_node_is_busy(tiny_
     for addr in (p, d):
         st = wait_idle(addr)
         assert all(r.kv_pages_used == 0 for r in st.ranks) and not any(st.queues.values())
-
-
-def test_a_decode_node_computes_a_prompt_only_on_a_signed_local_route(tiny_model, fleet):
-    nodes, _, _ = fleet
-    d = nodes["d"].address
-    stub = generation_pb2_grpc.GenerationStub(rpc.make_channel(d))
-    [ids] = make_prompts(1, tiny_model.config.vocab_size, seed=43, min_len=11, max_len=11)
-    greedy = SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)
-    [expected] = make_llm(tiny_model, chunked_prefill_size=16).generate([ids], greedy)
-
-    def generate(rid: str, route, **fields):
-        sampling = common_pb2.SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True, n=fields.pop("n", 1))
-        request = generation_pb2.GenerateRequest(
-            rid=rid, prompt=token_prompt(ids), sampling=sampling, prefill=route, **fields
-        )
-        return list(stub.Generate(request, timeout=60))
-
-    def local(rid: str) -> generation_pb2.PrefillRoute:  # as the router makes it: over the rid
-        return fleet_signed(generation_pb2.PrefillRoute(local=True), rid.encode())
-
-    for route in (generation_pb2.PrefillRoute(local=True), local("another")):  # unsigned; another request's
-        with pytest.raises(grpc.RpcError) as refused:
-            generate("one", route)
-        assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
-    with pytest.raises(grpc.RpcError) as roomed:
-        generate("roomed", fleet_signed(generation_pb2.PrefillRoute(local=True, room=7), b"roomed"))
-    assert roomed.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "names no room" in roomed.value.details()
-
-    assert tokens(generate("one", local("one"))) == expected.output_ids
-    # a migration's continuation (prompt + the tokens sent) goes on where the run was
-    assert tokens(generate("two", local("two"), resume_ids=expected.output_ids[:5])) == expected.output_ids[5:]
-    # n > 1: the choices fork from choice 0's prompt pages here too (greedy: each the same tokens)
-    both = generate("three", local("three"), n=2)
-    assert [tokens(r for r in both if r.index == i) for i in (0, 1)] == [expected.output_ids] * 2
-    st = wait_idle(d)
-    assert all(r.kv_pages_used == 0 for r in st.ranks) and not any(st.queues.values())
