@@ -68,9 +68,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 class Linear:
     """y = x W^T (+ b). torch's matmul; or, for bfloat16 on an AVX2 or AVX-512 CPU (`packed`), the
-    weights packed once for engine/kernels/linear_bf16.cpp (bf16 weights widened to float32 in registers,
-    float32 sums, the same for a row whatever it is batched with; torch's own bf16 matmul is
-    slower than its fp32 one on CPUs without AMX)."""
+    weights packed once for engine/kernels/linear_bf16.cpp (bf16 weights, float32 sums over pairs of k
+    as AVX512-BF16's vdpbf16ps makes them, with it or with two FMAs, the same bits; the same for a row
+    whatever it is batched with)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, packed: bool = False):
         self.out_features = weight.shape[0]

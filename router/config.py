@@ -110,10 +110,10 @@ class RouterConfig:
         "cache_aware routes least-loaded",
     )
     local_prefill_max_tokens: int = setting(
-        0,
+        512,
         "a decode node computes a prompt itself, with no prefill node, when at most this many of its tokens are "
-        "not in that node's prefix cache and the prefill queue is long (--local-prefill-ratio; 256 is a good "
-        "start); 0 (the default until measured): off, every prompt of a P/D pair is computed by its prefill node",
+        "not in that node's prefix cache and the prefill queue is long (--local-prefill-ratio); 0: off, every "
+        "prompt of a P/D pair is computed by its prefill node",
     )
     local_prefill_ratio: float = setting(
         4.0,

@@ -149,6 +149,12 @@ def supports(heads: int, kv_heads: int, head_dim: int) -> bool:
     return head_dim % 16 == 0 and heads % kv_heads == 0
 
 
+def bf16_dot_instruction() -> bool:
+    """Whether the bf16 matmuls sum pairs with AVX512-BF16's vdpbf16ps (the native build on a CPU
+    that has it; not under KVBRIDGE_ISA=avx2) rather than two FMAs computing the same bits."""
+    return isa() in ("avx512", "amx") and "avx512_bf16" in _cpu_flags().split()
+
+
 def bf16_linear() -> bool:
     """Whether bfloat16 matmuls (and the other bf16 ops) go through linear_bf16.cpp: the kernels
     are loaded and were built for an x86 level they are written for (AVX2 or AVX-512, vec.h)."""

@@ -1,16 +1,18 @@
 // bfloat16 linear layers on x86 CPUs (AVX2 or AVX-512: vec.h): y = x W^T with the weights packed once.
 //
-// torch's bf16 matmul on a CPU without AMX tiles is slower than its fp32 one (a Xeon with
-// AVX512-BF16, 256x576 by 576x3072: 6.0 ms against 3.7 ms): vdpbf16ps issues at half the rate of
-// fp32 FMAs there. So weights stay bf16 in memory (half the bytes to stream: what decode waits
-// for) and are widened to fp32 in registers for fp32 FMAs (what prefill waits for). Packed as
-// [N/32][K][32] with the two halves of a 32-bit lane holding outputs j and j + 16, widening is one
-// shift (outputs 0-15) and one mask (16-31). A tile of up to 12 rows (2 on AVX2) x 32 outputs
-// accumulates in registers over k in order.
+// Weights stay bf16 in memory (half the bytes of float32 to stream: what decode waits for) and
+// every output is summed the way AVX512-BF16's vdpbf16ps sums it (vec.h `dot_pair`): over pairs
+// of k in order, acc + x[k+1] w[k+1] rounded to float32, then + x[k] w[k] rounded (each product of
+// two bf16 is exact in float32), denormals read as and flushed to 0. Where the CPU has AVX512-BF16
+// that is one instruction for 16 outputs and two k (twice the products of an fp32 FMA: what prefill
+// and large batches wait for; a Zen 4 issues it at the FMA's rate); elsewhere two FMAs under
+// DAZ | FTZ compute the same bits (tests/engine/test_isa.py). Packed as [N/32][K/2][32][2]: at a
+// pair of k, outputs 0-15 then 16-31, each a 32-bit lane holding w[k] (low half) and w[k+1]; an
+// odd K is padded with a zero weight (and x with a zero). A tile of up to 12 rows (2 on AVX2) x 32
+// outputs accumulates in registers.
 //
 // Every output is the same sequence of operations whatever M is and wherever its row sits in
-// the batch (k in order, float32 sums, one rounding at the end): a request's numbers do not
-// depend on what it is batched with.
+// the batch: a request's numbers do not depend on what it is batched with.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -37,79 +39,92 @@ namespace {
 
 using namespace kvbridge_vec;
 
-constexpr int64_t kAhead = 16;  // decode tiles: weights prefetched this many k ahead (1 KiB a tile)
+constexpr int64_t kAhead = 8;  // decode tiles: weights prefetched this many pairs of k ahead (1 KiB a tile)
 // Rows a tile takes: as many accumulators as the registers hold (a row's tile is 2 F32x16: 2
 // registers of AVX-512's 32, 4 of AVX2's 16). At 3 rows on AVX2 one accumulator lives on the
 // stack, its chain waiting on a store and a load every k (measured the slowest of 2, 3, 4 and 6);
-// 2 rows spill nothing. The numbers do not depend on it: each output is the same FMAs in k order.
+// 2 rows spill nothing. The numbers do not depend on it: each output is the same operations in k order.
 constexpr int64_t kRows = kRegisters == 32 ? 12 : 2;
 
-// rows [0, R) of x (fp32, leading dimension ldx) times one packed tile -> 32 outputs per row
+// acc[r][h] (rows r of x from x, leading dimension ldx, at a pair of k; outputs 16h..16h+15 of the
+// tile) plus the pair's products, as vec.h's dot_pair sums them
 template <int R>
-inline void tile(const float* x, int64_t ldx, const uint16_t* wt, int64_t K, float* out, int64_t ldo,
-                 int64_t n_valid) {
-  F32x16 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = zero();
-  for (int64_t k = 0; k < K; ++k) {
-    F32x16 w0, w1;  // outputs 0-15, 16-31
-    load_pairs(wt + k * kTile, w0, w1);
+inline void pair_step(F32x16 (&acc)[R][2], const uint16_t* x, int64_t ldx, const uint16_t* w) {
+#if defined(__AVX512BF16__)
+  const __m512bh w0 = load_wpair(w), w1 = load_wpair(w + kTile);
+  for (int r = 0; r < R; ++r) {
+    const __m512bh xp = xpair(x + r * ldx);
+    acc[r][0] = dot_pair(acc[r][0], xp, w0);
+    acc[r][1] = dot_pair(acc[r][1], xp, w1);
+  }
+#else
+  // the same two FMAs on each accumulator, k + 1 for every row first: half the weights live at a
+  // time (each pass loads the pairs again and keeps its halves; the compiler drops the others)
+  for (int half = 1; half >= 0; --half) {
+    F32x16 even0, odd0, even1, odd1;
+    load_pairs(w, even0, odd0);
+    load_pairs(w + kTile, even1, odd1);
+    const F32x16 w0 = half ? odd0 : even0, w1 = half ? odd1 : even1;
     for (int r = 0; r < R; ++r) {
-      const F32x16 xb = set1(x[r * ldx + k]);
+      const F32x16 xb = set1(widen_bf16(x[r * ldx + half]));
       acc[r][0] = fmadd(xb, w0, acc[r][0]);
       acc[r][1] = fmadd(xb, w1, acc[r][1]);
     }
   }
-  for (int r = 0; r < R; ++r) {
-    if (n_valid >= kTile) {
-      store(out + r * ldo, acc[r][0]);
-      store(out + r * ldo + kBlock, acc[r][1]);
-    } else {
-      float buf[kTile];
-      store(buf, acc[r][0]);
-      store(buf + kBlock, acc[r][1]);
-      std::memcpy(out + r * ldo, buf, n_valid * sizeof(float));
-    }
+#endif
+}
+
+inline void store_tile(const F32x16 (&acc)[2], float* out, int64_t n_valid) {
+  if (n_valid >= kTile) {
+    store(out, acc[0]);
+    store(out + kBlock, acc[1]);
+  } else {
+    float buf[kTile];
+    store(buf, acc[0]);
+    store(buf + kBlock, acc[1]);
+    std::memcpy(out, buf, n_valid * sizeof(float));
   }
 }
 
-using TileFn = void (*)(const float*, int64_t, const uint16_t*, int64_t, float*, int64_t, int64_t);
+// rows [0, R) of x (bf16, leading dimension ldx, K even) times one packed tile -> 32 outputs per row
+template <int R>
+inline void tile(const uint16_t* x, int64_t ldx, const uint16_t* wt, int64_t K, float* out, int64_t ldo,
+                 int64_t n_valid) {
+  F32x16 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = zero();
+  for (int64_t k = 0; k < K; k += 2) pair_step<R>(acc, x + k, ldx, wt + k * kTile);
+  for (int r = 0; r < R; ++r) store_tile(acc[r], out + r * ldo, n_valid);
+}
+
+using TileFn = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, float*, int64_t, int64_t);
 template <size_t... R>
 constexpr std::array<TileFn, sizeof...(R) + 1> tile_table(std::index_sequence<R...>) {
   return {nullptr, tile<R + 1>...};
 }
 constexpr auto kTiles = tile_table(std::make_index_sequence<kRows>());  // kTiles[rows]
 
-// A decode has one row (or a few): tile<1> keeps two accumulator chains, and each FMA waits on
-// the one before it in its chain, so the FMA units idle and the weights stream at half the memory
+// A decode has one row (or a few): tile<1> keeps two accumulator chains, and each step waits on
+// the one before it in its chain, so the units idle and the weights stream at half the memory
 // speed. tiles<R, T> walks T full tiles at once (2RT chains), prefetching each tile's weights
-// ahead. Each output is still the same FMAs in the same order as in tile<R>: the numbers do not
-// change, only their overlap.
+// ahead. Each output is still the same operations in the same order as in tile<R>: the numbers do
+// not change, only their overlap.
 template <int R, int T>
-inline void tiles(const float* x, int64_t ldx, const uint16_t* wt, int64_t K, float* out, int64_t ldo) {
+inline void tiles(const uint16_t* x, int64_t ldx, const uint16_t* wt, int64_t K, float* out, int64_t ldo) {
   F32x16 acc[T][R][2];
   for (int t = 0; t < T; ++t)
     for (int r = 0; r < R; ++r) acc[t][r][0] = acc[t][r][1] = zero();
-  for (int64_t k = 0; k < K; ++k) {
-    F32x16 xb[R];
-    for (int r = 0; r < R; ++r) xb[r] = set1(x[r * ldx + k]);
+  for (int64_t k = 0; k < K; k += 2)
     for (int t = 0; t < T; ++t) {
-      _mm_prefetch(reinterpret_cast<const char*>(wt + (t * K + k + kAhead) * kTile), _MM_HINT_T0);
-      F32x16 w0, w1;
-      load_pairs(wt + (t * K + k) * kTile, w0, w1);
-      for (int r = 0; r < R; ++r) {
-        acc[t][r][0] = fmadd(xb[r], w0, acc[t][r][0]);
-        acc[t][r][1] = fmadd(xb[r], w1, acc[t][r][1]);
-      }
+      const uint16_t* w = wt + (t * K + k) * kTile;
+      _mm_prefetch(reinterpret_cast<const char*>(w + 2 * kAhead * kTile), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w + 2 * kAhead * kTile + kTile), _MM_HINT_T0);
+      pair_step<R>(acc[t], x + k, ldx, w);
     }
-  }
   for (int t = 0; t < T; ++t)
-    for (int r = 0; r < R; ++r) {
-      store(out + r * ldo + t * kTile, acc[t][r][0]);
-      store(out + r * ldo + t * kTile + kBlock, acc[t][r][1]);
-    }
+    for (int r = 0; r < R; ++r) store_tile(acc[t][r], out + r * ldo + t * kTile, kTile);
 }
 
-using TilesFn = void (*)(const float*, int64_t, const uint16_t*, int64_t, float*, int64_t);
+using TilesFn = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, float*, int64_t);
 // by rows (1-3): the most tiles at once; kMulti[rows][tiles] (fewer for a thread's last tiles)
 constexpr int64_t kTilesAtOnce[4] = {0, 4, 2, 2};
 constexpr TilesFn kMulti[4][5] = {{},
@@ -122,21 +137,21 @@ constexpr TilesFn kMulti[4][5] = {{},
 
 namespace kvbridge_kernels {
 
-// w [N, K] (bf16) -> packed [ceil(N/32)][K][32] bf16: at k, lane j holds outputs (j, j + 16) of
-// the tile; zero past N
+// w [N, K] (bf16) -> packed [ceil(N/32)][K'][32] bf16, K' = K rounded up to even: at the pair of k
+// (k, k + 1), 2 x 32 values: outputs 0-15 then 16-31, each w[o][k], w[o][k + 1]; zero past N and K
 at::Tensor pack_bf16(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16, "w must be a 2-d bfloat16 tensor");
   const at::Tensor wc = w.contiguous();
-  const int64_t N = wc.size(0), K = wc.size(1), tiles = (N + kTile - 1) / kTile;
-  at::Tensor packed = at::zeros({tiles, K, kTile}, wc.options());
+  const int64_t N = wc.size(0), K = wc.size(1), K2 = (K + 1) / 2 * 2, tiles = (N + kTile - 1) / kTile;
+  at::Tensor packed = at::zeros({tiles, K2, kTile}, wc.options());
   const uint16_t* src = reinterpret_cast<const uint16_t*>(wc.data_ptr<at::BFloat16>());
   uint16_t* dst = reinterpret_cast<uint16_t*>(packed.data_ptr<at::BFloat16>());
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t)
       for (int64_t o = 0; o < kTile && t * kTile + o < N; ++o) {
         const uint16_t* row = src + (t * kTile + o) * K;
-        const int64_t slot = o < kBlock ? 2 * o : 2 * (o - kBlock) + 1;
-        for (int64_t k = 0; k < K; ++k) dst[(t * K + k) * kTile + slot] = row[k];
+        const int64_t slot = o < kBlock ? 2 * o : kTile + 2 * (o - kBlock);  // within a pair's 64
+        for (int64_t k = 0; k < K; ++k) dst[(t * K2 + k / 2 * 2) * kTile + slot + k % 2] = row[k];
       }
   });
   return packed;
@@ -147,30 +162,20 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t n,
 #if defined(KVBRIDGE_VEC)
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x must be a 2-d bfloat16 tensor");
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kTile && packed.is_contiguous(), "packed must come from pack_bf16");
-  TORCH_CHECK(x.size(1) == packed.size(1), "x has ", x.size(1), " columns; the weights ", packed.size(1));
+  TORCH_CHECK((x.size(1) + 1) / 2 * 2 == packed.size(1), "x has ", x.size(1), " columns; the weights ", packed.size(1));
   TORCH_CHECK(0 < n && n <= packed.size(0) * kTile && n > (packed.size(0) - 1) * kTile, "n does not match the weights");
-  const int64_t M = x.size(0), K = x.size(1), tiles = packed.size(0);
-  // x widened to float32 (exact); a decode's rows here, without a torch op (a layer makes four calls)
-  at::Tensor xf;
-  if (M < 4 && x.is_contiguous()) {
-    xf = at::empty({M, K}, x.options().dtype(at::kFloat));
-    const uint16_t* xb = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-    float* xw = xf.data_ptr<float>();
-    for (int64_t i = 0; i < M * K; ++i) {
-      const uint32_t bits = static_cast<uint32_t>(xb[i]) << 16;
-      std::memcpy(xw + i, &bits, sizeof(float));
-    }
-  } else {
-    xf = x.to(at::kFloat).contiguous();
-  }
-  at::Tensor acc = at::empty({M, n}, xf.options());
+  const int64_t M = x.size(0), K = packed.size(1), tiles = packed.size(0);
+  // x's pairs of k read in place (an odd K: a zero column after it, as the weights have)
+  const at::Tensor xc = x.size(1) == K ? x.contiguous() : at::constant_pad_nd(x, {0, 1}, 0).contiguous();
+  at::Tensor acc = at::empty({M, n}, x.options().dtype(at::kFloat));
   at::Tensor out = out_float ? acc : at::empty({M, n}, x.options());
-  const float* xp = xf.data_ptr<float>();
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
   float* op = acc.data_ptr<float>();
   uint16_t* ob = out_float ? nullptr : reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   // each thread takes whole tiles (a tile's weights stay in its cache while every row passes)
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    const DotPairMode mode;  // (denormals as dot_pair takes them, on this thread while it sums)
     for (int64_t t = begin; t < end;) {
       const uint16_t* wt = wp + t * K * kTile;
       const int64_t full = std::min(end, n / kTile) - t;  // full tiles left to this thread

@@ -72,6 +72,7 @@ def kernels_in_use(llm: LLM) -> dict:
     heads = (c.num_attention_heads, c.num_key_value_heads, c.head_dim)
     return {
         "isa": kernels.isa(),
+        "bf16_dot_instruction": kernels.bf16_dot_instruction(),  # vdpbf16ps (else two FMAs: the same bits)
         "attention_kernel": stage.device.type == "cpu" and kernels.supports(*heads) and kernels.available(),
         "bf16_kernels": stage.packed,  # the packed matmuls, norms, silu and rope
         "fused_decoder": stage.fused,  # a stage's layers in one call

@@ -33,7 +33,9 @@ KVBRIDGE = str(Path(sys.executable).with_name("kvbridge"))
 HARD_TIMEOUT_S = 300  # the whole module (the hard_timeout fixture, tests/conftest.py)
 NODE = ("--model", "tiny-random", "--port", "0", "--page-size", "4", "--chunked-prefill-size", "16",
         "--kv-cache-tokens", "4096", "--metrics-port", "0", "--quiet", "--log-level", "warning")  # fmt: skip
-ROUTER = ("--port", "0", "--http-port", "0", "--metrics-port", "0", "--log-level", "warning", "--startup-wait-s", "30")
+# (local prefill off: every prompt crosses the hosts, the hand-off under test)
+ROUTER = ("--port", "0", "--http-port", "0", "--metrics-port", "0", "--log-level", "warning", "--startup-wait-s", "30",
+          "--local-prefill-max-tokens", "0")  # fmt: skip
 HOSTS = ["router", "colocated", "prefill", "decode-torch", "decode-grpc", "decode-auto", "pp0", "pp1",
          "slow-prefill", "cut-decode"]  # fmt: skip
 ENGINE_USED = {"torch": "torch", "grpc": "grpc", "auto": "torch"}  # a decode node's --transfer-backend -> engine

@@ -182,6 +182,44 @@ def test_bf16_linear_is_the_exact_products_summed_in_float32_for_every_row(n, k)
         assert kernels.linear_bf16(x[:0], packed, n, out_float=out_float).shape == (0, n)
 
 
+def pair_dot_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x W^T summed as vdpbf16ps sums (engine/kernels/vec.h): over pairs of k in order, the odd k's
+    product added and rounded to float32, then the even k's (float64 holds each sum exactly here)."""
+    x, w = x.double(), w.double()
+    if x.shape[1] % 2:
+        x, w = torch.nn.functional.pad(x, (0, 1)), torch.nn.functional.pad(w, (0, 1))
+    acc = torch.zeros(x.shape[0], w.shape[0], dtype=torch.float32)
+    for k in range(0, x.shape[1], 2):
+        acc = (acc.double() + x[:, k + 1 : k + 2] * w[:, k + 1]).float()
+        acc = (acc.double() + x[:, k : k + 1] * w[:, k]).float()
+    return acc
+
+
+@needs_bf16
+@pytest.mark.parametrize(("n", "k"), [(96, 64), (7, 576), (33, 3), (40, 1)])
+def test_bf16_linear_sums_each_pair_of_k_as_vdpbf16ps_does_on_every_x86_level(n, k):
+    """The AVX512-BF16 instruction where the CPU has it, two FMAs elsewhere: the same bits."""
+    g = torch.Generator().manual_seed(n * k)
+    w = (torch.randn(n, k, generator=g) / k**0.5).bfloat16()
+    x = torch.randn(13, k, generator=g).bfloat16()
+    got = kernels.linear_bf16(x, kernels.pack_bf16(w), n, out_float=True)
+    assert torch.equal(got, pair_dot_reference(x, w))
+
+
+@needs_bf16
+def test_bf16_linear_reads_denormals_as_zero_and_flushes_them():
+    """vdpbf16ps's rule on every level: a denormal x or w is 0, and so is a denormal sum."""
+    tiny = torch.tensor([2.0**-130], dtype=torch.bfloat16)  # a bf16 denormal
+    w = torch.tensor([[1.0, 1.0], [2.0**-70, 2.0**-70]], dtype=torch.bfloat16)
+    x = torch.cat([torch.tensor([1.0], dtype=torch.bfloat16), tiny]).view(1, 2)
+    got = kernels.linear_bf16(x, kernels.pack_bf16(w), 2, out_float=True)
+    # row 0: 1 x 1 + denormal x 1 = 1 (the denormal read as 0); row 1: 2^-70 x 1 = 2^-70, normal
+    assert got.tolist() == [[1.0, 2.0**-70]]
+    x = torch.tensor([[2.0**-70, 2.0**-70]], dtype=torch.bfloat16)
+    got = kernels.linear_bf16(x, kernels.pack_bf16(w), 2, out_float=True)
+    assert got.tolist() == [[2.0**-69, 0.0]]  # 2^-140 twice: denormal sums, flushed to 0
+
+
 @pytest.mark.parametrize(("offset", "n"), [(0, 1 << 20), (3, (1 << 20) + 77), (1, 63), (0, 0)])
 def test_stream_copy_is_a_copy_at_any_alignment_and_size(offset, n):
     src = torch.randint(0, 256, (n + 8,), dtype=torch.uint8, generator=torch.Generator().manual_seed(n))

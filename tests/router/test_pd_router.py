@@ -36,6 +36,7 @@ def fleet(hard_timeout):
         RouterConfig(
             port=0, http_port=0, prefill=(nodes["p1"].address, nodes["p2"].address),
             decode=(nodes["d1"].address, nodes["d2"].address),
+            local_prefill_max_tokens=0,  # (every prompt through a prefill node: the pairs under test)
         )
     )  # fmt: skip
     yield nodes, router

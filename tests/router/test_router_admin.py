@@ -430,7 +430,7 @@ def test_status_and_config_describe_the_router_and_its_fleet(nodes, make_router)
         "routing": "cache_aware",
         "balance_abs_threshold": 64,
         "balance_rel_threshold": 1.5,
-        "local_prefill_max_tokens": 0,
+        "local_prefill_max_tokens": 512,
         "local_prefill_ratio": 4.0,
         "client_cert_reqs": "required",
         "admin_port": -1,

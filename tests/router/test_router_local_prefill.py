@@ -43,8 +43,9 @@ def test_the_rule_on_exact_inputs(uncached, prefill, decode, logprobs, expected)
 
 
 def test_the_ratio_and_the_limit_are_the_flags_and_zero_turns_it_off():
-    assert RouterConfig().local_prefill == LocalPrefill(0, 4.0)  # (off by default until measured)
-    assert not RouterConfig().local_prefill.enabled
+    assert RouterConfig().local_prefill == LocalPrefill(512, 4.0)
+    assert RouterConfig().local_prefill.enabled
+    assert not RouterConfig(local_prefill_max_tokens=0).local_prefill.enabled
     config = RouterConfig(local_prefill_max_tokens=32, local_prefill_ratio=1.5)
     assert config.local_prefill == LocalPrefill(32, 1.5)
     assert LocalPrefill(32, 1.5).decide(10, 63, 32, False) == Decision(False, "short_queue")  # 63 = 1.5 x (32 + 10)
