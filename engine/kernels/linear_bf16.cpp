@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 
 #include "kernels.h"
@@ -45,11 +46,14 @@ constexpr int64_t kAhead = 8;  // decode tiles: weights prefetched this many pai
 // stack, its chain waiting on a store and a load every k (measured the slowest of 2, 3, 4 and 6);
 // 2 rows spill nothing. The numbers do not depend on it: each output is the same operations in k order.
 constexpr int64_t kRows = kRegisters == 32 ? 12 : 2;
+// x as the kernels read it: bf16 (its pairs broadcast whole) for the instruction; float32, widened
+// once per call, for the FMAs (a broadcast from memory, where a bf16 would need scalar work per use)
+using XT = std::conditional_t<kDotPairInstruction, uint16_t, float>;
 
 // acc[r][h] (rows r of x from x, leading dimension ldx, at a pair of k; outputs 16h..16h+15 of the
 // tile) plus the pair's products, as vec.h's dot_pair sums them
 template <int R>
-inline void pair_step(F32x16 (&acc)[R][2], const uint16_t* x, int64_t ldx, const uint16_t* w) {
+inline void pair_step(F32x16 (&acc)[R][2], const XT* x, int64_t ldx, const uint16_t* w) {
 #if defined(__AVX512BF16__)
   const __m512bh w0 = load_wpair(w), w1 = load_wpair(w + kTile);
   for (int r = 0; r < R; ++r) {
@@ -66,7 +70,7 @@ inline void pair_step(F32x16 (&acc)[R][2], const uint16_t* x, int64_t ldx, const
     load_pairs(w + kTile, even1, odd1);
     const F32x16 w0 = half ? odd0 : even0, w1 = half ? odd1 : even1;
     for (int r = 0; r < R; ++r) {
-      const F32x16 xb = set1(widen_bf16(x[r * ldx + half]));
+      const F32x16 xb = set1(x[r * ldx + half]);
       acc[r][0] = fmadd(xb, w0, acc[r][0]);
       acc[r][1] = fmadd(xb, w1, acc[r][1]);
     }
@@ -88,7 +92,7 @@ inline void store_tile(const F32x16 (&acc)[2], float* out, int64_t n_valid) {
 
 // rows [0, R) of x (bf16, leading dimension ldx, K even) times one packed tile -> 32 outputs per row
 template <int R>
-inline void tile(const uint16_t* x, int64_t ldx, const uint16_t* wt, int64_t K, float* out, int64_t ldo,
+inline void tile(const XT* x, int64_t ldx, const uint16_t* wt, int64_t K, float* out, int64_t ldo,
                  int64_t n_valid) {
   F32x16 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = zero();
@@ -96,7 +100,43 @@ inline void tile(const uint16_t* x, int64_t ldx, const uint16_t* wt, int64_t K, 
   for (int r = 0; r < R; ++r) store_tile(acc[r], out + r * ldo, n_valid);
 }
 
-using TileFn = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, float*, int64_t, int64_t);
+// AVX2 (16 registers): a tile of 32 outputs holds 2 rows at most, and each pair of weight loads
+// then feeds only 8 FMAs. half_tile<R> takes one half of a tile (16 outputs: 2 registers a row) for
+// R = 6 rows, 24 FMAs a pair, the classic 6 x 16 of AVX2 sgemm kernels. Each output is the same
+// two FMAs a pair of k, in k order, as in pair_step: the same bits.
+constexpr int64_t kHalfRows = 6;
+
+template <int R>
+inline void half_tile(const XT* x, int64_t ldx, const uint16_t* wh, int64_t K, float* out, int64_t ldo,
+                      int64_t n_valid) {
+  F32x16 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = zero();
+  for (int64_t k = 0; k < K; k += 2) {
+    const uint16_t* w = wh + k * kTile;  // this half's 16 pairs at the pair (k, k + 1)
+    for (int half = 1; half >= 0; --half) {  // k + 1 for every row first, then k
+      F32x16 even, odd;
+      load_pairs(w, even, odd);
+      const F32x16 wv = half ? odd : even;
+      for (int r = 0; r < R; ++r) acc[r] = fmadd(set1(x[r * ldx + k + half]), wv, acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    if (n_valid >= kBlock) {
+      store(out + r * ldo, acc[r]);
+    } else {
+      store_n(out + r * ldo, acc[r], n_valid);
+    }
+  }
+}
+
+using HalfTileFn = void (*)(const XT*, int64_t, const uint16_t*, int64_t, float*, int64_t, int64_t);
+template <size_t... R>
+constexpr std::array<HalfTileFn, sizeof...(R) + 1> half_tile_table(std::index_sequence<R...>) {
+  return {nullptr, half_tile<R + 1>...};
+}
+constexpr auto kHalfTiles = half_tile_table(std::make_index_sequence<kHalfRows>());  // kHalfTiles[rows]
+
+using TileFn = void (*)(const XT*, int64_t, const uint16_t*, int64_t, float*, int64_t, int64_t);
 template <size_t... R>
 constexpr std::array<TileFn, sizeof...(R) + 1> tile_table(std::index_sequence<R...>) {
   return {nullptr, tile<R + 1>...};
@@ -109,7 +149,7 @@ constexpr auto kTiles = tile_table(std::make_index_sequence<kRows>());  // kTile
 // ahead. Each output is still the same operations in the same order as in tile<R>: the numbers do
 // not change, only their overlap.
 template <int R, int T>
-inline void tiles(const uint16_t* x, int64_t ldx, const uint16_t* wt, int64_t K, float* out, int64_t ldo) {
+inline void tiles(const XT* x, int64_t ldx, const uint16_t* wt, int64_t K, float* out, int64_t ldo) {
   F32x16 acc[T][R][2];
   for (int t = 0; t < T; ++t)
     for (int r = 0; r < R; ++r) acc[t][r][0] = acc[t][r][1] = zero();
@@ -124,7 +164,7 @@ inline void tiles(const uint16_t* x, int64_t ldx, const uint16_t* wt, int64_t K,
     for (int r = 0; r < R; ++r) store_tile(acc[t][r], out + r * ldo + t * kTile, kTile);
 }
 
-using TilesFn = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, float*, int64_t);
+using TilesFn = void (*)(const XT*, int64_t, const uint16_t*, int64_t, float*, int64_t);
 // by rows (1-3): the most tiles at once; kMulti[rows][tiles] (fewer for a thread's last tiles)
 constexpr int64_t kTilesAtOnce[4] = {0, 4, 2, 2};
 constexpr TilesFn kMulti[4][5] = {{},
@@ -165,11 +205,24 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t n,
   TORCH_CHECK((x.size(1) + 1) / 2 * 2 == packed.size(1), "x has ", x.size(1), " columns; the weights ", packed.size(1));
   TORCH_CHECK(0 < n && n <= packed.size(0) * kTile && n > (packed.size(0) - 1) * kTile, "n does not match the weights");
   const int64_t M = x.size(0), K = packed.size(1), tiles = packed.size(0);
-  // x's pairs of k read in place (an odd K: a zero column after it, as the weights have)
-  const at::Tensor xc = x.size(1) == K ? x.contiguous() : at::constant_pad_nd(x, {0, 1}, 0).contiguous();
+  // x's pairs of k (an odd K: a zero column after it, as the weights have): read in place by the
+  // instruction, widened to float32 once (exact) for the FMAs
+  at::Tensor xc = x.size(1) == K ? x.contiguous() : at::constant_pad_nd(x, {0, 1}, 0).contiguous();
+  if (!kDotPairInstruction && M < 4) {  // (a decode's rows without a torch op: a layer makes four calls)
+    at::Tensor xf = at::empty({M, K}, x.options().dtype(at::kFloat));
+    const uint16_t* xb = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
+    float* xw = xf.data_ptr<float>();
+    for (int64_t i = 0; i < M * K; ++i) {
+      const uint32_t bits = static_cast<uint32_t>(xb[i]) << 16;
+      std::memcpy(xw + i, &bits, sizeof(float));
+    }
+    xc = xf;
+  } else if (!kDotPairInstruction) {
+    xc = xc.to(at::kFloat);
+  }
   at::Tensor acc = at::empty({M, n}, x.options().dtype(at::kFloat));
   at::Tensor out = out_float ? acc : at::empty({M, n}, x.options());
-  const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
+  const XT* xp = static_cast<const XT*>(xc.data_ptr());
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
   float* op = acc.data_ptr<float>();
   uint16_t* ob = out_float ? nullptr : reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
@@ -185,9 +238,19 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t n,
         t += at_once;
         continue;
       }
-      for (int64_t m0 = 0; m0 < M; m0 += kRows) {
-        const int64_t rows = std::min(kRows, M - m0);
-        kTiles[rows](xp + m0 * K, K, wt, K, op + m0 * n + t * kTile, n, std::min(kTile, n - t * kTile));
+      if (kRegisters == 16 && M >= 2 * kHalfRows) {  // (AVX2 prefill: the tile's halves, 6 rows at a time;
+        // fewer rows, a small decode batch, walk the whole tile: its weights stream once per row pair)
+        for (int64_t h = 0; h < 2 && h * kBlock < n - t * kTile; ++h)
+          for (int64_t m0 = 0; m0 < M; m0 += kHalfRows) {
+            const int64_t rows = std::min(kHalfRows, M - m0);
+            kHalfTiles[rows](xp + m0 * K, K, wt + h * kTile, K, op + m0 * n + t * kTile + h * kBlock, n,
+                             std::min(kBlock, n - t * kTile - h * kBlock));
+          }
+      } else {
+        for (int64_t m0 = 0; m0 < M; m0 += kRows) {
+          const int64_t rows = std::min(kRows, M - m0);
+          kTiles[rows](xp + m0 * K, K, wt, K, op + m0 * n + t * kTile, n, std::min(kTile, n - t * kTile));
+        }
       }
       ++t;
     }

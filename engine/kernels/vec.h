@@ -323,13 +323,6 @@ inline F32x16 dot_pair(F32x16 acc, __m512bh x, __m512bh w) { return {_mm512_dpbf
 constexpr bool kDotPairInstruction = false;
 #endif
 
-inline float widen_bf16(uint16_t b) {
-  const uint32_t bits = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
 class DotPairMode {
  public:
   DotPairMode() : saved_(_mm_getcsr()) {
