@@ -108,7 +108,6 @@ class Scheduler:
         # what steps took, from scheduling to tokens: prices a step for --decode-step-target-ms
         self.step_costs = StepCosts()
         self.clock: Callable[[], float] = time.perf_counter
-        self._budget: tuple[float, DecodeBudget] | None = None  # (the target it was made for, it)
         self._over_target_told = False
 
     @property
@@ -166,7 +165,7 @@ class Scheduler:
             if budget and req.has_prompt_left and not req.awaiting_output:
                 n = self._chunk(req, budget, allowance)
                 if not n:
-                    continue  # (the step's time is spent for this prompt's history; a shorter one may fit)
+                    break  # the step's time is spent (the decode budget): the others wait too
                 if not self._grow(req, req.num_computed + n):
                     break
                 chunks.append((req, n))
@@ -254,12 +253,9 @@ class Scheduler:
         config = self.config
         if not config.decode_step_target_ms:
             return None
-        target_ms = config.decode_step_target_ms
-        if self._budget is None or self._budget[0] != target_ms or self._budget[1].costs is not self.step_costs:
-            budget = DecodeBudget(self.step_costs, target_ms / 1000, config.decode_step_min_prefill, config.page_size)
-            self._budget = (target_ms, budget)
-        budget = self._budget[1]
-        return budget
+        return DecodeBudget(
+            self.step_costs, config.decode_step_target_ms / 1000, config.decode_step_min_prefill, config.page_size
+        )
 
     def step_allowance(self, decodes: list[Request]) -> StepAllowance | None:
         """What this step's prompt chunks may take: None (the whole chunked-prefill budget) unless a

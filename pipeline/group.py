@@ -337,17 +337,17 @@ class RankContext:
         )
 
     def make_scheduler(self, pool: KVPool, **options) -> Scheduler:
-        """Rank 0's scheduler, with the dynamic chunk planner when asked for (it profiles now: a few
-        seconds). options: Scheduler's (hold_finished, evict)."""
-        planner = None
+        """Rank 0's scheduler, with the dynamic chunk planner when asked for (profiles now).
+        options: Scheduler's (hold_finished, evict)."""
+        policy = None
         if self.pp.enable_dynamic_chunking:
             from kvbridge.engine.profile import plan_chunks, prefill_timer
 
-            planner = plan_chunks(self.config, prefill_timer([self.stage], [pool]), self.max_context, progress=False)
+            policy = plan_chunks(self.config, prefill_timer([self.stage], [pool]), self.max_context, progress=False)
         mc = self.model.config
         allocator = PageAllocator(self.config.total_pages, None if self.config.disable_prefix_cache else PrefixCache())
         return Scheduler(
-            self.config, allocator, self.max_context, self.model.tokenizer, mc.eos_token_ids, planner, **options
+            self.config, allocator, self.max_context, self.model.tokenizer, mc.eos_token_ids, policy, **options
         )
 
 
